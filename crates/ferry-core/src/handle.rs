@@ -1,0 +1,175 @@
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Generation, NodeAddr, OpError, RegionId};
+
+/// What a remote handle allows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Access {
+    ReadOnly,
+    ReadWrite,
+}
+
+impl Access {
+    pub fn allows_write(self) -> bool {
+        self == Access::ReadWrite
+    }
+}
+
+/// What the TCP fallback needs to reach a region: an unguessable token that
+/// proves the holder was given a handle by the owner.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TcpRemote {
+    pub token: u128,
+}
+
+impl std::fmt::Debug for TcpRemote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TcpRemote { token: <redacted> }")
+    }
+}
+
+/// Per-transport credentials a region was registered with. A transport that is
+/// `None` here cannot reach the region.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteTransports {
+    pub tcp: Option<TcpRemote>,
+}
+
+/// Serializable handle through which another node reads or writes (part of) a
+/// region. It is also the remote half of an op: slice it to the bytes you want.
+///
+/// The fields are private so that code holding a handle can only narrow it
+/// (sub-slice, drop write access). A handle forged or altered on the wire is
+/// still checked by the owner against the region's real bounds and access.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteBuffer {
+    owner: NodeAddr,
+    region: RegionId,
+    generation: Generation,
+    addr: u64,
+    len: u64,
+    access: Access,
+    transports: RemoteTransports,
+}
+
+impl RemoteBuffer {
+    pub(crate) fn new(
+        owner: NodeAddr,
+        region: RegionId,
+        generation: Generation,
+        addr: u64,
+        len: u64,
+        access: Access,
+        transports: RemoteTransports,
+    ) -> Self {
+        RemoteBuffer {
+            owner,
+            region,
+            generation,
+            addr,
+            len,
+            access,
+            transports,
+        }
+    }
+
+    pub fn owner(&self) -> NodeAddr {
+        self.owner
+    }
+    pub fn region(&self) -> RegionId {
+        self.region
+    }
+    pub fn generation(&self) -> Generation {
+        self.generation
+    }
+    /// Virtual address of the first byte of this view in the owner's process.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn access(&self) -> Access {
+        self.access
+    }
+    pub fn transports(&self) -> &RemoteTransports {
+        &self.transports
+    }
+
+    /// A narrower view: `range` is relative to this view and must lie inside it.
+    pub fn slice(&self, range: Range<u64>) -> Result<RemoteBuffer, OpError> {
+        let out_of_bounds = || OpError::OutOfBounds {
+            offset: range.start,
+            len: range.end.saturating_sub(range.start),
+            bound: self.len,
+        };
+        if range.start > range.end || range.end > self.len {
+            return Err(out_of_bounds());
+        }
+        Ok(RemoteBuffer {
+            addr: self.addr + range.start,
+            len: range.end - range.start,
+            ..self.clone()
+        })
+    }
+
+    /// The same view without write access.
+    pub fn read_only(&self) -> RemoteBuffer {
+        RemoteBuffer {
+            access: Access::ReadOnly,
+            ..self.clone()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::NodeId;
+
+    fn handle() -> RemoteBuffer {
+        RemoteBuffer::new(
+            NodeAddr {
+                id: NodeId(1),
+                endpoint: "127.0.0.1:1".parse().unwrap(),
+            },
+            RegionId(3),
+            Generation(1),
+            0x1000,
+            100,
+            Access::ReadWrite,
+            RemoteTransports {
+                tcp: Some(TcpRemote { token: 42 }),
+            },
+        )
+    }
+
+    #[test]
+    fn slicing_narrows_and_never_widens() {
+        let h = handle();
+        let s = h.slice(10..30).unwrap();
+        assert_eq!((s.addr(), s.len()), (0x1000 + 10, 20));
+        let t = s.slice(5..20).unwrap();
+        assert_eq!((t.addr(), t.len()), (0x1000 + 15, 15));
+        assert!(matches!(
+            s.slice(0..21),
+            Err(OpError::OutOfBounds { bound: 20, .. })
+        ));
+        #[allow(clippy::reversed_empty_ranges)]
+        let reversed = s.slice(5..4);
+        assert!(matches!(reversed, Err(OpError::OutOfBounds { .. })));
+        assert_eq!(h.read_only().access(), Access::ReadOnly);
+    }
+
+    #[test]
+    fn handle_round_trips_through_serde() {
+        let h = handle();
+        let json = serde_json::to_string(&h).unwrap();
+        assert_eq!(serde_json::from_str::<RemoteBuffer>(&json).unwrap(), h);
+    }
+}

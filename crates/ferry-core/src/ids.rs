@@ -1,0 +1,56 @@
+use std::fmt;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+/// A 128-bit value from the operating system's CSPRNG.
+///
+/// Node ids and TCP access tokens must not be guessable by another process on
+/// the network, so they never come from a seeded or time-based generator.
+pub fn random_u128() -> u128 {
+    let mut bytes = [0u8; 16];
+    // The OS RNG only fails on exotic platforms before boot-time entropy exists;
+    // continuing with a predictable token would be a silent security hole.
+    getrandom::fill(&mut bytes).expect("operating system random number generator failed");
+    u128::from_le_bytes(bytes)
+}
+
+/// Identity of one ferry node (one per process), random so that a restarted
+/// process on the same address is a different node.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct NodeId(pub u128);
+
+impl NodeId {
+    pub fn random() -> Self {
+        NodeId(random_u128())
+    }
+}
+
+impl fmt::Debug for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "NodeId({:08x})", (self.0 >> 96) as u32)
+    }
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+/// Where a node can be reached: its id plus its control endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct NodeAddr {
+    pub id: NodeId,
+    pub endpoint: SocketAddr,
+}
+
+/// Slot of a region in its node's region table. Slots are reused, so a
+/// [`RegionId`] alone does not name a region: pair it with its [`Generation`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RegionId(pub u32);
+
+/// Incremented every time a region slot is reused; a handle whose generation
+/// differs from the slot's current one refers to a region that is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Generation(pub u32);

@@ -1,0 +1,20 @@
+//! Transport-neutral vocabulary of ferry: node and region identity, registered
+//! memory, serializable remote handles, one-sided operations, the backend trait
+//! and the typed errors every backend reports.
+//!
+//! Nothing here moves bytes. Backends (`ferry-tcp`, later `ferry-ibverbs`) do,
+//! and the `ferry` facade routes operations between them.
+
+mod backend;
+mod error;
+mod handle;
+mod ids;
+mod memory;
+mod op;
+
+pub use backend::{RdmaBackend, RdmaTransportLevel};
+pub use error::{OpError, RegisterError, SubmitError};
+pub use handle::{Access, RemoteBuffer, RemoteTransports, TcpRemote};
+pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128};
+pub use memory::{MemoryBlock, PAGE_SIZE, Region, RegionIds, RegionParts, RegionSlot};
+pub use op::{LocalSlice, OpKind, RdmaOp};

@@ -1,0 +1,532 @@
+//! The initiator side: splits ops into chunks, spreads them over a pool of
+//! connections per peer, and completes each submit when every chunk is
+//! acknowledged, refused, lost, or the deadline passes.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_core::{NodeAddr, NodeId, OpError, OpKind, RdmaOp, Region, SubmitError};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::sync::{Notify, mpsc};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, debug_span};
+
+use crate::frame::{
+    Channel, HELLO_LEN, Hello, HelloReply, HelloStatus, RESPONSE_LEN, Request, RequestKind,
+    Response, VERSION,
+};
+use crate::io::{FrameReader, IoVecs};
+
+/// Initiator tuning; see `TcpConfig` for what each knob trades.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ClientConfig {
+    pub node: NodeId,
+    pub connections: usize,
+    pub chunk_size: usize,
+    pub queue_depth: usize,
+}
+
+/// Most chunks one connection writes with a single `sendmsg`.
+const MAX_CHUNKS_PER_SEND: usize = 128;
+
+/// Completion bookkeeping of one submit, shared by its chunks.
+struct SubmitState {
+    /// Chunks still unfinished, per op.
+    op_chunks: Vec<AtomicU32>,
+    remaining: AtomicUsize,
+    /// Lowest-indexed failure so far.
+    error: Mutex<Option<(usize, OpError)>>,
+    /// Set when the caller has been answered `Timeout`: chunks not yet on the
+    /// wire are dropped instead of sent.
+    abandoned: AtomicBool,
+    done: Notify,
+}
+
+impl SubmitState {
+    fn chunk_done(&self, op: usize, result: Result<(), OpError>) {
+        if let Err(e) = result {
+            let mut error = self.error.lock().unwrap_or_else(|e| e.into_inner());
+            if error.as_ref().is_none_or(|(index, _)| op < *index) {
+                *error = Some((op, e));
+            }
+        }
+        self.op_chunks[op].fetch_sub(1, Ordering::AcqRel);
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.done.notify_one();
+        }
+    }
+
+    fn first_error(&self) -> Option<SubmitError> {
+        let error = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        error
+            .as_ref()
+            .map(|(index, e)| SubmitError::op(*index, e.clone()))
+    }
+
+    fn unfinished_ops(&self) -> usize {
+        self.op_chunks
+            .iter()
+            .filter(|c| c.load(Ordering::Acquire) > 0)
+            .count()
+    }
+}
+
+/// A piece of one op, at most `chunk_size` bytes, travelling as one request.
+///
+/// It holds a `Region` clone: the local bytes stay registered and allocated
+/// for as long as the chunk exists, whichever task holds it. Dropping a chunk
+/// without `finish` counts it as lost, so a submit can never wait on a chunk
+/// that no longer exists.
+struct Chunk {
+    op: usize,
+    kind: OpKind,
+    region: Region,
+    offset: usize,
+    request: Request,
+    submit: Option<Arc<SubmitState>>,
+    endpoint: SocketAddr,
+}
+
+impl Chunk {
+    fn len(&self) -> usize {
+        self.request.len as usize
+    }
+
+    /// First byte of the local range this chunk reads from or writes to.
+    fn local_ptr(&self) -> *mut u8 {
+        // SAFETY: `offset + len` lies within the region (the op's local slice
+        // was bounds-checked and chunks partition it).
+        unsafe { self.region.memory().as_ptr().add(self.offset) }
+    }
+
+    fn is_abandoned(&self) -> bool {
+        self.submit
+            .as_ref()
+            .is_some_and(|s| s.abandoned.load(Ordering::Acquire))
+    }
+
+    fn finish(mut self, result: Result<(), OpError>) {
+        if let Some(submit) = self.submit.take() {
+            submit.chunk_done(self.op, result);
+        }
+    }
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        if let Some(submit) = self.submit.take() {
+            submit.chunk_done(
+                self.op,
+                Err(OpError::ConnectionLost {
+                    endpoint: self.endpoint,
+                }),
+            );
+        }
+    }
+}
+
+/// Sending half of one data connection; the connection task owns the rest.
+#[derive(Clone)]
+struct Conn {
+    tx: mpsc::Sender<Chunk>,
+    closed: CancellationToken,
+}
+
+struct Peer {
+    addr: NodeAddr,
+    slots: Vec<tokio::sync::Mutex<Option<Conn>>>,
+    next: AtomicUsize,
+}
+
+/// Connection pools to every peer this node has talked to.
+pub(crate) struct Peers {
+    config: ClientConfig,
+    peers: Mutex<HashMap<NodeAddr, Arc<Peer>>>,
+}
+
+impl Peers {
+    pub fn new(config: ClientConfig) -> Self {
+        Peers {
+            config,
+            peers: Mutex::default(),
+        }
+    }
+
+    pub fn connected(&self) -> usize {
+        let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        peers.values().map(|p| p.live_connections()).sum()
+    }
+
+    fn peer(&self, addr: NodeAddr) -> Arc<Peer> {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        peers
+            .entry(addr)
+            .or_insert_with(|| {
+                Arc::new(Peer {
+                    addr,
+                    slots: (0..self.config.connections.max(1))
+                        .map(|_| Default::default())
+                        .collect(),
+                    next: AtomicUsize::new(0),
+                })
+            })
+            .clone()
+    }
+
+    /// Runs one batch to completion or deadline.
+    pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        let bytes: usize = ops.iter().map(RdmaOp::len).sum();
+        let span = debug_span!(
+            "submit",
+            transport = "tcp",
+            ops = ops.len(),
+            bytes,
+            outcome = tracing::field::Empty
+        );
+        let result = self.run(ops, timeout).instrument(span.clone()).await;
+        span.record("outcome", tracing::field::debug(&result));
+        debug!(parent: &span, ?result, "submit finished");
+        result
+    }
+
+    async fn run(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        let deadline = Instant::now() + timeout;
+        let total = ops.len();
+        // Every op is checked before any byte moves: a bad op fails the whole
+        // batch untouched.
+        for (index, op) in ops.iter().enumerate() {
+            op.validate().map_err(|e| SubmitError::op(index, e))?;
+            if op.remote.transports().tcp.is_none() {
+                return Err(SubmitError::op(index, OpError::NoSharedTransport));
+            }
+        }
+        let chunk_size = self.config.chunk_size.max(1);
+        let op_chunks: Vec<AtomicU32> = ops
+            .iter()
+            .map(|op| AtomicU32::new(op.len().div_ceil(chunk_size) as u32))
+            .collect();
+        let chunks: usize = op_chunks
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed) as usize)
+            .sum();
+        if chunks == 0 {
+            return Ok(());
+        }
+        let state = Arc::new(SubmitState {
+            op_chunks,
+            remaining: AtomicUsize::new(chunks),
+            error: Mutex::new(None),
+            abandoned: AtomicBool::new(false),
+            done: Notify::new(),
+        });
+
+        let enqueue_and_wait = async {
+            // A peer that could not be reached is not retried for every chunk.
+            let mut unreachable: HashMap<NodeAddr, OpError> = HashMap::new();
+            for (index, op) in ops.into_iter().enumerate() {
+                let peer = self.peer(op.remote.owner());
+                let tcp = op.remote.transports().tcp.expect("checked above");
+                let kind = match op.kind {
+                    OpKind::Read => RequestKind::Read,
+                    OpKind::Write => RequestKind::Write,
+                };
+                let mut done = 0;
+                while done < op.len() {
+                    let len = chunk_size.min(op.len() - done);
+                    let chunk = Chunk {
+                        op: index,
+                        kind: op.kind,
+                        region: op.local.region().clone(),
+                        offset: op.local.offset() + done,
+                        request: Request {
+                            kind,
+                            id: 0,
+                            region: op.remote.region(),
+                            generation: op.remote.generation(),
+                            addr: op.remote.addr() + done as u64,
+                            len: len as u64,
+                            token: tcp.token,
+                        },
+                        submit: Some(state.clone()),
+                        endpoint: peer.addr.endpoint,
+                    };
+                    done += len;
+                    if let Some(e) = unreachable.get(&peer.addr) {
+                        chunk.finish(Err(e.clone()));
+                        continue;
+                    }
+                    if let Err(e) = peer.send(chunk, self.config).await {
+                        unreachable.insert(peer.addr, e);
+                    }
+                }
+            }
+            state.done.notified().await;
+        };
+
+        match tokio::time::timeout_at(deadline, enqueue_and_wait).await {
+            Ok(()) => state.first_error().map_or(Ok(()), Err),
+            Err(_) => {
+                state.abandoned.store(true, Ordering::Release);
+                Err(state.first_error().unwrap_or(SubmitError::Timeout {
+                    timeout,
+                    unfinished: state.unfinished_ops(),
+                    total,
+                }))
+            }
+        }
+    }
+}
+
+impl Peer {
+    fn live_connections(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| {
+                s.try_lock()
+                    .is_ok_and(|c| c.as_ref().is_some_and(|c| !c.closed.is_cancelled()))
+            })
+            .count()
+    }
+
+    /// Queues `chunk` on the next connection, connecting it first if needed.
+    /// A connection failure finishes the chunk and is returned too.
+    async fn send(&self, chunk: Chunk, config: ClientConfig) -> Result<(), OpError> {
+        let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
+        let conn = {
+            let mut guard = self.slots[slot].lock().await;
+            match &*guard {
+                Some(conn) if !conn.closed.is_cancelled() => conn.clone(),
+                _ => match connect(self.addr, config).await {
+                    Ok(conn) => guard.insert(conn).clone(),
+                    Err(e) => {
+                        chunk.finish(Err(e.clone()));
+                        return Err(e);
+                    }
+                },
+            }
+        };
+        // A send error hands the chunk back; dropping it reports it lost.
+        let _ = conn.tx.send(chunk).await;
+        Ok(())
+    }
+}
+
+async fn connect(addr: NodeAddr, config: ClientConfig) -> Result<Conn, OpError> {
+    let endpoint = addr.endpoint;
+    let unreachable = |e: io::Error| OpError::PeerUnreachable {
+        endpoint,
+        reason: e.to_string(),
+    };
+    let mut stream = TcpStream::connect(endpoint).await.map_err(unreachable)?;
+    stream.set_nodelay(true).map_err(unreachable)?;
+    let hello = Hello {
+        version: VERSION,
+        channel: Channel::Data as u8,
+        node: config.node,
+    };
+    stream
+        .write_all(&hello.encode())
+        .await
+        .map_err(unreachable)?;
+    let mut reader = FrameReader::default();
+    let reply = match reader
+        .header::<HELLO_LEN>(&stream)
+        .await
+        .map_err(unreachable)?
+    {
+        Some(bytes) => HelloReply::decode(&bytes).map_err(|e| OpError::Protocol(e.to_string()))?,
+        None => return Err(OpError::ConnectionLost { endpoint }),
+    };
+    if reply.status != HelloStatus::Ok as u8 {
+        return Err(OpError::Protocol(format!(
+            "{endpoint} refused the connection (status {})",
+            reply.status
+        )));
+    }
+    if reply.node != addr.id {
+        return Err(OpError::UnknownNode {
+            expected: addr.id,
+            endpoint,
+        });
+    }
+    let (tx, rx) = mpsc::channel(config.queue_depth.max(1));
+    let closed = CancellationToken::new();
+    tokio::spawn(run_connection(stream, reader, rx, closed.clone(), endpoint));
+    debug!(%endpoint, node = ?addr.id, "data connection open");
+    Ok(Conn { tx, closed })
+}
+
+/// Drives one connection until either direction fails or every sender is gone.
+async fn run_connection(
+    stream: TcpStream,
+    mut reader: FrameReader,
+    mut rx: mpsc::Receiver<Chunk>,
+    closed: CancellationToken,
+    endpoint: SocketAddr,
+) {
+    let pending = Mutex::new(HashMap::<u64, Chunk>::new());
+    let writing = async {
+        let r = write_loop(&stream, &mut rx, &pending, &closed).await;
+        closed.cancel();
+        r
+    };
+    let reading = async {
+        let r = read_loop(&stream, &mut reader, &pending, &closed).await;
+        closed.cancel();
+        r
+    };
+    let (w, r) = tokio::join!(writing, reading);
+    if let Err(e) = w.and(r) {
+        debug!(%endpoint, error = %e, "data connection lost");
+    }
+    // Both loops have returned, so nothing reaches region memory through this
+    // connection any more: only now may the chunks (and their pins) go.
+    let lost = || Err(OpError::ConnectionLost { endpoint });
+    let orphans: Vec<Chunk> = pending
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .drain()
+        .map(|(_, c)| c)
+        .collect();
+    orphans.into_iter().for_each(|c| c.finish(lost()));
+    rx.close();
+    while let Ok(chunk) = rx.try_recv() {
+        chunk.finish(lost());
+    }
+}
+
+async fn write_loop(
+    stream: &TcpStream,
+    rx: &mut mpsc::Receiver<Chunk>,
+    pending: &Mutex<HashMap<u64, Chunk>>,
+    closed: &CancellationToken,
+) -> io::Result<()> {
+    let mut next_id = 0u64;
+    let mut batch = Vec::with_capacity(MAX_CHUNKS_PER_SEND);
+    let mut headers = Vec::with_capacity(MAX_CHUNKS_PER_SEND);
+    // (pin, payload pointer as integer, payload length) per chunk in flight
+    let mut payloads: Vec<(Region, usize, usize)> = Vec::with_capacity(MAX_CHUNKS_PER_SEND);
+    let mut iov = IoVecs::default();
+    loop {
+        let first = tokio::select! {
+            biased;
+            _ = closed.cancelled() => return Ok(()),
+            chunk = rx.recv() => match chunk {
+                Some(chunk) => chunk,
+                None => return Ok(()),
+            },
+        };
+        batch.push(first);
+        while batch.len() < MAX_CHUNKS_PER_SEND {
+            match rx.try_recv() {
+                Ok(chunk) => batch.push(chunk),
+                Err(_) => break,
+            }
+        }
+        {
+            let mut pending = pending.lock().unwrap_or_else(|e| e.into_inner());
+            for mut chunk in batch.drain(..) {
+                if chunk.is_abandoned() {
+                    // Its submit already returned Timeout; never put it on the wire.
+                    chunk.finish(Ok(()));
+                    continue;
+                }
+                next_id += 1;
+                chunk.request.id = next_id;
+                headers.push(chunk.request.encode());
+                let payload_len = if chunk.kind == OpKind::Write {
+                    chunk.len()
+                } else {
+                    0
+                };
+                // The writer keeps its own pin: a (buggy or hostile) early
+                // response must not free memory that sendmsg is still reading.
+                payloads.push((
+                    chunk.region.clone(),
+                    chunk.local_ptr() as usize,
+                    payload_len,
+                ));
+                pending.insert(next_id, chunk);
+            }
+        }
+        for (header, (_, ptr, len)) in headers.iter().zip(&payloads) {
+            // SAFETY: `headers` is not modified until the send below is done,
+            // and each payload range is pinned by the Region clone beside it.
+            unsafe {
+                iov.push(header.as_ptr(), header.len());
+                iov.push(*ptr as *const u8, *len);
+            }
+        }
+        let sent = tokio::select! {
+            biased;
+            _ = closed.cancelled() => return Ok(()),
+            sent = iov.send_all(stream) => sent,
+        };
+        iov.clear();
+        headers.clear();
+        payloads.clear();
+        sent?;
+    }
+}
+
+async fn read_loop(
+    stream: &TcpStream,
+    reader: &mut FrameReader,
+    pending: &Mutex<HashMap<u64, Chunk>>,
+    closed: &CancellationToken,
+) -> io::Result<()> {
+    let protocol = |msg: &str| io::Error::new(io::ErrorKind::InvalidData, msg.to_string());
+    loop {
+        let header = tokio::select! {
+            biased;
+            _ = closed.cancelled() => return Ok(()),
+            header = reader.header::<RESPONSE_LEN>(stream) => header?,
+        };
+        let Some(header) = header else {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "peer closed the connection",
+            ));
+        };
+        let response = Response::decode(&header).map_err(|e| protocol(&e.to_string()))?;
+        let chunk = pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&response.id())
+            .ok_or_else(|| protocol("response to a request never sent"))?;
+        match response {
+            Response::ReadData { len, .. } => {
+                if chunk.kind != OpKind::Read || len != chunk.request.len {
+                    return Err(protocol("read data does not match its request"));
+                }
+                let dst = chunk.local_ptr();
+                // SAFETY: `chunk` holds a Region clone, keeping `dst..dst+len`
+                // (inside the op's bounds-checked local slice) allocated and
+                // registered until after this call.
+                let received = tokio::select! {
+                    biased;
+                    _ = closed.cancelled() => return Ok(()),
+                    r = unsafe { reader.payload(stream, dst, len as usize) } => r,
+                };
+                received?;
+                chunk.finish(Ok(()));
+            }
+            Response::WriteAck { .. } => {
+                if chunk.kind != OpKind::Write {
+                    return Err(protocol("write ack for a read request"));
+                }
+                chunk.finish(Ok(()));
+            }
+            Response::Refused { refusal, .. } => {
+                let error = refusal.into_op_error(chunk.request.generation, chunk.request.len);
+                chunk.finish(Err(error));
+            }
+        }
+    }
+}

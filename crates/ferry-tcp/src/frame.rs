@@ -1,0 +1,345 @@
+//! Wire format of the TCP data plane: fixed-size little-endian headers, the
+//! payload of a write request or read response following its header directly.
+//!
+//! ```text
+//! connect:  client -> Hello (24 B)          server -> HelloReply (24 B)
+//! request:  client -> Request (64 B) [+ len payload bytes for a write]
+//! response: server -> Response (40 B) [+ len payload bytes for read data]
+//! ```
+//! Versioned by the hello exchange; any frame that does not parse ends the
+//! connection after an error response, since framing can no longer be trusted.
+
+use ferry_core::{Generation, NodeId, OpError, RegionId};
+
+pub const MAGIC: u32 = u32::from_le_bytes(*b"FRY1");
+pub const VERSION: u16 = 1;
+/// Largest payload one request may carry; a larger length is a framing error.
+pub const MAX_CHUNK: u64 = 64 << 20;
+
+pub const HELLO_LEN: usize = 24;
+pub const REQUEST_LEN: usize = 64;
+pub const RESPONSE_LEN: usize = 40;
+
+/// What a connection to the node's endpoint is for. Only the data plane exists
+/// today; the ibverbs QP exchange will be another channel on the same listener.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Channel {
+    Data = 1,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    pub version: u16,
+    pub channel: u8,
+    pub node: NodeId,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum HelloStatus {
+    Ok = 0,
+    BadVersion = 1,
+    BadChannel = 2,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HelloReply {
+    pub version: u16,
+    pub status: u8,
+    pub node: NodeId,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("bad magic {0:#x}")]
+    BadMagic(u32),
+    #[error("unknown frame kind {0}")]
+    BadKind(u8),
+    #[error("payload length {0} exceeds the {MAX_CHUNK}-byte limit")]
+    TooLong(u64),
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes(b[at..at + 2].try_into().unwrap())
+}
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+}
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+fn u128_at(b: &[u8], at: usize) -> u128 {
+    u128::from_le_bytes(b[at..at + 16].try_into().unwrap())
+}
+
+impl Hello {
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0; HELLO_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&self.version.to_le_bytes());
+        b[6] = self.channel;
+        b[8..24].copy_from_slice(&self.node.0.to_le_bytes());
+        b
+    }
+    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, FrameError> {
+        match u32_at(b, 0) {
+            MAGIC => Ok(Hello {
+                version: u16_at(b, 4),
+                channel: b[6],
+                node: NodeId(u128_at(b, 8)),
+            }),
+            other => Err(FrameError::BadMagic(other)),
+        }
+    }
+}
+
+impl HelloReply {
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0; HELLO_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&self.version.to_le_bytes());
+        b[6] = self.status;
+        b[8..24].copy_from_slice(&self.node.0.to_le_bytes());
+        b
+    }
+    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, FrameError> {
+        match u32_at(b, 0) {
+            MAGIC => Ok(HelloReply {
+                version: u16_at(b, 4),
+                status: b[6],
+                node: NodeId(u128_at(b, 8)),
+            }),
+            other => Err(FrameError::BadMagic(other)),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestKind {
+    Read = 1,
+    Write = 2,
+}
+
+/// One chunk of an op: read `len` bytes at `addr`, or write the `len` payload
+/// bytes that follow to `addr`. `addr` is a virtual address in the owner's
+/// process, as in RDMA; the owner maps it into the region after its checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub kind: RequestKind,
+    pub id: u64,
+    pub region: RegionId,
+    pub generation: Generation,
+    pub addr: u64,
+    pub len: u64,
+    pub token: u128,
+}
+
+impl Request {
+    pub fn encode(&self) -> [u8; REQUEST_LEN] {
+        let mut b = [0; REQUEST_LEN];
+        b[0] = self.kind as u8;
+        b[4..8].copy_from_slice(&self.generation.0.to_le_bytes());
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..20].copy_from_slice(&self.region.0.to_le_bytes());
+        b[24..32].copy_from_slice(&self.addr.to_le_bytes());
+        b[32..40].copy_from_slice(&self.len.to_le_bytes());
+        b[40..56].copy_from_slice(&self.token.to_le_bytes());
+        b
+    }
+
+    /// The request id is returned even for a bad frame so that the error
+    /// response can name it.
+    pub fn decode(b: &[u8; REQUEST_LEN]) -> Result<Self, (u64, FrameError)> {
+        let id = u64_at(b, 8);
+        let kind = match b[0] {
+            1 => RequestKind::Read,
+            2 => RequestKind::Write,
+            other => return Err((id, FrameError::BadKind(other))),
+        };
+        let len = u64_at(b, 32);
+        if len > MAX_CHUNK {
+            return Err((id, FrameError::TooLong(len)));
+        }
+        Ok(Request {
+            kind,
+            id,
+            region: RegionId(u32_at(b, 16)),
+            generation: Generation(u32_at(b, 4)),
+            addr: u64_at(b, 24),
+            len,
+            token: u128_at(b, 40),
+        })
+    }
+}
+
+/// Why the owner refused a request; maps one to one onto [`OpError`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    UnknownRegion,
+    StaleGeneration { current: Generation },
+    AccessDenied,
+    OutOfBounds { offset: u64, bound: u64 },
+    ReadOnly,
+    Malformed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Response {
+    /// `len` bytes of read data follow.
+    ReadData {
+        id: u64,
+        len: u64,
+    },
+    WriteAck {
+        id: u64,
+    },
+    Refused {
+        id: u64,
+        refusal: Refusal,
+        len: u64,
+    },
+}
+
+impl Response {
+    pub fn id(&self) -> u64 {
+        match *self {
+            Response::ReadData { id, .. }
+            | Response::WriteAck { id }
+            | Response::Refused { id, .. } => id,
+        }
+    }
+
+    pub fn encode(&self) -> [u8; RESPONSE_LEN] {
+        let mut b = [0; RESPONSE_LEN];
+        // (kind, refusal code, id, len, generation, offset, bound)
+        let (kind, code, id, len, generation, offset, bound) = match *self {
+            Response::ReadData { id, len } => (1, 0, id, len, 0, 0, 0),
+            Response::WriteAck { id } => (2, 0, id, 0, 0, 0, 0),
+            Response::Refused { id, refusal, len } => match refusal {
+                Refusal::UnknownRegion => (3, 1, id, len, 0, 0, 0),
+                Refusal::StaleGeneration { current } => (3, 2, id, len, current.0, 0, 0),
+                Refusal::AccessDenied => (3, 3, id, len, 0, 0, 0),
+                Refusal::OutOfBounds { offset, bound } => (3, 4, id, len, 0, offset, bound),
+                Refusal::ReadOnly => (3, 5, id, len, 0, 0, 0),
+                Refusal::Malformed => (3, 6, id, len, 0, 0, 0),
+            },
+        };
+        b[0] = kind;
+        b[1] = code;
+        b[4..8].copy_from_slice(&generation.to_le_bytes());
+        b[8..16].copy_from_slice(&id.to_le_bytes());
+        b[16..24].copy_from_slice(&len.to_le_bytes());
+        b[24..32].copy_from_slice(&offset.to_le_bytes());
+        b[32..40].copy_from_slice(&bound.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; RESPONSE_LEN]) -> Result<Self, FrameError> {
+        let id = u64_at(b, 8);
+        let len = u64_at(b, 16);
+        let generation = u32_at(b, 4);
+        match (b[0], b[1]) {
+            (1, _) if len > MAX_CHUNK => Err(FrameError::TooLong(len)),
+            (1, _) => Ok(Response::ReadData { id, len }),
+            (2, _) => Ok(Response::WriteAck { id }),
+            (3, code) => {
+                let refusal = match code {
+                    1 => Refusal::UnknownRegion,
+                    2 => Refusal::StaleGeneration {
+                        current: Generation(generation),
+                    },
+                    3 => Refusal::AccessDenied,
+                    4 => Refusal::OutOfBounds {
+                        offset: u64_at(b, 24),
+                        bound: u64_at(b, 32),
+                    },
+                    5 => Refusal::ReadOnly,
+                    6 => Refusal::Malformed,
+                    other => return Err(FrameError::BadKind(other)),
+                };
+                Ok(Response::Refused { id, refusal, len })
+            }
+            (other, _) => Err(FrameError::BadKind(other)),
+        }
+    }
+}
+
+impl Refusal {
+    /// The caller-facing error for this refusal of a request of `len` bytes
+    /// made with a handle of generation `handle`.
+    pub fn into_op_error(self, handle: Generation, len: u64) -> OpError {
+        match self {
+            Refusal::UnknownRegion => OpError::UnknownRegion,
+            Refusal::StaleGeneration { current } => OpError::StaleGeneration { handle, current },
+            Refusal::AccessDenied => OpError::AccessDenied,
+            Refusal::OutOfBounds { offset, bound } => OpError::OutOfBounds { offset, len, bound },
+            Refusal::ReadOnly => OpError::ReadOnly,
+            Refusal::Malformed => OpError::Protocol("owner could not parse the request".into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip() {
+        let req = Request {
+            kind: RequestKind::Write,
+            id: 7,
+            region: RegionId(3),
+            generation: Generation(9),
+            addr: 0xdead_beef_000,
+            len: 4096,
+            token: u128::MAX - 5,
+        };
+        assert_eq!(Request::decode(&req.encode()), Ok(req));
+        let hello = Hello {
+            version: VERSION,
+            channel: Channel::Data as u8,
+            node: NodeId(77),
+        };
+        assert_eq!(Hello::decode(&hello.encode()), Ok(hello));
+        for resp in [
+            Response::ReadData { id: 1, len: 10 },
+            Response::WriteAck { id: 2 },
+            Response::Refused {
+                id: 3,
+                refusal: Refusal::StaleGeneration {
+                    current: Generation(4),
+                },
+                len: 5,
+            },
+            Response::Refused {
+                id: 4,
+                refusal: Refusal::OutOfBounds {
+                    offset: 9,
+                    bound: 100,
+                },
+                len: 5,
+            },
+        ] {
+            assert_eq!(Response::decode(&resp.encode()), Ok(resp));
+        }
+    }
+
+    #[test]
+    fn bad_frames_are_typed_errors() {
+        let mut b = [0u8; REQUEST_LEN];
+        b[0] = 9;
+        b[8] = 42;
+        assert_eq!(Request::decode(&b), Err((42, FrameError::BadKind(9))));
+        b[0] = 1;
+        b[32..40].copy_from_slice(&(MAX_CHUNK + 1).to_le_bytes());
+        assert_eq!(
+            Request::decode(&b),
+            Err((42, FrameError::TooLong(MAX_CHUNK + 1)))
+        );
+        assert_eq!(
+            Hello::decode(&[0xff; HELLO_LEN]),
+            Err(FrameError::BadMagic(u32::MAX))
+        );
+    }
+}

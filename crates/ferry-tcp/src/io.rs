@@ -1,0 +1,253 @@
+//! Socket I/O that moves payload bytes straight between the kernel and region
+//! memory.
+//!
+//! Region memory is shared with other transfers and with the remote peer (it
+//! behaves like DMA memory), so it is never borrowed as `&[u8]`/`&mut [u8]`:
+//! payloads are passed to `recv`/`sendmsg` as raw pointers. This is the only
+//! module of the crate that dereferences region pointers. Callers guarantee
+//! that the memory stays alive across each call by holding a `Region` clone or
+//! an upgraded `Arc<MemoryBlock>`.
+
+use std::io;
+use std::os::fd::AsRawFd;
+
+use tokio::io::Interest;
+use tokio::net::TcpStream;
+
+/// Header bytes are read through this buffer; payloads bypass it once the
+/// bytes already buffered are used up.
+const READ_BUF: usize = 64 * 1024;
+
+/// Most iovecs handed to one `sendmsg`: well under every kernel's IOV_MAX.
+pub const MAX_IOV: usize = 512;
+
+/// One `recv` into `addr..addr+len` (an address as an integer, so that the
+/// future stays `Send`). Returns 0 at end of stream. The caller guarantees the
+/// range is writable and alive across the call.
+async fn recv_raw(stream: &TcpStream, addr: usize, len: usize) -> io::Result<usize> {
+    let fd = stream.as_raw_fd();
+    loop {
+        stream.readable().await?;
+        let res = stream.try_io(Interest::READABLE, || {
+            // SAFETY: the caller guarantees `ptr..ptr+len` is writable memory
+            // that stays alive for this call; the fd is owned by `stream`.
+            let n = unsafe { libc::recv(fd, addr as *mut libc::c_void, len, 0) };
+            if n < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(n as usize)
+            }
+        });
+        match res {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            other => return other,
+        }
+    }
+}
+
+/// Fills `ptr..ptr+len` completely from the socket.
+///
+/// # Safety
+///
+/// `ptr..ptr+len` must be valid for writes until the returned future finishes
+/// or is dropped.
+pub unsafe fn recv_exact_raw(
+    stream: &TcpStream,
+    ptr: *mut u8,
+    mut len: usize,
+) -> impl Future<Output = io::Result<()>> + Send + '_ {
+    let mut addr = ptr as usize;
+    async move {
+        while len > 0 {
+            let n = recv_raw(stream, addr, len).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            // n <= len, so the address stays within the caller's range.
+            addr += n;
+            len -= n;
+        }
+        Ok(())
+    }
+}
+
+/// A list of raw byte ranges to send with one `sendmsg` each round.
+#[derive(Default)]
+pub struct IoVecs(Vec<libc::iovec>);
+
+// SAFETY: the iovecs are plain pointers; whoever pushes a range guarantees it
+// stays alive until `send_all` returns (see `IoVecs::push`).
+unsafe impl Send for IoVecs {}
+
+impl IoVecs {
+    /// # Safety
+    ///
+    /// `ptr..ptr+len` must stay valid for reads until the next `clear` or
+    /// `send_all` of this list has returned or been dropped.
+    pub unsafe fn push(&mut self, ptr: *const u8, len: usize) {
+        if len > 0 {
+            self.0.push(libc::iovec {
+                iov_base: ptr as *mut _,
+                iov_len: len,
+            });
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    /// Sends every range, in order, then clears the list.
+    pub async fn send_all(&mut self, stream: &TcpStream) -> io::Result<()> {
+        let fd = stream.as_raw_fd();
+        let mut first = 0;
+        while first < self.0.len() {
+            stream.writable().await?;
+            let iov = &self.0[first..];
+            let res = stream.try_io(Interest::WRITABLE, || {
+                // SAFETY: a zeroed msghdr is valid; we set only the iovec fields.
+                let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+                msg.msg_iov = iov.as_ptr() as *mut _;
+                msg.msg_iovlen = iov.len().min(MAX_IOV) as _;
+                // SAFETY: every iovec points to memory the pusher keeps alive
+                // (see `push`); MSG_NOSIGNAL turns a dead peer into EPIPE
+                // instead of killing the process with SIGPIPE.
+                let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
+                if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            });
+            let mut sent = match res {
+                Ok(n) => n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) =>
+                {
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            // Advance past what the kernel took, possibly inside one iovec.
+            while sent > 0 {
+                let v = &mut self.0[first];
+                if sent >= v.iov_len {
+                    sent -= v.iov_len;
+                    first += 1;
+                } else {
+                    // SAFETY: `sent < iov_len`, so the new base stays in range.
+                    v.iov_base = unsafe { v.iov_base.cast::<u8>().add(sent) }.cast();
+                    v.iov_len -= sent;
+                    sent = 0;
+                }
+            }
+        }
+        self.0.clear();
+        Ok(())
+    }
+}
+
+/// Buffered reading of fixed-size headers, with payloads received directly
+/// into their destination.
+pub struct FrameReader {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl Default for FrameReader {
+    fn default() -> Self {
+        FrameReader {
+            buf: vec![0; READ_BUF].into_boxed_slice(),
+            start: 0,
+            end: 0,
+        }
+    }
+}
+
+impl FrameReader {
+    pub fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Reads one `N`-byte header. `Ok(None)` means the stream ended cleanly
+    /// before its first byte; a stream ending inside it is an error.
+    pub async fn header<const N: usize>(
+        &mut self,
+        stream: &TcpStream,
+    ) -> io::Result<Option<[u8; N]>> {
+        while self.buffered() < N {
+            if self.buf.len() - self.start < N {
+                self.buf.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+            }
+            let spare = &mut self.buf[self.end..];
+            let n = recv_raw(stream, spare.as_mut_ptr() as usize, spare.len()).await?;
+            if n == 0 {
+                return if self.buffered() == 0 {
+                    Ok(None)
+                } else {
+                    Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "stream ended inside a frame header",
+                    ))
+                };
+            }
+            self.end += n;
+        }
+        let header = self.buf[self.start..self.start + N].try_into().unwrap();
+        self.start += N;
+        Ok(Some(header))
+    }
+
+    /// Moves the next `len` stream bytes to `dst`.
+    ///
+    /// # Safety
+    ///
+    /// `dst..dst+len` must be valid for writes until the future finishes or is
+    /// dropped.
+    pub unsafe fn payload<'a>(
+        &'a mut self,
+        stream: &'a TcpStream,
+        dst: *mut u8,
+        len: usize,
+    ) -> impl Future<Output = io::Result<()>> + Send + 'a {
+        let from_buf = len.min(self.buffered());
+        // SAFETY: `dst` is valid for `len >= from_buf` bytes (caller), and the
+        // read buffer is a separate allocation.
+        unsafe { std::ptr::copy_nonoverlapping(self.buf[self.start..].as_ptr(), dst, from_buf) };
+        self.start += from_buf;
+        // SAFETY: as above, for the rest of the range.
+        unsafe { recv_exact_raw(stream, dst.add(from_buf), len - from_buf) }
+    }
+
+    /// Skips the next `len` stream bytes (the payload of a refused write).
+    pub async fn discard(&mut self, stream: &TcpStream, mut len: usize) -> io::Result<()> {
+        let from_buf = len.min(self.buffered());
+        self.start += from_buf;
+        len -= from_buf;
+        if len > 0 {
+            // The buffer is empty now; use it as scratch space.
+            self.start = 0;
+            self.end = 0;
+        }
+        while len > 0 {
+            let n = recv_raw(
+                stream,
+                self.buf.as_mut_ptr() as usize,
+                len.min(self.buf.len()),
+            )
+            .await?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            len -= n;
+        }
+        Ok(())
+    }
+}

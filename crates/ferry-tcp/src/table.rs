@@ -1,0 +1,196 @@
+//! The owner side's view of registered regions: what a remote request must
+//! match before a single byte moves.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock, Weak};
+
+use ferry_core::{Access, Generation, MemoryBlock, RegionId};
+
+use crate::frame::{Refusal, Request, RequestKind};
+
+struct Entry {
+    generation: Generation,
+    token: u128,
+    access: Access,
+    /// Weak: registration must not keep memory alive; each access upgrades it
+    /// for exactly as long as it touches the bytes.
+    memory: Weak<MemoryBlock>,
+    base: u64,
+    len: u64,
+}
+
+/// Regions this node serves over TCP, keyed by slot id.
+#[derive(Default)]
+pub struct RegionTable {
+    entries: RwLock<HashMap<RegionId, Entry>>,
+}
+
+/// A request that passed every check: the memory it may touch, pinned.
+pub struct Grant {
+    pub memory: Arc<MemoryBlock>,
+    pub offset: usize,
+}
+
+impl RegionTable {
+    pub fn insert(
+        &self,
+        id: RegionId,
+        generation: Generation,
+        token: u128,
+        access: Access,
+        memory: &Arc<MemoryBlock>,
+    ) {
+        let entry = Entry {
+            generation,
+            token,
+            access,
+            memory: Arc::downgrade(memory),
+            base: memory.addr(),
+            len: memory.len() as u64,
+        };
+        self.entries
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, entry);
+    }
+
+    /// Removes the entry if it still belongs to `generation`. Returns whether
+    /// something was removed.
+    pub fn remove(&self, id: RegionId, generation: Generation) -> bool {
+        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        if entries.get(&id).is_some_and(|e| e.generation == generation) {
+            entries.remove(&id);
+            true
+        } else {
+            false
+        }
+    }
+
+    pub fn registered(&self) -> Vec<(RegionId, Generation)> {
+        let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<_> = entries.iter().map(|(id, e)| (*id, e.generation)).collect();
+        out.sort();
+        out
+    }
+
+    /// Checks region, generation, token, access and bounds, in that order, and
+    /// pins the memory for the access.
+    pub fn authorize(&self, req: &Request) -> Result<Grant, Refusal> {
+        let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        let entry = entries.get(&req.region).ok_or(Refusal::UnknownRegion)?;
+        if entry.generation != req.generation {
+            return Err(Refusal::StaleGeneration {
+                current: entry.generation,
+            });
+        }
+        if !tokens_equal(entry.token, req.token) {
+            return Err(Refusal::AccessDenied);
+        }
+        if req.kind == RequestKind::Write && !entry.access.allows_write() {
+            return Err(Refusal::ReadOnly);
+        }
+        let offset = req.addr.wrapping_sub(entry.base);
+        let in_bounds = req.addr >= entry.base
+            && offset
+                .checked_add(req.len)
+                .is_some_and(|end| end <= entry.len);
+        if !in_bounds {
+            return Err(Refusal::OutOfBounds {
+                offset,
+                bound: entry.len,
+            });
+        }
+        // The entry is removed before the region's memory reference drops, so
+        // a failed upgrade only happens in that short window: same as gone.
+        let memory = entry.memory.upgrade().ok_or(Refusal::UnknownRegion)?;
+        Ok(Grant {
+            memory,
+            offset: offset as usize,
+        })
+    }
+}
+
+/// Compares tokens without an early exit, so timing does not reveal how many
+/// leading bytes of a guessed token were right.
+fn tokens_equal(a: u128, b: u128) -> bool {
+    std::hint::black_box(a ^ b) == 0
+}
+
+/// Dropping this removes the region from the table: the TCP half of
+/// deregistration, run when the last `Region` clone goes away.
+pub struct TcpRegistration {
+    pub(crate) table: Arc<RegionTable>,
+    pub(crate) id: RegionId,
+    pub(crate) generation: Generation,
+}
+
+impl Drop for TcpRegistration {
+    fn drop(&mut self) {
+        self.table.remove(self.id, self.generation);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(kind: RequestKind, generation: u32, token: u128, addr: u64, len: u64) -> Request {
+        Request {
+            kind,
+            id: 1,
+            region: RegionId(0),
+            generation: Generation(generation),
+            addr,
+            len,
+            token,
+        }
+    }
+
+    #[test]
+    fn every_check_refuses_with_its_own_reason() {
+        let table = RegionTable::default();
+        let mem = Arc::new(MemoryBlock::alloc(100).unwrap());
+        let base = mem.addr();
+        table.insert(RegionId(0), Generation(2), 55, Access::ReadOnly, &mem);
+        let ok = table
+            .authorize(&request(RequestKind::Read, 2, 55, base + 10, 90))
+            .unwrap();
+        assert_eq!(ok.offset, 10);
+        let refuse = |r: Request| table.authorize(&r).err().unwrap();
+        assert_eq!(
+            refuse(request(RequestKind::Read, 1, 55, base, 1)),
+            Refusal::StaleGeneration {
+                current: Generation(2)
+            }
+        );
+        assert_eq!(
+            refuse(request(RequestKind::Read, 2, 56, base, 1)),
+            Refusal::AccessDenied
+        );
+        assert_eq!(
+            refuse(request(RequestKind::Write, 2, 55, base, 1)),
+            Refusal::ReadOnly
+        );
+        assert_eq!(
+            refuse(request(RequestKind::Read, 2, 55, base + 10, 91)),
+            Refusal::OutOfBounds {
+                offset: 10,
+                bound: 100
+            }
+        );
+        assert!(matches!(
+            refuse(request(RequestKind::Read, 2, 55, base - 1, 1)),
+            Refusal::OutOfBounds { .. }
+        ));
+        assert!(matches!(
+            refuse(request(RequestKind::Read, 2, 55, u64::MAX, 2)),
+            Refusal::OutOfBounds { .. }
+        ));
+        assert!(!table.remove(RegionId(0), Generation(1)));
+        assert!(table.remove(RegionId(0), Generation(2)));
+        assert_eq!(
+            refuse(request(RequestKind::Read, 2, 55, base, 1)),
+            Refusal::UnknownRegion
+        );
+    }
+}

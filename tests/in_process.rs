@@ -1,0 +1,38 @@
+//! Two nodes in one process: the quickest end-to-end check of the data path.
+
+use std::time::Duration;
+
+use ferry::prelude::*;
+
+const T: Duration = Duration::from_secs(20);
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_then_read_back_between_two_nodes() {
+    let a = Node::builder().spawn().await.unwrap();
+    let b = Node::builder().spawn().await.unwrap();
+    let len = 3 << 20 | 123;
+    let src = a.alloc(len, Access::ReadWrite).await.unwrap();
+    let back = a.alloc(len, Access::ReadWrite).await.unwrap();
+    let target = b.alloc(len + 10, Access::ReadWrite).await.unwrap();
+    let data = pattern(len, 7);
+    src.write_at(0, &data).unwrap();
+    let remote = target.remote().slice(5..5 + len as u64).unwrap();
+
+    a.submit(vec![RdmaOp::write(src.whole(), remote.clone())], T)
+        .await
+        .unwrap();
+    let mut expect = vec![0u8; len + 10];
+    expect[5..5 + len].copy_from_slice(&data);
+    assert_eq!(target.to_vec(), expect);
+
+    a.submit(vec![RdmaOp::read(back.whole(), remote)], T)
+        .await
+        .unwrap();
+    assert_eq!(back.to_vec(), data);
+}
