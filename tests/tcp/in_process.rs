@@ -4,13 +4,9 @@ use std::time::Duration;
 
 use ferry::prelude::*;
 
-const T: Duration = Duration::from_secs(20);
+use crate::common::pattern;
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
-}
+const T: Duration = Duration::from_secs(20);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_then_read_back_between_two_nodes() {

@@ -1,0 +1,191 @@
+//! A ferry node in a separate OS process, driven over stdin/stdout.
+//!
+//! The peer is this same test binary, re-executed to run only the
+//! `ferry_peer` test with `FERRY_TEST_PEER=1`. It answers one line per command,
+//! prefixed with `FERRY `; everything else on its stdout (libtest's chatter)
+//! is ignored.
+
+use std::io::{BufRead, Write};
+use std::process::Stdio;
+use std::time::Duration;
+
+use ferry::prelude::*;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+
+pub const PEER_ENV: &str = "FERRY_TEST_PEER";
+const PREFIX: &str = "FERRY ";
+/// Upper bound for any one harness command, including 256 MiB digests.
+const COMMAND_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Deterministic bytes for `len`, different for each seed.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            (i as u8)
+                .wrapping_mul(31)
+                .wrapping_add(seed ^ (i >> 12) as u8)
+        })
+        .collect()
+}
+
+/// A 64-bit digest that changes with any byte's value or position.
+pub fn digest(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ bytes.len() as u64;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        h = (h ^ u64::from_le_bytes(w.try_into().unwrap()))
+            .wrapping_mul(0x0000_0100_0000_01b3)
+            .rotate_left(29);
+    }
+    for &b in words.remainder() {
+        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+pub struct PeerProcess {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+}
+
+/// A region allocated in the peer, filled with `pattern(len, seed)`.
+pub struct PeerRegion {
+    pub index: usize,
+    pub handle: RemoteBuffer,
+    pub seed: u8,
+}
+
+impl PeerRegion {
+    /// What the region holds if nothing touched it.
+    pub fn original(&self) -> Vec<u8> {
+        pattern(self.handle.len() as usize, self.seed)
+    }
+}
+
+impl PeerProcess {
+    pub async fn spawn() -> PeerProcess {
+        let exe = std::env::current_exe().expect("test binary path");
+        let mut child = Command::new(exe)
+            .args(["--exact", "ferry_peer", "--nocapture", "--test-threads=1"])
+            .env(PEER_ENV, "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn peer process");
+        let stdin = child.stdin.take().unwrap();
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        PeerProcess {
+            child,
+            stdin,
+            lines,
+        }
+    }
+
+    async fn command(&mut self, line: &str) -> String {
+        let exchange = async {
+            self.stdin
+                .write_all(format!("{line}\n").as_bytes())
+                .await
+                .expect("peer stdin");
+            while let Some(out) = self.lines.next_line().await.expect("peer stdout") {
+                // libtest may print "test ferry_peer ... " on the same line.
+                if let Some(at) = out.find(PREFIX) {
+                    return out[at + PREFIX.len()..].to_string();
+                }
+            }
+            panic!("peer exited during `{line}`");
+        };
+        tokio::time::timeout(COMMAND_DEADLINE, exchange)
+            .await
+            .unwrap_or_else(|_| panic!("peer did not answer `{line}`"))
+    }
+
+    /// Allocates `len` bytes in the peer, filled with `pattern(len, seed)`.
+    pub async fn alloc(&mut self, len: usize, access: Access, seed: u8) -> PeerRegion {
+        let access = match access {
+            Access::ReadOnly => "ro",
+            Access::ReadWrite => "rw",
+        };
+        let reply = self.command(&format!("alloc {len} {access} {seed}")).await;
+        let (index, json) = reply.split_once(' ').expect("index and handle");
+        PeerRegion {
+            index: index.parse().unwrap(),
+            handle: serde_json::from_str(json).unwrap(),
+            seed,
+        }
+    }
+
+    /// Digest of the peer region's whole current contents.
+    pub async fn digest(&mut self, region: &PeerRegion) -> u64 {
+        self.command(&format!("digest {}", region.index))
+            .await
+            .parse()
+            .unwrap()
+    }
+
+    /// Drops the peer's handle to the region, deregistering it.
+    pub async fn drop_region(&mut self, region: &PeerRegion) {
+        assert_eq!(
+            self.command(&format!("drop {}", region.index)).await,
+            "dropped"
+        );
+    }
+
+    pub async fn kill(&mut self) {
+        self.child.kill().await.expect("kill peer");
+    }
+}
+
+/// The peer side: a node plus a table of regions, driven by stdin.
+pub fn peer_main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let node = Node::builder().spawn().await.expect("peer node");
+        let mut regions: Vec<Option<Region>> = Vec::new();
+        let stdin = std::io::stdin();
+        let mut stdout = std::io::stdout();
+        for line in stdin.lock().lines() {
+            let line = line.expect("stdin");
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let reply = match words.as_slice() {
+                ["alloc", len, access, seed] => {
+                    let access = if *access == "ro" {
+                        Access::ReadOnly
+                    } else {
+                        Access::ReadWrite
+                    };
+                    let len: usize = len.parse().unwrap();
+                    let region = node.alloc(len, access).await.expect("peer alloc");
+                    region
+                        .write_at(0, &pattern(len, seed.parse().unwrap()))
+                        .unwrap();
+                    let json = serde_json::to_string(&region.remote()).unwrap();
+                    regions.push(Some(region));
+                    format!("{} {json}", regions.len() - 1)
+                }
+                ["digest", index] => {
+                    let region = regions[index.parse::<usize>().unwrap()]
+                        .as_ref()
+                        .expect("live region");
+                    digest(&region.to_vec()).to_string()
+                }
+                ["drop", index] => {
+                    regions[index.parse::<usize>().unwrap()] = None;
+                    "dropped".to_string()
+                }
+                other => panic!("unknown peer command {other:?}"),
+            };
+            writeln!(stdout, "{PREFIX}{reply}").unwrap();
+            stdout.flush().unwrap();
+        }
+    });
+    // stdin closed: the test is over.
+    std::process::exit(0);
+}

@@ -1,0 +1,16 @@
+//! Integration tests of the TCP transport. Nodes that must live in another OS
+//! process run in a re-executed copy of this test binary (see `common`).
+
+mod bad_input;
+mod common;
+mod in_process;
+mod timeout;
+mod transfers;
+
+/// Entry point of the peer process; does nothing in a normal test run.
+#[test]
+fn ferry_peer() {
+    if std::env::var_os(common::PEER_ENV).is_some() {
+        common::peer_main();
+    }
+}

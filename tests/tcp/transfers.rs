@@ -1,0 +1,201 @@
+//! Data moved between two processes, verified byte for byte on both sides.
+
+use std::time::Duration;
+
+use ferry::prelude::*;
+use kameo::Actor;
+use kameo::actor::{ActorRef, Spawn};
+use kameo::message::{Context, Message};
+
+use crate::common::{PeerProcess, digest, pattern};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_then_read_back_sizes_1_byte_to_256_mib() {
+    let node = Node::builder().spawn().await.unwrap();
+    let mut peer = PeerProcess::spawn().await;
+    for (i, len) in [
+        1usize,
+        7,
+        4096,
+        65_537,
+        1 << 20,
+        (3 << 20) + 5,
+        64 << 20,
+        256 << 20,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let margin = 16;
+        let target = peer
+            .alloc(len + 2 * margin, Access::ReadWrite, i as u8)
+            .await;
+        let remote = target
+            .handle
+            .slice(margin as u64..(margin + len) as u64)
+            .unwrap();
+        let data = pattern(len, 100 + i as u8);
+        let src = node.alloc(len, Access::ReadWrite).await.unwrap();
+        src.write_at(0, &data).unwrap();
+
+        node.submit(vec![RdmaOp::write(src.whole(), remote.clone())], DEADLINE)
+            .await
+            .unwrap();
+        let mut expected = target.original();
+        expected[margin..margin + len].copy_from_slice(&data);
+        assert_eq!(
+            peer.digest(&target).await,
+            digest(&expected),
+            "{len} B write landed, margins untouched"
+        );
+
+        let back = node.alloc(len, Access::ReadWrite).await.unwrap();
+        node.submit(vec![RdmaOp::read(back.whole(), remote)], DEADLINE)
+            .await
+            .unwrap();
+        assert!(back.to_vec() == data, "{len} B read back differs");
+        assert!(src.to_vec() == data, "{len} B source changed");
+        peer.drop_region(&target).await;
+    }
+}
+
+/// Ops of one batch run concurrently, so they target disjoint ranges; even
+/// ops write, odd ops read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_of_1_to_1024_mixed_reads_and_writes() {
+    let node = Node::builder().spawn().await.unwrap();
+    let mut peer = PeerProcess::spawn().await;
+    for (round, batch) in [1usize, 2, 16, 333, 1024].into_iter().enumerate() {
+        // Op sizes cycle through awkward lengths, including ones above the chunk size.
+        let sizes: Vec<usize> = (0..batch)
+            .map(|i| [1, 100, 4096, 5000, (1 << 20) + 3][i % 5])
+            .collect();
+        let total: usize = sizes.iter().sum();
+        let target = peer.alloc(total, Access::ReadWrite, round as u8).await;
+        let local = node.alloc(total, Access::ReadWrite).await.unwrap();
+        let outgoing = pattern(total, 200 + round as u8);
+        local.write_at(0, &outgoing).unwrap();
+
+        let original = target.original();
+        let mut expected_remote = original.clone();
+        let mut expected_local = outgoing.clone();
+        let mut ops = Vec::with_capacity(batch);
+        let mut at = 0;
+        for (i, &len) in sizes.iter().enumerate() {
+            let range = at..at + len;
+            let remote = target
+                .handle
+                .slice(range.start as u64..range.end as u64)
+                .unwrap();
+            let slice = local.slice(range.clone()).unwrap();
+            if i % 2 == 0 {
+                ops.push(RdmaOp::write(slice, remote));
+                expected_remote[range.clone()].copy_from_slice(&outgoing[range]);
+            } else {
+                ops.push(RdmaOp::read(slice, remote));
+                expected_local[range.clone()].copy_from_slice(&original[range]);
+            }
+            at += len;
+        }
+        node.submit(ops, DEADLINE).await.unwrap();
+        assert!(
+            local.to_vec() == expected_local,
+            "batch {batch}: local bytes"
+        );
+        assert_eq!(
+            peer.digest(&target).await,
+            digest(&expected_remote),
+            "batch {batch}: remote bytes"
+        );
+    }
+}
+
+/// A worker that writes its slice of the remote region, reads it back and
+/// checks it, all through `Submit` messages to the TCP manager actor.
+#[derive(Actor)]
+struct Worker {
+    manager: ActorRef<TcpManagerActor>,
+    node: Node,
+}
+
+struct RoundTrip {
+    remote: RemoteBuffer,
+    seed: u8,
+}
+
+impl Message<RoundTrip> for Worker {
+    type Reply = Result<Vec<u8>, SubmitError>;
+
+    async fn handle(&mut self, msg: RoundTrip, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let len = msg.remote.len() as usize;
+        let src = self.node.alloc(len, Access::ReadWrite).await.unwrap();
+        let back = self.node.alloc(len, Access::ReadWrite).await.unwrap();
+        src.write_at(0, &pattern(len, msg.seed)).unwrap();
+        let submit = |ops| ferry::tcp::Submit {
+            ops,
+            timeout: DEADLINE,
+        };
+        let unwrap = |e: kameo::error::SendError<_, SubmitError>| match e {
+            kameo::error::SendError::HandlerError(e) => e,
+            other => panic!("manager unavailable: {other}"),
+        };
+        self.manager
+            .ask(submit(vec![RdmaOp::write(src.whole(), msg.remote.clone())]))
+            .await
+            .map_err(unwrap)?;
+        self.manager
+            .ask(submit(vec![RdmaOp::read(back.whole(), msg.remote)]))
+            .await
+            .map_err(unwrap)?;
+        Ok(back.to_vec())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_workers_submit_concurrently_to_one_manager() {
+    let node = Node::builder().spawn().await.unwrap();
+    let mut peer = PeerProcess::spawn().await;
+    let slice = (1 << 20) + 77;
+    let target = peer.alloc(16 * slice, Access::ReadWrite, 9).await;
+    let workers: Vec<_> = (0..16)
+        .map(|_| {
+            Worker::spawn(Worker {
+                manager: node.tcp().actor().clone(),
+                node: node.clone(),
+            })
+        })
+        .collect();
+
+    let mut expected = target.original();
+    let mut asks = Vec::new();
+    for (i, worker) in workers.iter().enumerate() {
+        let range = i * slice..(i + 1) * slice;
+        let remote = target
+            .handle
+            .slice(range.start as u64..range.end as u64)
+            .unwrap();
+        expected[range].copy_from_slice(&pattern(slice, i as u8));
+        let worker = worker.clone();
+        asks.push(tokio::spawn(async move {
+            worker
+                .ask(RoundTrip {
+                    remote,
+                    seed: i as u8,
+                })
+                .await
+        }));
+    }
+    for (i, ask) in asks.into_iter().enumerate() {
+        let back = ask
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("worker {i}: {e}"));
+        assert!(
+            back == pattern(slice, i as u8),
+            "worker {i} read back other bytes"
+        );
+    }
+    assert_eq!(peer.digest(&target).await, digest(&expected));
+}
