@@ -21,6 +21,7 @@ impl Access {
 /// proves the holder was given a handle by the owner.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct TcpRemote {
+    #[serde(with = "crate::ids::hex_u128")]
     pub token: u128,
 }
 
@@ -169,7 +170,14 @@ mod tests {
     #[test]
     fn handle_round_trips_through_serde() {
         let h = handle();
-        let json = serde_json::to_string(&h).unwrap();
-        assert_eq!(serde_json::from_str::<RemoteBuffer>(&json).unwrap(), h);
+        let json = serde_json::to_value(&h).unwrap();
+        // 128-bit values travel as hex strings, which every JSON reader keeps exact.
+        assert_eq!(
+            json["transports"]["tcp"]["token"],
+            "0000000000000000000000000000002a"
+        );
+        assert_eq!(serde_json::from_value::<RemoteBuffer>(json).unwrap(), h);
+        let bad = serde_json::json!({"token": "not hex"});
+        assert!(serde_json::from_value::<TcpRemote>(bad).is_err());
     }
 }

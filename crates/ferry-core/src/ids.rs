@@ -18,7 +18,7 @@ pub fn random_u128() -> u128 {
 /// Identity of one ferry node (one per process), random so that a restarted
 /// process on the same address is a different node.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct NodeId(pub u128);
+pub struct NodeId(#[serde(with = "hex_u128")] pub u128);
 
 impl NodeId {
     pub fn random() -> Self {
@@ -54,3 +54,28 @@ pub struct RegionId(pub u32);
 /// differs from the slot's current one refers to a region that is gone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Generation(pub u32);
+
+/// Serde for 128-bit values: a 32-digit hex string in human-readable formats
+/// (JSON numbers above 2^53 lose precision in most readers), a plain integer in
+/// binary formats.
+pub(crate) mod hex_u128 {
+    use serde::de::Error;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &u128, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            s.serialize_str(&format!("{value:032x}"))
+        } else {
+            s.serialize_u128(*value)
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u128, D::Error> {
+        if d.is_human_readable() {
+            let text = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+            u128::from_str_radix(&text, 16).map_err(D::Error::custom)
+        } else {
+            u128::deserialize(d)
+        }
+    }
+}
