@@ -43,6 +43,11 @@ pub mod prelude {
     pub use ferry_tcp::{Submit, TcpManagerActor};
 }
 
+/// Compiles the README's example as a doc test.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
