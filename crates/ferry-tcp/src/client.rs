@@ -182,9 +182,12 @@ impl Peers {
     /// Runs one batch to completion or deadline.
     pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         let bytes: usize = ops.iter().map(RdmaOp::len).sum();
+        // A batch usually goes to one peer; name the first.
+        let peer = ops.first().map(|op| op.remote.owner().endpoint);
         let span = debug_span!(
             "submit",
             transport = "tcp",
+            peer = ?peer,
             ops = ops.len(),
             bytes,
             outcome = tracing::field::Empty
