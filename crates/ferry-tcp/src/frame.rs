@@ -291,7 +291,7 @@ mod tests {
             id: 7,
             region: RegionId(3),
             generation: Generation(9),
-            addr: 0xdead_beef_000,
+            addr: 0x0dea_dbee_f000,
             len: 4096,
             token: u128::MAX - 5,
         };

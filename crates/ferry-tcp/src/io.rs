@@ -153,11 +153,20 @@ impl IoVecs {
 
 /// Buffered reading of fixed-size headers, with payloads received directly
 /// into their destination.
+///
+/// A buffered header read may also pull in the start of the payload behind
+/// it, which then costs an extra copy. That is the right trade for streams of
+/// small frames, but not for large payloads; so after a large payload the next
+/// header is read with an exact-length `recv`.
 pub struct FrameReader {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    after_large_payload: bool,
 }
+
+/// Payloads at least this long switch the next header read to exact length.
+const LARGE_PAYLOAD: usize = 16 * 1024;
 
 impl Default for FrameReader {
     fn default() -> Self {
@@ -165,6 +174,7 @@ impl Default for FrameReader {
             buf: vec![0; READ_BUF].into_boxed_slice(),
             start: 0,
             end: 0,
+            after_large_payload: false,
         }
     }
 }
@@ -186,8 +196,14 @@ impl FrameReader {
                 self.end -= self.start;
                 self.start = 0;
             }
+            let missing = N - self.buffered();
             let spare = &mut self.buf[self.end..];
-            let n = recv_raw(stream, spare.as_mut_ptr() as usize, spare.len()).await?;
+            let want = if self.after_large_payload {
+                missing
+            } else {
+                spare.len()
+            };
+            let n = recv_raw(stream, spare.as_mut_ptr() as usize, want).await?;
             if n == 0 {
                 return if self.buffered() == 0 {
                     Ok(None)
@@ -202,6 +218,7 @@ impl FrameReader {
         }
         let header = self.buf[self.start..self.start + N].try_into().unwrap();
         self.start += N;
+        self.after_large_payload = false;
         Ok(Some(header))
     }
 
@@ -218,6 +235,7 @@ impl FrameReader {
         len: usize,
     ) -> impl Future<Output = io::Result<()>> + Send + 'a {
         let from_buf = len.min(self.buffered());
+        self.after_large_payload = len >= LARGE_PAYLOAD;
         // SAFETY: `dst` is valid for `len >= from_buf` bytes (caller), and the
         // read buffer is a separate allocation.
         unsafe { std::ptr::copy_nonoverlapping(self.buf[self.start..].as_ptr(), dst, from_buf) };
