@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# ferry's main demo: two nodes in two OS processes write and read a 128 MiB
+# region over the TCP transport in several block sizes, verify every byte,
+# and print throughput and memory use. Extra arguments go to the demo
+# (`scripts/demo.sh --help` lists them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/install-deps.sh
+ferry_install_deps
+
+cargo build --release --locked --example demo
+exec target/release/examples/demo --verify "$@"
