@@ -15,10 +15,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use ferry::prelude::*;
-use ferry::tcp::Submit;
+use ferry::tcp::{Submit, submit_outcome};
 use kameo::Actor;
 use kameo::actor::{ActorRef, Spawn};
-use kameo::error::SendError;
 use kameo::message::{Context, Message};
 
 const WORKERS: usize = 4;
@@ -46,10 +45,8 @@ impl Worker {
             ops: vec![op],
             timeout: TIMEOUT,
         };
-        self.tcp.ask(submit).await.map_err(|e| match e {
-            SendError::HandlerError(e) => e.to_string(), // the transfer failed
-            other => format!("TCP manager unavailable: {other}"),
-        })
+        // One error type, whether the transfer failed or the manager is gone.
+        submit_outcome(self.tcp.ask(submit).await).map_err(|e| e.to_string())
     }
 }
 

@@ -166,8 +166,7 @@ impl Node {
                 access,
                 memory: memory.clone(),
             })
-            .await
-            .map_err(|_| RegisterError::BackendStopped)?;
+            .await?;
         Ok(Region::new(RegionParts {
             slot,
             memory,

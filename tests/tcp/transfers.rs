@@ -137,18 +137,10 @@ impl Message<RoundTrip> for Worker {
             ops,
             timeout: DEADLINE,
         };
-        let unwrap = |e: kameo::error::SendError<_, SubmitError>| match e {
-            kameo::error::SendError::HandlerError(e) => e,
-            other => panic!("manager unavailable: {other}"),
-        };
-        self.manager
-            .ask(submit(vec![RdmaOp::write(src.whole(), msg.remote.clone())]))
-            .await
-            .map_err(unwrap)?;
-        self.manager
-            .ask(submit(vec![RdmaOp::read(back.whole(), msg.remote)]))
-            .await
-            .map_err(unwrap)?;
+        let write = submit(vec![RdmaOp::write(src.whole(), msg.remote.clone())]);
+        ferry::tcp::submit_outcome(self.manager.ask(write).await)?;
+        let read = submit(vec![RdmaOp::read(back.whole(), msg.remote)]);
+        ferry::tcp::submit_outcome(self.manager.ask(read).await)?;
         Ok(back.to_vec())
     }
 }

@@ -78,4 +78,6 @@ pub enum RegisterError {
     OutOfMemory(usize),
     #[error("transport backend is not running")]
     BackendStopped,
+    #[error("region id {0:?} is already registered with this backend")]
+    IdInUse(crate::RegionId),
 }

@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use ferry_core::{
     Access, Generation, MemoryBlock, NodeAddr, NodeId, RdmaBackend, RdmaOp, RdmaTransportLevel,
-    RegionId, SubmitError, TcpRemote, random_u128,
+    RegionId, RegisterError, SubmitError, TcpRemote, random_u128,
 };
 use kameo::Actor;
 use kameo::actor::{ActorRef, Spawn, WeakActorRef};
-use kameo::error::ActorStopReason;
+use kameo::error::{ActorStopReason, SendError};
 use kameo::message::{Context, Message};
 use kameo::reply::DelegatedReply;
 use tokio::net::TcpListener;
@@ -133,6 +133,18 @@ impl Message<Submit> for TcpManagerActor {
     }
 }
 
+/// The result of asking a manager to `Submit`, as one error type: a failed
+/// transfer as it is, and a manager that did not take the message (stopped,
+/// crashed, mailbox full) as `BackendStopped`.
+pub fn submit_outcome(
+    result: Result<(), SendError<Submit, SubmitError>>,
+) -> Result<(), SubmitError> {
+    result.map_err(|e| match e {
+        SendError::HandlerError(e) => e,
+        _ => SubmitError::BackendStopped,
+    })
+}
+
 /// Make a region reachable over TCP. The reply carries the credentials for
 /// remote handles and a guard that deregisters the region when dropped.
 pub struct RegisterRegion {
@@ -148,7 +160,7 @@ pub struct TcpRegistered {
 }
 
 impl Message<RegisterRegion> for TcpManagerActor {
-    type Reply = Result<TcpRegistered, Infallible>;
+    type Reply = Result<TcpRegistered, RegisterError>;
 
     async fn handle(
         &mut self,
@@ -156,8 +168,12 @@ impl Message<RegisterRegion> for TcpManagerActor {
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
         let token = random_u128();
-        self.table
-            .insert(msg.id, msg.generation, token, msg.access, &msg.memory);
+        if !self
+            .table
+            .insert(msg.id, msg.generation, token, msg.access, &msg.memory)
+        {
+            return Err(RegisterError::IdInUse(msg.id));
+        }
         Ok(TcpRegistered {
             remote: TcpRemote { token },
             registration: TcpRegistration {
@@ -281,11 +297,11 @@ impl TcpBackend {
         self.local
     }
 
-    pub async fn register(&self, msg: RegisterRegion) -> Result<TcpRegistered, SubmitError> {
-        self.actor
-            .ask(msg)
-            .await
-            .map_err(|_| SubmitError::BackendStopped)
+    pub async fn register(&self, msg: RegisterRegion) -> Result<TcpRegistered, RegisterError> {
+        self.actor.ask(msg).await.map_err(|e| match e {
+            SendError::HandlerError(e) => e,
+            _ => RegisterError::BackendStopped,
+        })
     }
 
     pub async fn registered(&self) -> Vec<(RegionId, Generation)> {
@@ -303,13 +319,7 @@ impl RdmaBackend for TcpBackend {
     type TransportInfo = TcpTransportInfo;
 
     async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
-        self.actor
-            .ask(Submit { ops, timeout })
-            .await
-            .map_err(|e| match e {
-                kameo::error::SendError::HandlerError(e) => e,
-                _ => SubmitError::BackendStopped,
-            })
+        submit_outcome(self.actor.ask(Submit { ops, timeout }).await)
     }
 
     fn transport_level(&self) -> RdmaTransportLevel {

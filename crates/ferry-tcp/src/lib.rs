@@ -17,6 +17,6 @@ mod table;
 pub use actor::{
     DeregisterRegion, RegisterRegion, RegisteredRegions, Submit, TcpBackend, TcpConfig,
     TcpManagerActor, TcpManagerArgs, TcpRegistered, TcpTransportInfo, TransportInfo,
-    TransportLevel,
+    TransportLevel, submit_outcome,
 };
 pub use table::TcpRegistration;

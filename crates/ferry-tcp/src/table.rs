@@ -32,6 +32,8 @@ pub struct Grant {
 }
 
 impl RegionTable {
+    /// Adds a region; refuses (returns false) if `id` is taken, so one
+    /// registration can never silently replace another.
     pub fn insert(
         &self,
         id: RegionId,
@@ -39,7 +41,7 @@ impl RegionTable {
         token: u128,
         access: Access,
         memory: &Arc<MemoryBlock>,
-    ) {
+    ) -> bool {
         let entry = Entry {
             generation,
             token,
@@ -48,10 +50,14 @@ impl RegionTable {
             base: memory.addr(),
             len: memory.len() as u64,
         };
-        self.entries
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, entry);
+        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        match entries.entry(id) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(entry);
+                true
+            }
+        }
     }
 
     /// Removes the entry if it still belongs to `generation`. Returns whether
@@ -151,7 +157,11 @@ mod tests {
         let table = RegionTable::default();
         let mem = Arc::new(MemoryBlock::alloc(100).unwrap());
         let base = mem.addr();
-        table.insert(RegionId(0), Generation(2), 55, Access::ReadOnly, &mem);
+        assert!(table.insert(RegionId(0), Generation(2), 55, Access::ReadOnly, &mem));
+        assert!(
+            !table.insert(RegionId(0), Generation(3), 56, Access::ReadWrite, &mem),
+            "id taken"
+        );
         let ok = table
             .authorize(&request(RequestKind::Read, 2, 55, base + 10, 90))
             .unwrap();
