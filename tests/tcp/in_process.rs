@@ -32,3 +32,18 @@ async fn write_then_read_back_between_two_nodes() {
         .unwrap();
     assert_eq!(back.to_vec(), data);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_last_node_handle_closes_its_listener() {
+    let node = Node::builder().spawn().await.unwrap();
+    let endpoint = node.addr().endpoint;
+    assert!(tokio::net::TcpStream::connect(endpoint).await.is_ok());
+    drop(node);
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(endpoint).await.is_err() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{endpoint} still accepts connections after the node was dropped");
+}
