@@ -139,3 +139,36 @@ async fn unregistered_after_the_last_handle_when_idle() {
     drop(clone);
     assert!(!is_registered(&node, key).await);
 }
+
+/// A peer that accepts but stops reading: the socket and the connection's
+/// queue fill up, and the submit waits for room until its deadline. That is
+/// a timeout, not a lost connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn back_pressure_until_the_deadline_is_a_timeout() {
+    let node = Node::builder()
+        .tcp_connections(1)
+        .tcp_chunk_size(4096)
+        .spawn()
+        .await
+        .unwrap();
+    let other = Node::builder().spawn().await.unwrap();
+    let len = 64 << 20;
+    let template = other.alloc(len, Access::ReadWrite).await.unwrap().remote();
+    let fake = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let fake_id = NodeId::random();
+    let remote = handle_at(&template, &fake, fake_id);
+    let local = node.alloc(len, Access::ReadWrite).await.unwrap();
+    let submit = tokio::spawn({
+        let (node, op) = (node.clone(), RdmaOp::write(local.whole(), remote));
+        async move { node.submit(vec![op], Duration::from_millis(500)).await }
+    });
+    let (_stalled, _) = accept_as(&fake, fake_id).await;
+    assert_eq!(
+        submit.await.unwrap(),
+        Err(SubmitError::Timeout {
+            timeout: Duration::from_millis(500),
+            unfinished: 1,
+            total: 1
+        })
+    );
+}

@@ -239,27 +239,27 @@ impl Peers {
                     OpKind::Read => RequestKind::Read,
                     OpKind::Write => RequestKind::Write,
                 };
-                let mut done = 0;
-                while done < op.len() {
-                    let len = chunk_size.min(op.len() - done);
+                let mut queued = 0;
+                while queued < op.len() {
+                    let len = chunk_size.min(op.len() - queued);
                     let chunk = Chunk {
                         op: index,
                         kind: op.kind,
                         region: op.local.region().clone(),
-                        offset: op.local.offset() + done,
+                        offset: op.local.offset() + queued,
                         request: Request {
                             kind,
                             id: 0,
                             region: op.remote.region(),
                             generation: op.remote.generation(),
-                            addr: op.remote.addr() + done as u64,
+                            addr: op.remote.addr() + queued as u64,
                             len: len as u64,
                             token: tcp.token,
                         },
                         submit: Some(state.clone()),
                         endpoint: peer.addr.endpoint,
                     };
-                    done += len;
+                    queued += len;
                     if let Some(e) = unreachable.get(&peer.addr) {
                         chunk.finish(Err(e.clone()));
                         continue;
@@ -272,7 +272,12 @@ impl Peers {
             state.done.notified().await;
         };
 
-        match tokio::time::timeout_at(deadline, enqueue_and_wait).await {
+        // Pinned here rather than moved into `timeout_at`, so that at the
+        // deadline the outcome is decided while it still exists: dropping it
+        // drops the chunks it was still queueing, which count as lost and must
+        // not turn a timeout into a connection error.
+        let work = std::pin::pin!(enqueue_and_wait);
+        match tokio::time::timeout_at(deadline, work).await {
             Ok(()) => state.first_error().map_or(Ok(()), Err),
             Err(_) => {
                 state.abandoned.store(true, Ordering::Release);
@@ -314,8 +319,11 @@ impl Peer {
                 },
             }
         };
-        // A send error hands the chunk back; dropping it reports it lost.
-        let _ = conn.tx.send(chunk).await;
+        if let Err(mpsc::error::SendError(chunk)) = conn.tx.send(chunk).await {
+            // The connection ended between the check above and now.
+            let endpoint = chunk.endpoint;
+            chunk.finish(Err(OpError::ConnectionLost { endpoint }));
+        }
         Ok(())
     }
 }
