@@ -148,6 +148,17 @@ async fn out_of_bounds_slices_are_refused_locally_and_by_the_owner() {
         0,
         |e| matches!(e, OpError::OutOfBounds { bound, .. } if *bound == len),
     );
+    // One whose address range wraps around the end of the address space:
+    // refused as out of bounds, no overflow anywhere.
+    let wrapping = forge(&target.handle, |j| j["addr"] = (u64::MAX - 10).into());
+    assert!(matches!(
+        wrapping.slice(20..30),
+        Err(OpError::OutOfBounds { .. })
+    ));
+    let read = node
+        .submit(vec![RdmaOp::read(local.whole(), wrapping)], DEADLINE)
+        .await;
+    assert_op_error(read, 0, |e| matches!(e, OpError::OutOfBounds { .. }));
     // One shifted below the region's start.
     let below = forge(&target.handle, |j| {
         j["addr"] = (target.handle.addr() - 8).into()

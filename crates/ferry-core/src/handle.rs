@@ -102,8 +102,23 @@ impl RemoteBuffer {
         &self.transports
     }
 
+    /// Fails if the view's address range wraps around the end of the address
+    /// space — only a forged handle can; refusing it here means no later
+    /// address arithmetic on the view can overflow.
+    pub fn check_address_range(&self) -> Result<(), OpError> {
+        match self.addr.checked_add(self.len) {
+            Some(_) => Ok(()),
+            None => Err(OpError::OutOfBounds {
+                offset: 0,
+                len: self.len,
+                bound: u64::MAX - self.addr,
+            }),
+        }
+    }
+
     /// A narrower view: `range` is relative to this view and must lie inside it.
     pub fn slice(&self, range: Range<u64>) -> Result<RemoteBuffer, OpError> {
+        self.check_address_range()?;
         let out_of_bounds = || OpError::OutOfBounds {
             offset: range.start,
             len: range.end.saturating_sub(range.start),

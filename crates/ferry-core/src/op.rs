@@ -81,9 +81,11 @@ impl RdmaOp {
         self.local.is_empty()
     }
 
-    /// Checks every backend makes before posting: equal lengths, and write
-    /// access for a write. Bounds of the remote side are the owner's to check.
+    /// Checks every backend makes before posting: equal lengths, a remote
+    /// address range that does not wrap, and write access for a write. Bounds
+    /// of the remote region are the owner's to check.
     pub fn validate(&self) -> Result<(), OpError> {
+        self.remote.check_address_range()?;
         if self.local.len as u64 != self.remote.len() {
             return Err(OpError::LengthMismatch {
                 local: self.local.len as u64,
