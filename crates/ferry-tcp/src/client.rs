@@ -335,7 +335,7 @@ async fn connect(addr: NodeAddr, config: ClientConfig) -> Result<Conn, OpError> 
         reason: e.to_string(),
     };
     let mut stream = TcpStream::connect(endpoint).await.map_err(unreachable)?;
-    stream.set_nodelay(true).map_err(unreachable)?;
+    crate::io::configure(&stream).map_err(unreachable)?;
     let hello = Hello {
         version: VERSION,
         channel: Channel::Data as u8,

@@ -64,7 +64,7 @@ pub(crate) async fn accept_loop(
 }
 
 async fn serve(mut stream: TcpStream, node: NodeId, table: &RegionTable) -> io::Result<()> {
-    stream.set_nodelay(true)?;
+    crate::io::configure(&stream)?;
     let peer: SocketAddr = stream.peer_addr()?;
     let mut reader = FrameReader::default();
 
