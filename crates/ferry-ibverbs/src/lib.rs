@@ -1,0 +1,3 @@
+//! ferry's ibverbs backend. All raw verbs calls live in [`verbs`].
+
+pub mod verbs;
