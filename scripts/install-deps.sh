@@ -1,17 +1,25 @@
 # Sourced by the demo and test scripts: installs the Debian packages ferry's
 # build needs when they are missing, and checks for a Rust toolchain.
-# Packages are checked by the command they provide, so a machine that has them
-# some other way is left alone.
 
 ferry_install_deps() {
-    local missing=()
-    command -v cc >/dev/null || missing+=(gcc libc6-dev)
+    # gcc links everything; rdma-sys needs the verbs headers and libraries and
+    # libclang for its bindgen step.
+    local wanted=(gcc libc6-dev pkg-config libibverbs-dev librdmacm-dev libclang-dev)
+    local missing=() pkg
+    for pkg in "${wanted[@]}"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+    done
     if ((${#missing[@]})); then
         echo "installing Debian packages: ${missing[*]}" >&2
         local sudo_cmd=()
         [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
         "${sudo_cmd[@]}" apt-get update -qq
         DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${missing[@]}"
+    fi
+    # rdma-sys's bindgen fails with libclang >= 16; Debian 12's default is 14.
+    # Pin it when several are installed and the caller has not chosen.
+    if [ -z "${LIBCLANG_PATH:-}" ] && [ -d /usr/lib/llvm-14/lib ]; then
+        export LIBCLANG_PATH=/usr/lib/llvm-14/lib
     fi
     if ! command -v cargo >/dev/null; then
         echo "error: cargo not found. ferry needs Rust >= 1.88 (edition 2024); install it with rustup." >&2
