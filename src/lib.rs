@@ -102,7 +102,7 @@ impl NodeBuilder {
     /// runtime.
     pub async fn spawn(self) -> Result<Node, NodeError> {
         let id = NodeId::random();
-        let tcp = TcpBackend::start(self.listen, id, self.tcp)
+        let tcp = TcpBackend::start(self.listen, id, self.tcp, None)
             .await
             .map_err(|source| NodeError::Listen {
                 addr: self.listen,

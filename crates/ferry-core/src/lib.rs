@@ -11,6 +11,7 @@ mod handle;
 mod ids;
 mod memory;
 mod op;
+mod progress;
 
 pub use backend::{RdmaBackend, RdmaTransportLevel};
 pub use error::{OpError, RegisterError, SubmitError};
@@ -18,3 +19,4 @@ pub use handle::{Access, RemoteBuffer, RemoteTransports, TcpRemote};
 pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128};
 pub use memory::{MemoryBlock, PAGE_SIZE, Region, RegionIds, RegionParts, RegionSlot};
 pub use op::{LocalSlice, OpKind, RdmaOp};
+pub use progress::BatchProgress;

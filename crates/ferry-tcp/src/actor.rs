@@ -16,11 +16,12 @@ use kameo::error::{ActorStopReason, SendError};
 use kameo::message::{Context, Message};
 use kameo::reply::DelegatedReply;
 use tokio::net::TcpListener;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::client::{ClientConfig, Peers};
-use crate::server::accept_loop;
+use crate::server::{ControlConnection, accept_loop};
 use crate::table::{RegionTable, TcpRegistration};
 
 /// Tuning of the TCP data plane.
@@ -53,6 +54,8 @@ pub struct TcpManagerArgs {
     pub listener: TcpListener,
     pub node: NodeId,
     pub config: TcpConfig,
+    /// Where `Control` connections go; without it they are refused.
+    pub control: Option<mpsc::Sender<ControlConnection>>,
 }
 
 pub struct TcpManagerActor {
@@ -77,6 +80,7 @@ impl Actor for TcpManagerActor {
             args.listener,
             args.node,
             table.clone(),
+            args.control,
             shutdown.clone(),
         ));
         let peers = Arc::new(Peers::new(ClientConfig {
@@ -270,11 +274,13 @@ pub struct TcpBackend {
 }
 
 impl TcpBackend {
-    /// Binds `listen` and spawns the manager actor on the current tokio runtime.
+    /// Binds `listen` and spawns the manager actor on the current tokio
+    /// runtime. `control` receives the node's `Control` connections.
     pub async fn start(
         listen: SocketAddr,
         node: NodeId,
         config: TcpConfig,
+        control: Option<mpsc::Sender<ControlConnection>>,
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(listen).await?;
         let endpoint = listener.local_addr()?;
@@ -282,6 +288,7 @@ impl TcpBackend {
             listener,
             node,
             config,
+            control,
         });
         Ok(TcpBackend {
             actor,

@@ -5,14 +5,14 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::{NodeAddr, NodeId, OpError, OpKind, RdmaOp, Region, SubmitError};
+use ferry_core::{BatchProgress, NodeAddr, NodeId, OpError, OpKind, RdmaOp, Region, SubmitError};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, debug_span};
@@ -35,48 +35,6 @@ pub(crate) struct ClientConfig {
 /// Most chunks one connection writes with a single `sendmsg`.
 const MAX_CHUNKS_PER_SEND: usize = 128;
 
-/// Completion bookkeeping of one submit, shared by its chunks.
-struct SubmitState {
-    /// Chunks still unfinished, per op.
-    op_chunks: Vec<AtomicU32>,
-    remaining: AtomicUsize,
-    /// Lowest-indexed failure so far.
-    error: Mutex<Option<(usize, OpError)>>,
-    /// Set when the caller has been answered `Timeout`: chunks not yet on the
-    /// wire are dropped instead of sent.
-    abandoned: AtomicBool,
-    done: Notify,
-}
-
-impl SubmitState {
-    fn chunk_done(&self, op: usize, result: Result<(), OpError>) {
-        if let Err(e) = result {
-            let mut error = self.error.lock().unwrap_or_else(|e| e.into_inner());
-            if error.as_ref().is_none_or(|(index, _)| op < *index) {
-                *error = Some((op, e));
-            }
-        }
-        self.op_chunks[op].fetch_sub(1, Ordering::AcqRel);
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.done.notify_one();
-        }
-    }
-
-    fn first_error(&self) -> Option<SubmitError> {
-        let error = self.error.lock().unwrap_or_else(|e| e.into_inner());
-        error
-            .as_ref()
-            .map(|(index, e)| SubmitError::op(*index, e.clone()))
-    }
-
-    fn unfinished_ops(&self) -> usize {
-        self.op_chunks
-            .iter()
-            .filter(|c| c.load(Ordering::Acquire) > 0)
-            .count()
-    }
-}
-
 /// A piece of one op, at most `chunk_size` bytes, travelling as one request.
 ///
 /// It holds a `Region` clone: the local bytes stay registered and allocated
@@ -89,7 +47,7 @@ struct Chunk {
     region: Region,
     offset: usize,
     request: Request,
-    submit: Option<Arc<SubmitState>>,
+    submit: Option<Arc<BatchProgress>>,
     endpoint: SocketAddr,
 }
 
@@ -106,14 +64,12 @@ impl Chunk {
     }
 
     fn is_abandoned(&self) -> bool {
-        self.submit
-            .as_ref()
-            .is_some_and(|s| s.abandoned.load(Ordering::Acquire))
+        self.submit.as_ref().is_some_and(|s| s.is_abandoned())
     }
 
     fn finish(mut self, result: Result<(), OpError>) {
         if let Some(submit) = self.submit.take() {
-            submit.chunk_done(self.op, result);
+            submit.piece_done(self.op, result);
         }
     }
 }
@@ -121,7 +77,7 @@ impl Chunk {
 impl Drop for Chunk {
     fn drop(&mut self) {
         if let Some(submit) = self.submit.take() {
-            submit.chunk_done(
+            submit.piece_done(
                 self.op,
                 Err(OpError::ConnectionLost {
                     endpoint: self.endpoint,
@@ -200,7 +156,6 @@ impl Peers {
 
     async fn run(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         let deadline = Instant::now() + timeout;
-        let total = ops.len();
         // Every op is checked before any byte moves: a bad op fails the whole
         // batch untouched.
         for (index, op) in ops.iter().enumerate() {
@@ -210,24 +165,12 @@ impl Peers {
             }
         }
         let chunk_size = self.config.chunk_size.max(1);
-        let op_chunks: Vec<AtomicU32> = ops
-            .iter()
-            .map(|op| AtomicU32::new(op.len().div_ceil(chunk_size) as u32))
-            .collect();
-        let chunks: usize = op_chunks
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed) as usize)
-            .sum();
-        if chunks == 0 {
+        let state = Arc::new(BatchProgress::new(
+            ops.iter().map(|op| op.len().div_ceil(chunk_size) as u32),
+        ));
+        if state.total_pieces() == 0 {
             return Ok(());
         }
-        let state = Arc::new(SubmitState {
-            op_chunks,
-            remaining: AtomicUsize::new(chunks),
-            error: Mutex::new(None),
-            abandoned: AtomicBool::new(false),
-            done: Notify::new(),
-        });
 
         let enqueue_and_wait = async {
             // A peer that could not be reached is not retried for every chunk.
@@ -269,7 +212,7 @@ impl Peers {
                     }
                 }
             }
-            state.done.notified().await;
+            state.all_done().await;
         };
 
         // Pinned here rather than moved into `timeout_at`, so that at the
@@ -278,15 +221,8 @@ impl Peers {
         // not turn a timeout into a connection error.
         let work = std::pin::pin!(enqueue_and_wait);
         match tokio::time::timeout_at(deadline, work).await {
-            Ok(()) => state.first_error().map_or(Ok(()), Err),
-            Err(_) => {
-                state.abandoned.store(true, Ordering::Release);
-                Err(state.first_error().unwrap_or(SubmitError::Timeout {
-                    timeout,
-                    unfinished: state.unfinished_ops(),
-                    total,
-                }))
-            }
+            Ok(()) => state.outcome(),
+            Err(_) => Err(state.timed_out(timeout)),
         }
     }
 }
@@ -329,6 +265,35 @@ impl Peer {
 }
 
 async fn connect(addr: NodeAddr, config: ClientConfig) -> Result<Conn, OpError> {
+    let (stream, reader) = handshake(addr, config.node, Channel::Data).await?;
+    let endpoint = addr.endpoint;
+    let (tx, rx) = mpsc::channel(config.queue_depth.max(1));
+    let closed = CancellationToken::new();
+    tokio::spawn(run_connection(stream, reader, rx, closed.clone(), endpoint));
+    debug!(%endpoint, node = ?addr.id, "data connection open");
+    Ok(Conn { tx, closed })
+}
+
+/// Opens a `Control` connection to node `addr` as node `me`: after this the
+/// stream belongs to the caller's own protocol. Fails with `UnknownNode` if
+/// someone else answers at that endpoint.
+pub async fn connect_control(addr: NodeAddr, me: NodeId) -> Result<TcpStream, OpError> {
+    let (stream, reader) = handshake(addr, me, Channel::Control).await?;
+    if reader.buffered() != 0 {
+        return Err(OpError::Protocol(
+            "server spoke after its hello reply".into(),
+        ));
+    }
+    Ok(stream)
+}
+
+/// Connects and exchanges hellos; returns the stream and the reader that
+/// holds whatever the server sent after its reply.
+async fn handshake(
+    addr: NodeAddr,
+    me: NodeId,
+    channel: Channel,
+) -> Result<(TcpStream, FrameReader), OpError> {
     let endpoint = addr.endpoint;
     let unreachable = |e: io::Error| OpError::PeerUnreachable {
         endpoint,
@@ -338,8 +303,8 @@ async fn connect(addr: NodeAddr, config: ClientConfig) -> Result<Conn, OpError> 
     crate::io::configure(&stream).map_err(unreachable)?;
     let hello = Hello {
         version: VERSION,
-        channel: Channel::Data as u8,
-        node: config.node,
+        channel: channel as u8,
+        node: me,
     };
     stream
         .write_all(&hello.encode())
@@ -366,11 +331,7 @@ async fn connect(addr: NodeAddr, config: ClientConfig) -> Result<Conn, OpError> 
             endpoint,
         });
     }
-    let (tx, rx) = mpsc::channel(config.queue_depth.max(1));
-    let closed = CancellationToken::new();
-    tokio::spawn(run_connection(stream, reader, rx, closed.clone(), endpoint));
-    debug!(%endpoint, node = ?addr.id, "data connection open");
-    Ok(Conn { tx, closed })
+    Ok((stream, reader))
 }
 
 /// Drives one connection until either direction fails or every sender is gone.

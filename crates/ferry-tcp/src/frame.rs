@@ -20,12 +20,15 @@ pub const HELLO_LEN: usize = 24;
 pub const REQUEST_LEN: usize = 64;
 pub const RESPONSE_LEN: usize = 40;
 
-/// What a connection to the node's endpoint is for. Only the data plane exists
-/// today; the ibverbs QP exchange will be another channel on the same listener.
+/// What a connection to the node's endpoint is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Channel {
+    /// The TCP data plane: requests and responses as defined here.
     Data = 1,
+    /// Handed, right after the hello, to another transport of the node (the
+    /// ibverbs backend exchanges queue-pair details over it).
+    Control = 2,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -19,4 +19,6 @@ pub use actor::{
     TcpManagerActor, TcpManagerArgs, TcpRegistered, TcpTransportInfo, TransportInfo,
     TransportLevel, submit_outcome,
 };
+pub use client::connect_control;
+pub use server::ControlConnection;
 pub use table::TcpRegistration;

@@ -10,6 +10,7 @@ use std::time::Duration;
 use ferry_core::NodeId;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -30,10 +31,19 @@ const MAX_PENDING_ACKS: usize = 64;
 // A read response shares its system call with the staged acks.
 const _: () = assert!(MAX_PENDING_ACKS + 2 <= MAX_IOV);
 
+/// A `Control` connection, after a successful hello, for the transport that
+/// registered to receive them.
+pub struct ControlConnection {
+    pub stream: TcpStream,
+    /// The node id the client announced in its hello.
+    pub peer: NodeId,
+}
+
 pub(crate) async fn accept_loop(
     listener: TcpListener,
     node: NodeId,
     table: Arc<RegionTable>,
+    control: Option<mpsc::Sender<ControlConnection>>,
     shutdown: CancellationToken,
 ) {
     let mut connections = JoinSet::new();
@@ -47,8 +57,9 @@ pub(crate) async fn accept_loop(
         match accepted {
             Ok((stream, peer)) => {
                 let table = table.clone();
+                let control = control.clone();
                 connections.spawn(async move {
-                    if let Err(e) = serve(stream, node, &table).await {
+                    if let Err(e) = serve(stream, node, &table, control.as_ref()).await {
                         debug!(%peer, error = %e, "data connection closed with an error");
                     }
                 });
@@ -63,7 +74,12 @@ pub(crate) async fn accept_loop(
     connections.shutdown().await;
 }
 
-async fn serve(mut stream: TcpStream, node: NodeId, table: &RegionTable) -> io::Result<()> {
+async fn serve(
+    mut stream: TcpStream,
+    node: NodeId,
+    table: &RegionTable,
+    control: Option<&mpsc::Sender<ControlConnection>>,
+) -> io::Result<()> {
     crate::io::configure(&stream)?;
     let peer: SocketAddr = stream.peer_addr()?;
     let mut reader = FrameReader::default();
@@ -77,10 +93,12 @@ async fn serve(mut stream: TcpStream, node: NodeId, table: &RegionTable) -> io::
         };
     let status = if hello.version != VERSION {
         HelloStatus::BadVersion
-    } else if hello.channel != Channel::Data as u8 {
-        HelloStatus::BadChannel
-    } else {
+    } else if hello.channel == Channel::Data as u8
+        || (hello.channel == Channel::Control as u8 && control.is_some())
+    {
         HelloStatus::Ok
+    } else {
+        HelloStatus::BadChannel
     };
     let reply = HelloReply {
         version: VERSION,
@@ -90,6 +108,21 @@ async fn serve(mut stream: TcpStream, node: NodeId, table: &RegionTable) -> io::
     stream.write_all(&reply.encode()).await?;
     if status != HelloStatus::Ok {
         return Err(invalid(format!("refused hello from {peer}: {status:?}")));
+    }
+    if let (Some(control), true) = (control, hello.channel == Channel::Control as u8) {
+        // The client waits for our reply before it says more, so nothing of
+        // the next protocol can be sitting in our read buffer.
+        if reader.buffered() != 0 {
+            return Err(invalid("control client spoke before the hello reply"));
+        }
+        let handed = control
+            .send(ControlConnection {
+                stream,
+                peer: hello.node,
+            })
+            .await;
+        return handed
+            .map_err(|_| io::Error::new(io::ErrorKind::NotConnected, "control handler gone"));
     }
     debug!(%peer, client = ?hello.node, "data connection open");
 

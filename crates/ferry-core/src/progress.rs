@@ -1,0 +1,131 @@
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use crate::{OpError, SubmitError};
+
+/// Completion bookkeeping of one submitted batch, shared by every piece (TCP
+/// chunk, RDMA work request) its ops were split into. Every backend answers a
+/// submit from one of these, so they agree on what the caller is told.
+pub struct BatchProgress {
+    /// Pieces still unfinished, per op.
+    op_pieces: Vec<AtomicU32>,
+    remaining: AtomicUsize,
+    /// Lowest-indexed failure so far.
+    error: Mutex<Option<(usize, OpError)>>,
+    /// Set once the caller has been answered `Timeout`.
+    abandoned: AtomicBool,
+    done: Notify,
+}
+
+impl BatchProgress {
+    /// `pieces[i]` is how many pieces op `i` was split into.
+    pub fn new(pieces: impl IntoIterator<Item = u32>) -> Self {
+        let op_pieces: Vec<AtomicU32> = pieces.into_iter().map(AtomicU32::new).collect();
+        let remaining = op_pieces
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed) as usize)
+            .sum();
+        BatchProgress {
+            op_pieces,
+            remaining: AtomicUsize::new(remaining),
+            error: Mutex::new(None),
+            abandoned: AtomicBool::new(false),
+            done: Notify::new(),
+        }
+    }
+
+    pub fn total_pieces(&self) -> usize {
+        self.op_pieces
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed) as usize)
+            .sum()
+    }
+
+    /// Records the outcome of one piece of op `op`.
+    pub fn piece_done(&self, op: usize, result: Result<(), OpError>) {
+        if let Err(e) = result {
+            let mut error = self.error.lock().unwrap_or_else(|e| e.into_inner());
+            if error.as_ref().is_none_or(|(index, _)| op < *index) {
+                *error = Some((op, e));
+            }
+        }
+        self.op_pieces[op].fetch_sub(1, Ordering::AcqRel);
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.done.notify_one();
+        }
+    }
+
+    /// Resolves when every piece has finished.
+    pub async fn all_done(&self) {
+        if self.remaining.load(Ordering::Acquire) > 0 {
+            self.done.notified().await;
+        }
+    }
+
+    pub fn abandon(&self) {
+        self.abandoned.store(true, Ordering::Release);
+    }
+
+    /// Whether the caller was already answered: unsent pieces need not be sent.
+    pub fn is_abandoned(&self) -> bool {
+        self.abandoned.load(Ordering::Acquire)
+    }
+
+    /// The answer once every piece finished: the lowest-indexed failure, if any.
+    pub fn outcome(&self) -> Result<(), SubmitError> {
+        let error = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        match error.as_ref() {
+            Some((index, e)) => Err(SubmitError::op(*index, e.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// The answer when the deadline passed first: a failure already seen, or
+    /// `Timeout` counting the unfinished ops.
+    pub fn timed_out(&self, timeout: Duration) -> SubmitError {
+        self.abandon();
+        self.outcome().err().unwrap_or(SubmitError::Timeout {
+            timeout,
+            unfinished: self
+                .op_pieces
+                .iter()
+                .filter(|c| c.load(Ordering::Acquire) > 0)
+                .count(),
+            total: self.op_pieces.len(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lowest_failing_op_wins_and_timeouts_count_unfinished_ops() {
+        let p = BatchProgress::new([2, 1, 1]);
+        assert_eq!(p.total_pieces(), 4);
+        p.piece_done(2, Err(OpError::AccessDenied));
+        p.piece_done(0, Ok(()));
+        assert_eq!(
+            p.timed_out(Duration::from_secs(1)),
+            SubmitError::op(2, OpError::AccessDenied)
+        );
+        assert!(p.is_abandoned());
+        p.piece_done(1, Err(OpError::UnknownRegion));
+        assert_eq!(p.outcome(), Err(SubmitError::op(1, OpError::UnknownRegion)));
+
+        let q = BatchProgress::new([1, 2]);
+        q.piece_done(1, Ok(()));
+        assert_eq!(
+            q.timed_out(Duration::from_secs(1)),
+            SubmitError::Timeout {
+                timeout: Duration::from_secs(1),
+                unfinished: 2,
+                total: 2
+            }
+        );
+    }
+}
