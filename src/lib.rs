@@ -25,14 +25,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use ferry_core::{
-    Access, Generation, LocalSlice, MemoryBlock, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE,
-    RdmaBackend, RdmaOp, RdmaTransportLevel, Region, RegionId, RegisterError, RemoteBuffer,
-    RemoteTransports, SubmitError,
+    Access, Generation, IbvRemote, LocalSlice, MemoryBlock, NodeAddr, NodeId, OpError, OpKind,
+    PAGE_SIZE, RdmaBackend, RdmaOp, RdmaTransportLevel, Region, RegionId, RegisterError,
+    RemoteBuffer, RemoteTransports, SubmitError,
 };
 use ferry_core::{RegionIds, RegionParts};
+/// The ibverbs backend, for direct use of its actor, messages and raw handles.
+pub use ferry_ibverbs as ibverbs;
+use ferry_ibverbs::{IbvBackend, IbvConfig, IbvDevice};
 /// The TCP fallback backend, for direct use of its actor and messages.
 pub use ferry_tcp as tcp;
-use ferry_tcp::{RegisterRegion, TcpBackend, TcpConfig};
+use ferry_tcp::{TcpBackend, TcpConfig};
+use tokio::sync::mpsc;
 use tracing::info;
 
 pub mod prelude {
@@ -47,6 +51,10 @@ pub mod prelude {
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
+
+/// Setting this environment variable to `1` keeps a node off RDMA, as
+/// [`NodeBuilder::ibverbs`]`(false)` does.
+pub const DISABLE_IBVERBS_ENV: &str = "FERRY_DISABLE_IBVERBS";
 
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +71,8 @@ pub enum NodeError {
 pub struct NodeBuilder {
     listen: SocketAddr,
     tcp: TcpConfig,
+    ibverbs: bool,
+    ibverbs_config: IbvConfig,
 }
 
 impl Default for NodeBuilder {
@@ -70,6 +80,8 @@ impl Default for NodeBuilder {
         NodeBuilder {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             tcp: TcpConfig::default(),
+            ibverbs: true,
+            ibverbs_config: IbvConfig::default(),
         }
     }
 }
@@ -98,22 +110,56 @@ impl NodeBuilder {
         self
     }
 
+    /// Whether to use an RDMA device when this host has one (default true;
+    /// `FERRY_DISABLE_IBVERBS=1` overrides it to false).
+    pub fn ibverbs(mut self, enabled: bool) -> Self {
+        self.ibverbs = enabled;
+        self
+    }
+
+    /// Which device, port and GID the ibverbs backend uses.
+    pub fn ibverbs_config(mut self, config: IbvConfig) -> Self {
+        self.ibverbs_config = config;
+        self
+    }
+
     /// Binds the endpoint and spawns the backend actors on the current tokio
-    /// runtime.
+    /// runtime: TCP always, ibverbs when enabled and a device is usable.
     pub async fn spawn(self) -> Result<Node, NodeError> {
         let id = NodeId::random();
-        let tcp = TcpBackend::start(self.listen, id, self.tcp, None)
+        let disabled_by_env = std::env::var(DISABLE_IBVERBS_ENV).is_ok_and(|v| v == "1");
+        let device = match (self.ibverbs, disabled_by_env) {
+            (false, _) => Err("disabled by the node builder".to_string()),
+            (true, true) => Err(format!("disabled by {DISABLE_IBVERBS_ENV}=1")),
+            (true, false) => IbvDevice::open(&self.ibverbs_config).map_err(|e| e.to_string()),
+        };
+        // Queue-pair exchanges arrive on the node's endpoint; only a node
+        // with a device takes them.
+        let (control_tx, control_rx) = device.is_ok().then(|| mpsc::channel(64)).unzip();
+        let tcp = TcpBackend::start(self.listen, id, self.tcp, control_tx)
             .await
             .map_err(|source| NodeError::Listen {
                 addr: self.listen,
                 source,
             })?;
         let addr = tcp.local();
-        info!(node = %id, endpoint = %addr.endpoint, transports = "tcp", "ferry node running on TCP: the ibverbs backend is not part of this build");
+        let (ibverbs, ibverbs_unavailable) = match (device, control_rx) {
+            (Ok(device), Some(control)) => {
+                info!(node = %id, endpoint = %addr.endpoint, "ferry node running on ibverbs ({}) with TCP fallback", device.describe());
+                (Some(IbvBackend::start(device, addr, control)), None)
+            }
+            (device, _) => {
+                let reason = device.err().unwrap_or_default();
+                info!(node = %id, endpoint = %addr.endpoint, "ferry node running on TCP only: ibverbs unavailable: {reason}");
+                (None, Some(reason))
+            }
+        };
         Ok(Node(Arc::new(NodeInner {
             addr,
             ids: RegionIds::new(),
             tcp,
+            ibverbs,
+            ibverbs_unavailable,
         })))
     }
 }
@@ -127,6 +173,17 @@ struct NodeInner {
     addr: NodeAddr,
     ids: RegionIds,
     tcp: TcpBackend,
+    ibverbs: Option<IbvBackend>,
+    ibverbs_unavailable: Option<String>,
+}
+
+/// The transports a node runs, and their raw details.
+#[derive(Debug)]
+pub struct NodeTransportInfo {
+    pub tcp: Option<ferry_tcp::TcpTransportInfo>,
+    pub ibverbs: Option<ferry_ibverbs::IbvTransportInfo>,
+    /// Why the ibverbs backend is not running, when it is not.
+    pub ibverbs_unavailable: Option<String>,
 }
 
 impl Node {
@@ -143,13 +200,23 @@ impl Node {
         &self.0.tcp
     }
 
+    /// The ibverbs backend, when this node runs one.
+    pub fn ibverbs(&self) -> Option<&IbvBackend> {
+        self.0.ibverbs.as_ref()
+    }
+
+    /// Why this node runs without ibverbs (`None` when it runs with it).
+    pub fn ibverbs_unavailable(&self) -> Option<&str> {
+        self.0.ibverbs_unavailable.as_deref()
+    }
+
     /// Allocates `len` zeroed, page-aligned bytes and registers them.
     pub async fn alloc(&self, len: usize, access: Access) -> Result<Region, RegisterError> {
         self.register(MemoryBlock::alloc(len)?, access).await
     }
 
-    /// Registers memory with every running backend. `access` is the most any
-    /// remote handle to it will allow.
+    /// Registers memory with every running backend; its handles advertise
+    /// all of them. `access` is the most any remote handle to it will allow.
     pub async fn register(
         &self,
         memory: MemoryBlock,
@@ -157,29 +224,46 @@ impl Node {
     ) -> Result<Region, RegisterError> {
         let memory = Arc::new(memory);
         let slot = self.0.ids.allocate();
+        let (id, generation) = (slot.id(), slot.generation());
         let tcp = self
             .0
             .tcp
-            .register(RegisterRegion {
-                id: slot.id(),
-                generation: slot.generation(),
+            .register(ferry_tcp::RegisterRegion {
+                id,
+                generation,
                 access,
                 memory: memory.clone(),
             })
             .await?;
+        let mut registrations: Vec<Box<dyn std::any::Any + Send + Sync>> =
+            vec![Box::new(tcp.registration)];
+        let mut transports = RemoteTransports {
+            tcp: Some(tcp.remote),
+            ibverbs: None,
+        };
+        if let Some(ibverbs) = &self.0.ibverbs {
+            let ibv = ibverbs
+                .register(ferry_ibverbs::RegisterRegion {
+                    id,
+                    generation,
+                    access,
+                    memory: memory.clone(),
+                })
+                .await?;
+            registrations.push(Box::new(ibv.registration));
+            transports.ibverbs = Some(ibv.remote);
+        }
         Ok(Region::new(RegionParts {
             slot,
             memory,
             access,
             owner: self.0.addr,
-            transports: RemoteTransports {
-                tcp: Some(tcp.remote),
-            },
-            registrations: vec![Box::new(tcp.registration)],
+            transports,
+            registrations,
         }))
     }
 
-    /// Regions currently reachable by peers, as (id, generation).
+    /// Regions currently reachable by peers over TCP, as (id, generation).
     pub async fn registered_regions(&self) -> Vec<(RegionId, Generation)> {
         self.0.tcp.registered().await
     }
@@ -187,66 +271,140 @@ impl Node {
     /// Stops the backends; in-flight transfers fail.
     pub async fn shutdown(&self) {
         self.0.tcp.stop().await;
+        if let Some(ibverbs) = &self.0.ibverbs {
+            ibverbs.stop().await;
+        }
     }
 
     /// The fastest transport this node and the op's remote side share.
-    fn route(&self, op: &RdmaOp) -> Option<RdmaTransportLevel> {
-        op.remote.transports().tcp.map(|_| RdmaTransportLevel::Tcp)
+    pub fn route(&self, op: &RdmaOp) -> Option<RdmaTransportLevel> {
+        let remote = op.remote.transports();
+        if self.0.ibverbs.is_some() && remote.ibverbs.is_some() {
+            Some(RdmaTransportLevel::Nic)
+        } else {
+            remote.tcp.map(|_| RdmaTransportLevel::Tcp)
+        }
+    }
+
+    /// Same as [`RdmaBackend::submit`], without importing the trait.
+    pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        RdmaBackend::submit(self, ops, timeout).await
+    }
+}
+
+/// Maps a backend's answer about its share of a batch back to indices of the
+/// whole batch: `index[i]` is the batch index of the backend's op `i`.
+fn remap(result: Result<(), SubmitError>, index: &[usize]) -> Result<(), SubmitError> {
+    result.map_err(|e| match e {
+        SubmitError::Op { index: i, error } => SubmitError::Op {
+            index: index[i],
+            error,
+        },
+        other => other,
+    })
+}
+
+/// Merges the answers of the backends a batch was split over: the lowest
+/// failing op first, then a timeout (unfinished ops summed), then a stopped
+/// backend.
+fn merge(results: [Result<(), SubmitError>; 2], total: usize) -> Result<(), SubmitError> {
+    let mut lowest_op: Option<(usize, OpError)> = None;
+    let mut timed_out: Option<(Duration, usize)> = None;
+    let mut stopped = false;
+    for result in results {
+        match result {
+            Ok(()) => {}
+            Err(SubmitError::Op { index, error }) => {
+                if lowest_op.as_ref().is_none_or(|(best, _)| index < *best) {
+                    lowest_op = Some((index, error));
+                }
+            }
+            Err(SubmitError::Timeout {
+                timeout,
+                unfinished,
+                ..
+            }) => {
+                let (_, sum) = timed_out.get_or_insert((timeout, 0));
+                *sum += unfinished;
+            }
+            Err(SubmitError::BackendStopped) => stopped = true,
+        }
+    }
+    if let Some((index, error)) = lowest_op {
+        return Err(SubmitError::Op { index, error });
+    }
+    if let Some((timeout, unfinished)) = timed_out {
+        return Err(SubmitError::Timeout {
+            timeout,
+            unfinished,
+            total,
+        });
+    }
+    if stopped {
+        Err(SubmitError::BackendStopped)
+    } else {
+        Ok(())
     }
 }
 
 impl RdmaBackend for Node {
-    type TransportInfo = ferry_tcp::TcpTransportInfo;
+    type TransportInfo = NodeTransportInfo;
 
-    /// Routes each op to a transport both ends share; ops sharing a transport
-    /// stay one batch. Errors name the op's index in *this* batch.
+    /// Routes each op to the fastest transport both ends share; the ops of
+    /// one transport stay one batch, and the transports run concurrently.
+    /// Errors name the op's index in *this* batch.
     async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         let total = ops.len();
-        let mut tcp_ops = Vec::with_capacity(total);
-        let mut tcp_index = Vec::with_capacity(total);
+        let (mut nic_ops, mut nic_index, mut tcp_ops, mut tcp_index) =
+            (vec![], vec![], vec![], vec![]);
         for (index, op) in ops.into_iter().enumerate() {
             match self.route(&op) {
-                Some(RdmaTransportLevel::Tcp) => {
+                Some(RdmaTransportLevel::Nic) => {
+                    nic_index.push(index);
+                    nic_ops.push(op);
+                }
+                Some(_) => {
                     tcp_index.push(index);
                     tcp_ops.push(op);
                 }
-                _ => return Err(SubmitError::op(index, OpError::NoSharedTransport)),
+                None => return Err(SubmitError::op(index, OpError::NoSharedTransport)),
             }
         }
-        self.0
-            .tcp
-            .submit(tcp_ops, timeout)
-            .await
-            .map_err(|e| match e {
-                SubmitError::Op { index, error } => SubmitError::Op {
-                    index: tcp_index[index],
-                    error,
-                },
-                SubmitError::Timeout {
-                    timeout,
-                    unfinished,
-                    ..
-                } => SubmitError::Timeout {
-                    timeout,
-                    unfinished,
-                    total,
-                },
-                other => other,
-            })
+        let run_nic = async {
+            match &self.0.ibverbs {
+                Some(ibverbs) if !nic_ops.is_empty() => {
+                    remap(ibverbs.submit(nic_ops, timeout).await, &nic_index)
+                }
+                _ => Ok(()),
+            }
+        };
+        let run_tcp = async {
+            match tcp_ops.is_empty() {
+                true => Ok(()),
+                false => remap(self.0.tcp.submit(tcp_ops, timeout).await, &tcp_index),
+            }
+        };
+        let (nic_result, tcp_result) = tokio::join!(run_nic, run_tcp);
+        merge([nic_result, tcp_result], total)
     }
 
     fn transport_level(&self) -> RdmaTransportLevel {
-        RdmaTransportLevel::Tcp
+        if self.0.ibverbs.is_some() {
+            RdmaTransportLevel::Nic
+        } else {
+            RdmaTransportLevel::Tcp
+        }
     }
 
     async fn transport_info(&self) -> Option<Self::TransportInfo> {
-        self.0.tcp.transport_info().await
-    }
-}
-
-impl Node {
-    /// Same as [`RdmaBackend::submit`], without importing the trait.
-    pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
-        RdmaBackend::submit(self, ops, timeout).await
+        let ibverbs = match &self.0.ibverbs {
+            Some(ibverbs) => ibverbs.transport_info().await,
+            None => None,
+        };
+        Some(NodeTransportInfo {
+            tcp: self.0.tcp.transport_info().await,
+            ibverbs,
+            ibverbs_unavailable: self.0.ibverbs_unavailable.clone(),
+        })
     }
 }

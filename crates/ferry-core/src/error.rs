@@ -80,4 +80,6 @@ pub enum RegisterError {
     BackendStopped,
     #[error("region id {0:?} is already registered with this backend")]
     IdInUse(crate::RegionId),
+    #[error("backend could not register the memory: {0}")]
+    Backend(String),
 }

@@ -31,11 +31,23 @@ impl std::fmt::Debug for TcpRemote {
     }
 }
 
+/// What the ibverbs backend needs to reach a region: the rkey of its memory
+/// region on the owner's device, and that device's GID (for information; the
+/// queue-pair exchange carries the address actually used).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct IbvRemote {
+    pub rkey: u32,
+    pub gid: [u8; 16],
+}
+
 /// Per-transport credentials a region was registered with. A transport that is
 /// `None` here cannot reach the region.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteTransports {
+    #[serde(default)]
     pub tcp: Option<TcpRemote>,
+    #[serde(default)]
+    pub ibverbs: Option<IbvRemote>,
 }
 
 /// Serializable handle through which another node reads or writes (part of) a
@@ -161,6 +173,7 @@ mod tests {
             Access::ReadWrite,
             RemoteTransports {
                 tcp: Some(TcpRemote { token: 42 }),
+                ibverbs: None,
             },
         )
     }

@@ -1,3 +1,19 @@
-//! ferry's ibverbs backend. All raw verbs calls live in [`verbs`].
+//! ferry's ibverbs backend: one-sided RDMA READ/WRITE through an RDMA NIC
+//! (or soft-RoCE), behind the same `Submit` semantics as the TCP fallback.
+//!
+//! All raw verbs calls live in [`verbs`]; the rest of the crate uses its safe
+//! types. Queue pairs are connected lazily, one per peer, over the node's
+//! `Control` channel (see `connection`).
 
+mod backend;
+mod connection;
+mod device;
 pub mod verbs;
+mod wire;
+
+pub use backend::{
+    IbvBackend, IbvDevice, IbvManagerActor, IbvManagerArgs, IbvQpHandle, IbvRegistered,
+    IbvRegistration, IbvTransportInfo, RegisterRegion, Submit, TransportInfo, TransportLevel,
+    submit_outcome,
+};
+pub use device::IbvConfig;

@@ -387,6 +387,27 @@ impl CompletionChannel {
         // SAFETY: the channel is alive until Drop.
         unsafe { self.raw.as_ref().fd }
     }
+
+    /// Makes `take_event` return instead of blocking when no event is pending,
+    /// so the fd can be driven by an async reactor.
+    pub fn set_nonblocking(&self) -> Result<(), VerbsError> {
+        let fd = self.fd();
+        // SAFETY: fcntl on a file descriptor this channel owns; only the
+        // O_NONBLOCK status flag is changed.
+        let rc = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags < 0 {
+                flags
+            } else {
+                libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK)
+            }
+        };
+        if rc < 0 {
+            Err(call_error("fcntl(O_NONBLOCK)"))
+        } else {
+            Ok(())
+        }
+    }
 }
 
 impl Drop for CompletionChannel {
@@ -416,6 +437,12 @@ impl Completion {
 
     pub fn is_flush(&self) -> bool {
         self.status == ibv_wc_status::IBV_WC_WR_FLUSH_ERR
+    }
+
+    /// The peer stopped answering (transport or RNR retries exhausted).
+    pub fn is_retry_exceeded(&self) -> bool {
+        self.status == ibv_wc_status::IBV_WC_RETRY_EXC_ERR
+            || self.status == ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR
     }
 
     pub fn status_str(&self) -> String {

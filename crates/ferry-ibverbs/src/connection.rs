@@ -1,0 +1,490 @@
+//! One RC queue pair to one peer: connecting it over the peer's control
+//! channel, posting work with credits, and turning completions into op
+//! outcomes.
+//!
+//! # Memory safety
+//!
+//! Every posted work request has a record in `Inflight::records`, in post
+//! order, holding a `Region` clone of its local memory. A record is dropped
+//! only when the completion of that request, or of a later signaled one on the
+//! same QP (RC completes in order), has been polled — including flush
+//! completions after the QP entered the error state. So no local byte a
+//! request may touch is unregistered or freed before the NIC is done with it.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_core::{BatchProgress, NodeAddr, NodeId, OpError, Region, random_u128};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::device::Device;
+use crate::verbs::{
+    Completion, CompletionChannel, CompletionQueue, PathConfig, QpEndpoint, QueuePair, WorkRequest,
+};
+use crate::wire::{QP_INFO_LEN, QpInfo};
+
+/// Signal one work request in this many (and always the last one posted):
+/// fewer completions to poll, credits still returned steadily.
+const SIGNAL_EVERY: usize = 16;
+/// Most work requests posted with one doorbell.
+const MAX_POST: usize = 64;
+/// Empty polls (each a yield to the runtime) before sleeping on the channel.
+const BUSY_POLLS: u32 = 64;
+
+/// One piece of an op, ready to post.
+pub(crate) struct Piece {
+    pub op: usize,
+    pub wr: WorkRequest,
+    pub pin: Region,
+}
+
+struct Posted {
+    wr_id: u64,
+    op: usize,
+    progress: Arc<BatchProgress>,
+    _pin: Region,
+}
+
+#[derive(Default)]
+struct Inflight {
+    records: VecDeque<Posted>,
+    /// Set when the QP failed; it then only drains.
+    broken: Option<OpError>,
+}
+
+pub(crate) struct PeerQp {
+    peer: NodeAddr,
+    qp: QueuePair,
+    credits: Semaphore,
+    inflight: Mutex<Inflight>,
+    next_wr_id: AtomicU64,
+    /// Cancelled when the QP is broken: stops the control-stream watcher,
+    /// which closes the stream and so lets the peer destroy its QP.
+    closed: CancellationToken,
+}
+
+/// The completion channel's fd for tokio's reactor. Owning the channel means
+/// the fd stays open for as long as the reactor watches it.
+struct ChannelFd(Arc<CompletionChannel>);
+
+impl AsRawFd for ChannelFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.fd()
+    }
+}
+
+impl PeerQp {
+    pub fn peer(&self) -> NodeAddr {
+        self.peer
+    }
+
+    pub fn qpn(&self) -> u32 {
+        self.qp.qpn()
+    }
+
+    pub fn qp(&self) -> &QueuePair {
+        &self.qp
+    }
+
+    pub fn is_broken(&self) -> bool {
+        self.lock().broken.is_some()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inflight> {
+        self.inflight.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether any posted request of `progress` is still outstanding.
+    pub fn has_work_of(&self, progress: &Arc<BatchProgress>) -> bool {
+        self.lock()
+            .records
+            .iter()
+            .any(|r| Arc::ptr_eq(&r.progress, progress))
+    }
+
+    /// Fails the QP: outstanding requests flush (their completions release
+    /// their memory) and no new work is accepted.
+    pub fn break_with(&self, error: OpError) {
+        let mut inflight = self.lock();
+        if inflight.broken.is_none() {
+            debug!(peer = %self.peer.endpoint, qpn = self.qp.qpn(), %error, "queue pair failed");
+            inflight.broken = Some(error);
+            if let Err(e) = self.qp.to_error() {
+                debug!(error = %e, "moving the queue pair to the error state failed");
+            }
+            self.closed.cancel();
+        }
+    }
+
+    /// Posts `pieces` in order, as linked lists of at most `MAX_POST`
+    /// requests, waiting for send-queue credits as needed until `deadline`.
+    /// Pieces that cannot be posted are reported to `progress`.
+    pub async fn post_all(
+        &self,
+        pieces: Vec<Piece>,
+        progress: &Arc<BatchProgress>,
+        deadline: Instant,
+    ) {
+        let mut pieces = pieces.into_iter().peekable();
+        let mut batch: Vec<Piece> = Vec::with_capacity(MAX_POST);
+        while pieces.peek().is_some() {
+            if progress.is_abandoned() {
+                return;
+            }
+            // At least one credit, then whatever else is free right now.
+            match tokio::time::timeout_at(deadline, self.credits.acquire()).await {
+                Ok(Ok(permit)) => permit.forget(),
+                // Deadline passed or semaphore closed: the caller's timeout
+                // path accounts for the pieces never posted.
+                _ => return,
+            }
+            batch.clear();
+            batch.extend(pieces.next());
+            while batch.len() < MAX_POST && pieces.peek().is_some() {
+                match self.credits.try_acquire() {
+                    Ok(permit) => {
+                        permit.forget();
+                        batch.extend(pieces.next());
+                    }
+                    Err(_) => break,
+                }
+            }
+            self.post_batch(&mut batch, progress);
+        }
+    }
+
+    fn post_batch(&self, batch: &mut Vec<Piece>, progress: &Arc<BatchProgress>) {
+        let last = batch.len() - 1;
+        let mut wrs: Vec<WorkRequest> = Vec::with_capacity(batch.len());
+        for (i, piece) in batch.iter_mut().enumerate() {
+            piece.wr.wr_id = self.next_wr_id.fetch_add(1, Ordering::Relaxed);
+            piece.wr.signaled = i == last || i % SIGNAL_EVERY == SIGNAL_EVERY - 1;
+            wrs.push(piece.wr);
+        }
+        // Records go in under the same lock as the post, so their order is the
+        // order the requests complete in.
+        let mut inflight = self.lock();
+        if let Some(error) = inflight.broken.clone() {
+            drop(inflight);
+            self.credits.add_permits(batch.len());
+            batch
+                .drain(..)
+                .for_each(|p| progress.piece_done(p.op, Err(error.clone())));
+            return;
+        }
+        let before = inflight.records.len();
+        inflight
+            .records
+            .extend(batch.drain(..).zip(&wrs).map(|(piece, wr)| Posted {
+                wr_id: wr.wr_id,
+                op: piece.op,
+                progress: progress.clone(),
+                _pin: piece.pin,
+            }));
+        // SAFETY: every request's local range lies in a memory region of this
+        // QP's protection domain (checked when the piece was built), and the
+        // record pushed above pins that region until the request's completion
+        // (or a later one) is polled; see the module docs.
+        if let Err((index, e)) = unsafe { self.qp.post(&wrs) } {
+            // Requests from `index` on were not posted: take their records back.
+            let refused: Vec<Posted> = inflight.records.drain(before + index..).collect();
+            let error = OpError::Protocol(format!("posting to the send queue failed: {e}"));
+            drop(inflight);
+            self.credits.add_permits(refused.len());
+            for record in refused {
+                record.progress.piece_done(record.op, Err(error.clone()));
+            }
+            self.break_with(error);
+        }
+    }
+
+    /// Applies completions: every record up to and including the completed
+    /// request is finished (RC completes in order) and its credit returned.
+    fn complete(&self, completions: &[Completion]) {
+        let mut freed = 0;
+        let mut failure = None;
+        {
+            let mut inflight = self.lock();
+            for wc in completions {
+                let error =
+                    (!wc.is_success()).then(|| self.error_for(wc, inflight.broken.as_ref()));
+                while let Some(record) = inflight.records.pop_front() {
+                    freed += 1;
+                    let target = record.wr_id == wc.wr_id;
+                    // Before an error completion, earlier requests succeeded;
+                    // before a flush, they were flushed too.
+                    let result = match &error {
+                        Some(e) if target || wc.is_flush() => Err(e.clone()),
+                        _ => Ok(()),
+                    };
+                    record.progress.piece_done(record.op, result);
+                    if target {
+                        break;
+                    }
+                }
+                if let Some(e) = error
+                    && !wc.is_flush()
+                {
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        self.credits.add_permits(freed);
+        if let Some(error) = failure {
+            self.break_with(error);
+        }
+    }
+
+    fn error_for(&self, wc: &Completion, broken: Option<&OpError>) -> OpError {
+        let endpoint = self.peer.endpoint;
+        if wc.is_remote_access_error() {
+            OpError::AccessDenied
+        } else if wc.is_flush() {
+            broken
+                .cloned()
+                .unwrap_or(OpError::ConnectionLost { endpoint })
+        } else if wc.is_retry_exceeded() {
+            OpError::ConnectionLost { endpoint }
+        } else {
+            OpError::Protocol(format!("work completion failed: {}", wc.status_str()))
+        }
+    }
+
+    /// Polls the CQ until the QP is broken and drained: busy for a short
+    /// window after activity, then asleep on the completion channel.
+    async fn poll_completions(
+        self: Arc<Self>,
+        cq: Arc<CompletionQueue>,
+        channel: Arc<CompletionChannel>,
+    ) {
+        // SAFETY: `ChannelFd` owns the channel, so its fd stays open and the
+        // same for the AsyncFd's whole life, as `register` requires.
+        let fd = match unsafe {
+            AsyncFd::register_with_interest(ChannelFd(channel), Interest::READABLE)
+        } {
+            Ok(fd) => fd,
+            Err(e) => {
+                return self.break_with(OpError::Protocol(format!("completion channel: {e}")));
+            }
+        };
+        let mut wcs = Vec::with_capacity(64);
+        let mut idle = 0;
+        loop {
+            wcs.clear();
+            if let Err(e) = cq.poll(&mut wcs, 64) {
+                self.break_with(OpError::Protocol(e.to_string()));
+            }
+            if !wcs.is_empty() {
+                self.complete(&wcs);
+                idle = 0;
+                continue;
+            }
+            {
+                let inflight = self.lock();
+                if inflight.broken.is_some() && inflight.records.is_empty() {
+                    return;
+                }
+            }
+            if idle < BUSY_POLLS {
+                idle += 1;
+                tokio::task::yield_now().await;
+                continue;
+            }
+            // Arm, then poll once more: a completion that arrived before the
+            // arm raises no event.
+            if let Err(e) = cq.arm() {
+                self.break_with(OpError::Protocol(e.to_string()));
+            }
+            if cq.poll(&mut wcs, 64).unwrap_or(0) > 0 {
+                self.complete(&wcs);
+                idle = 0;
+                continue;
+            }
+            // Wake up now and then regardless, to notice a broken, drained QP.
+            if let Ok(Ok(mut guard)) =
+                tokio::time::timeout(Duration::from_millis(100), fd.readable()).await
+            {
+                guard.clear_ready();
+                while let Ok(true) = cq.take_event() {}
+            }
+            idle = 0;
+        }
+    }
+}
+
+fn random_psn() -> u32 {
+    (random_u128() as u32) & 0x00ff_ffff
+}
+
+fn endpoint_of(device: &Device, qp: &QueuePair, psn: u32) -> QpEndpoint {
+    QpEndpoint {
+        qpn: qp.qpn(),
+        psn,
+        gid: device.gid,
+        lid: device.lid,
+    }
+}
+
+async fn read_info(stream: &mut TcpStream) -> Result<QpInfo, OpError> {
+    let mut buf = [0; QP_INFO_LEN];
+    stream
+        .read_exact(&mut buf)
+        .await
+        .map_err(|e| OpError::Protocol(format!("queue-pair exchange: {e}")))?;
+    QpInfo::decode(&buf)
+        .ok_or_else(|| OpError::Protocol("malformed queue-pair exchange frame".into()))
+}
+
+/// Connects a new QP to `peer`: exchanges details over its control channel,
+/// brings the QP to RTS and starts its completion poller.
+pub(crate) async fn connect(
+    device: &Arc<Device>,
+    peer: NodeAddr,
+    me: NodeId,
+) -> Result<Arc<PeerQp>, OpError> {
+    let setup = |e: crate::verbs::VerbsError| OpError::Protocol(format!("queue pair setup: {e}"));
+    let mut control = ferry_tcp::connect_control(peer, me).await?;
+    let channel = CompletionChannel::new(&device.context).map_err(setup)?;
+    channel.set_nonblocking().map_err(setup)?;
+    // One completion per request at most, and at most `max_send_wr` requests
+    // outstanding (credits): the CQ cannot overflow.
+    let cq = CompletionQueue::new(
+        &device.context,
+        device.max_send_wr + 1,
+        Some(channel.clone()),
+    )
+    .map_err(setup)?;
+    let qp = QueuePair::new_rc(&device.pd, &cq, device.max_send_wr).map_err(setup)?;
+    qp.to_init(device.port).map_err(setup)?;
+    let psn = random_psn();
+    let mine = QpInfo {
+        status: 0,
+        mtu: device.mtu as u8,
+        endpoint: endpoint_of(device, &qp, psn),
+    };
+    control
+        .write_all(&mine.encode())
+        .await
+        .map_err(|e| OpError::Protocol(format!("queue-pair exchange: {e}")))?;
+    let theirs = read_info(&mut control).await?;
+    if theirs.status != 0 {
+        return Err(OpError::Protocol(format!(
+            "{} could not create a queue pair",
+            peer.endpoint
+        )));
+    }
+    let path = PathConfig {
+        port: device.port,
+        gid_index: device.gid_index,
+        mtu: device.mtu.min(theirs.mtu as u32),
+    };
+    qp.to_rtr(&theirs.endpoint, &path).map_err(setup)?;
+    qp.to_rts(psn).map_err(setup)?;
+    let credits = qp.max_send_wr().min(device.max_send_wr) as usize;
+    let conn = Arc::new(PeerQp {
+        peer,
+        qp,
+        credits: Semaphore::new(credits),
+        inflight: Mutex::new(Inflight::default()),
+        next_wr_id: AtomicU64::new(0),
+        closed: CancellationToken::new(),
+    });
+    tokio::spawn(conn.clone().poll_completions(cq, channel));
+    tokio::spawn(watch_control(
+        Arc::downgrade(&conn),
+        control,
+        conn.closed.clone(),
+    ));
+    debug!(peer = %peer.endpoint, qpn = conn.qpn(), remote_qpn = theirs.endpoint.qpn, "queue pair connected");
+    Ok(conn)
+}
+
+/// Holds the control stream open for the QP's life. If the peer closes it
+/// (its process died), the QP is failed at once instead of after RC retries.
+async fn watch_control(
+    conn: std::sync::Weak<PeerQp>,
+    mut control: TcpStream,
+    closed: CancellationToken,
+) {
+    let mut byte = [0u8; 1];
+    tokio::select! {
+        _ = closed.cancelled() => {}
+        _ = control.read(&mut byte) => {
+            if let Some(conn) = conn.upgrade() {
+                let endpoint = conn.peer.endpoint;
+                conn.break_with(OpError::ConnectionLost { endpoint });
+            }
+        }
+    }
+}
+
+/// The owner's side of the exchange: a QP dedicated to the initiator, kept
+/// until the initiator closes the control stream.
+pub(crate) async fn accept(device: Arc<Device>, mut control: TcpStream, peer: NodeId) {
+    let deadline = Duration::from_secs(10);
+    let theirs = match tokio::time::timeout(deadline, read_info(&mut control)).await {
+        Ok(Ok(info)) => info,
+        _ => return debug!(?peer, "queue-pair exchange failed"),
+    };
+    let setup = || -> Result<(QueuePair, u32), crate::verbs::VerbsError> {
+        // The passive QP never posts; its CQ only has to exist.
+        let cq = CompletionQueue::new(&device.context, 2, None)?;
+        let qp = QueuePair::new_rc(&device.pd, &cq, 1)?;
+        let psn = random_psn();
+        let path = PathConfig {
+            port: device.port,
+            gid_index: device.gid_index,
+            mtu: device.mtu.min(theirs.mtu as u32),
+        };
+        qp.to_init(device.port)?;
+        qp.to_rtr(&theirs.endpoint, &path)?;
+        qp.to_rts(psn)?;
+        Ok((qp, psn))
+    };
+    let (reply, qp) = match setup() {
+        Ok((qp, psn)) => {
+            let endpoint = endpoint_of(&device, &qp, psn);
+            (
+                QpInfo {
+                    status: 0,
+                    mtu: device.mtu as u8,
+                    endpoint,
+                },
+                Some(qp),
+            )
+        }
+        Err(e) => {
+            debug!(?peer, error = %e, "cannot create a queue pair for a peer");
+            (
+                QpInfo {
+                    status: 1,
+                    mtu: 0,
+                    endpoint: QpEndpoint {
+                        qpn: 0,
+                        psn: 0,
+                        gid: [0; 16],
+                        lid: 0,
+                    },
+                },
+                None,
+            )
+        }
+    };
+    if control.write_all(&reply.encode()).await.is_err() || qp.is_none() {
+        return;
+    }
+    // Anything but more bytes means the initiator is gone: destroy the QP.
+    let mut byte = [0u8; 1];
+    let _ = control.read(&mut byte).await;
+    debug!(?peer, "initiator closed its queue pair");
+    drop(qp);
+}

@@ -1,0 +1,83 @@
+//! The opened device and the port parameters every queue pair uses.
+
+use std::sync::Arc;
+
+use crate::verbs::{Context, ProtectionDomain, VerbsError, device_names};
+
+/// How the ibverbs backend picks and uses its device.
+#[derive(Clone, Debug)]
+pub struct IbvConfig {
+    /// Device name (e.g. `mlx5_0`, `rxe0`); the first device when `None`.
+    pub device: Option<String>,
+    pub port: u8,
+    /// GID table index; the first IPv4-mapped (RoCE v2) GID when `None`.
+    pub gid_index: Option<u32>,
+    /// Send-queue depth per queue pair (capped by the device): how many work
+    /// requests may be outstanding to one peer. Larger batches stream
+    /// through it.
+    pub max_send_wr: u32,
+}
+
+impl Default for IbvConfig {
+    fn default() -> Self {
+        IbvConfig {
+            device: None,
+            port: 1,
+            gid_index: None,
+            max_send_wr: 1024,
+        }
+    }
+}
+
+pub(crate) struct Device {
+    pub context: Arc<Context>,
+    pub pd: Arc<ProtectionDomain>,
+    pub port: u8,
+    pub gid_index: u32,
+    pub gid: [u8; 16],
+    pub lid: u16,
+    /// `ibv_mtu` value of the port.
+    pub mtu: u32,
+    /// Largest message one work request may carry on this port.
+    pub max_msg: u32,
+    pub max_send_wr: u32,
+}
+
+impl Device {
+    pub fn open(config: &IbvConfig) -> Result<Device, VerbsError> {
+        // Distinguishes "no device at all" (the normal TCP-only host) from a
+        // named device that is missing.
+        device_names()?;
+        let context = Context::open(config.device.as_deref())?;
+        let port = context.port(config.port)?;
+        if !port.active {
+            return Err(VerbsError::Call {
+                call: "port state",
+                source: std::io::Error::other(format!(
+                    "{} port {} is not active",
+                    context.name(),
+                    config.port
+                )),
+            });
+        }
+        let (gid_index, gid) = match config.gid_index {
+            Some(index) => (index, context.gid(config.port, index)?),
+            None => context.ipv4_gid(config.port)?,
+        };
+        let limits = context.limits()?;
+        let pd = ProtectionDomain::new(&context)?;
+        Ok(Device {
+            pd,
+            port: config.port,
+            gid_index,
+            gid,
+            lid: port.lid,
+            mtu: port.active_mtu,
+            max_msg: port.max_msg_size.max(1),
+            max_send_wr: config
+                .max_send_wr
+                .clamp(1, limits.max_qp_wr.saturating_sub(1).max(1)),
+            context,
+        })
+    }
+}
