@@ -66,10 +66,16 @@ impl PeerRegion {
 
 impl PeerProcess {
     pub async fn spawn() -> PeerProcess {
+        Self::spawn_with_env(&[]).await
+    }
+
+    /// A peer process with extra environment variables.
+    pub async fn spawn_with_env(env: &[(&str, &str)]) -> PeerProcess {
         let exe = std::env::current_exe().expect("test binary path");
         let mut child = Command::new(exe)
             .args(["--exact", "ferry_peer", "--nocapture", "--test-threads=1"])
             .env(PEER_ENV, "1")
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)

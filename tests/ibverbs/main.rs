@@ -1,0 +1,322 @@
+//! Two ferry nodes in separate processes over a real RDMA device.
+//!
+//! These need an RDMA device, so they are `#[ignore]`d with that reason on a
+//! normal host. The soft-RoCE harness (`tests/rxe/run.sh`) runs them inside a
+//! VM with `--include-ignored`, where they must pass.
+
+#[path = "../tcp/common.rs"]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{PeerProcess, digest, pattern};
+use ferry::prelude::*;
+use ferry::{RdmaTransportLevel, ibverbs};
+
+const DEADLINE: Duration = Duration::from_secs(120);
+const NEEDS_DEVICE: &str = "needs an RDMA device: run by tests/rxe/run.sh";
+
+/// Entry point of the peer process; does nothing in a normal test run.
+#[test]
+fn ferry_peer() {
+    if std::env::var_os(common::PEER_ENV).is_some() {
+        common::peer_main();
+    }
+}
+
+async fn rdma_node() -> Node {
+    let node = Node::builder().spawn().await.unwrap();
+    assert!(
+        node.ibverbs().is_some(),
+        "{NEEDS_DEVICE}; here: {}",
+        node.ibverbs_unavailable().unwrap_or("?")
+    );
+    node
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn write_then_read_back_over_rdma_1_byte_to_64_mib() {
+    let node = rdma_node().await;
+    let mut peer = PeerProcess::spawn().await;
+    for (i, len) in [1usize, 4096, (1 << 20) + 3, 64 << 20]
+        .into_iter()
+        .enumerate()
+    {
+        let margin = 16;
+        let target = peer
+            .alloc(len + 2 * margin, Access::ReadWrite, i as u8)
+            .await;
+        let remote = target
+            .handle
+            .slice(margin as u64..(margin + len) as u64)
+            .unwrap();
+        assert!(
+            remote.transports().ibverbs.is_some(),
+            "the peer registered with its NIC"
+        );
+        let data = pattern(len, 50 + i as u8);
+        let src = node.alloc(len, Access::ReadWrite).await.unwrap();
+        src.write_at(0, &data).unwrap();
+        let op = RdmaOp::write(src.whole(), remote.clone());
+        assert_eq!(node.route(&op), Some(RdmaTransportLevel::Nic));
+        node.submit(vec![op], DEADLINE).await.unwrap();
+        let mut expected = target.original();
+        expected[margin..margin + len].copy_from_slice(&data);
+        assert_eq!(
+            peer.digest(&target).await,
+            digest(&expected),
+            "{len} B write"
+        );
+
+        let back = node.alloc(len, Access::ReadWrite).await.unwrap();
+        node.submit(vec![RdmaOp::read(back.whole(), remote)], DEADLINE)
+            .await
+            .unwrap();
+        assert!(back.to_vec() == data, "{len} B read back differs");
+        peer.drop_region(&target).await;
+    }
+}
+
+/// 4096 ops in one submit: more than the send queue holds, so posting has to
+/// stream through its credits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn batches_up_to_4096_mixed_ops_stream_through_the_send_queue() {
+    let node = rdma_node().await;
+    let mut peer = PeerProcess::spawn().await;
+    for (round, batch) in [1usize, 7, 1024, 4096].into_iter().enumerate() {
+        let sizes: Vec<usize> = (0..batch).map(|i| [1, 64, 4096, 3000][i % 4]).collect();
+        let total: usize = sizes.iter().sum();
+        let target = peer.alloc(total, Access::ReadWrite, round as u8).await;
+        let local = node.alloc(total, Access::ReadWrite).await.unwrap();
+        let outgoing = pattern(total, 90 + round as u8);
+        local.write_at(0, &outgoing).unwrap();
+        let original = target.original();
+        let (mut expected_remote, mut expected_local) = (original.clone(), outgoing.clone());
+        let mut ops = Vec::with_capacity(batch);
+        let mut at = 0;
+        for (i, &len) in sizes.iter().enumerate() {
+            let range = at..at + len;
+            let remote = target
+                .handle
+                .slice(range.start as u64..range.end as u64)
+                .unwrap();
+            let slice = local.slice(range.clone()).unwrap();
+            if i % 2 == 0 {
+                ops.push(RdmaOp::write(slice, remote));
+                expected_remote[range.clone()].copy_from_slice(&outgoing[range]);
+            } else {
+                ops.push(RdmaOp::read(slice, remote));
+                expected_local[range.clone()].copy_from_slice(&original[range]);
+            }
+            at += len;
+        }
+        node.submit(ops, DEADLINE).await.unwrap();
+        assert!(
+            local.to_vec() == expected_local,
+            "batch {batch}: local bytes"
+        );
+        assert_eq!(
+            peer.digest(&target).await,
+            digest(&expected_remote),
+            "batch {batch}: remote bytes"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn concurrent_submits_to_the_manager_actor() {
+    let node = rdma_node().await;
+    let mut peer = PeerProcess::spawn().await;
+    let slice = 256 * 1024 + 5;
+    let workers = 8;
+    let target = peer.alloc(workers * slice, Access::ReadWrite, 3).await;
+    let manager = node.ibverbs().unwrap().actor().clone();
+    let mut expected = target.original();
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let range = w * slice..(w + 1) * slice;
+        expected[range.clone()].copy_from_slice(&pattern(slice, w as u8));
+        let remote = target
+            .handle
+            .slice(range.start as u64..range.end as u64)
+            .unwrap();
+        let (node, manager) = (node.clone(), manager.clone());
+        tasks.push(tokio::spawn(async move {
+            let src = node.alloc(slice, Access::ReadWrite).await.unwrap();
+            src.write_at(0, &pattern(slice, w as u8)).unwrap();
+            let back = node.alloc(slice, Access::ReadWrite).await.unwrap();
+            let submit = |ops| ibverbs::Submit {
+                ops,
+                timeout: DEADLINE,
+            };
+            ibverbs::submit_outcome(
+                manager
+                    .ask(submit(vec![RdmaOp::write(src.whole(), remote.clone())]))
+                    .await,
+            )?;
+            ibverbs::submit_outcome(
+                manager
+                    .ask(submit(vec![RdmaOp::read(back.whole(), remote)]))
+                    .await,
+            )?;
+            Ok::<_, SubmitError>(back.to_vec())
+        }));
+    }
+    for (w, task) in tasks.into_iter().enumerate() {
+        let back = task
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("worker {w}: {e}"));
+        assert!(back == pattern(slice, w as u8), "worker {w}");
+    }
+    assert_eq!(peer.digest(&target).await, digest(&expected));
+}
+
+fn forge(handle: &RemoteBuffer, edit: impl FnOnce(&mut serde_json::Value)) -> RemoteBuffer {
+    let mut json = serde_json::to_value(handle).unwrap();
+    edit(&mut json);
+    serde_json::from_value(json).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn the_nic_refuses_bad_keys_and_read_only_writes_then_a_new_qp_works() {
+    let node = rdma_node().await;
+    let mut peer = PeerProcess::spawn().await;
+    let len = 64 * 1024;
+    let rw = peer.alloc(len, Access::ReadWrite, 1).await;
+    let ro = peer.alloc(len, Access::ReadOnly, 2).await;
+    let src = node.alloc(len, Access::ReadWrite).await.unwrap();
+    src.write_at(0, &pattern(len, 0xEE)).unwrap();
+
+    // Wrong rkey, as the second op of a batch: the error names it.
+    let bad_key = forge(&rw.handle, |j| {
+        let rkey = j["transports"]["ibverbs"]["rkey"].as_u64().unwrap();
+        j["transports"]["ibverbs"]["rkey"] = (rkey ^ 0x5a5a).into();
+    });
+    let scratch = node.alloc(16, Access::ReadWrite).await.unwrap();
+    let ops = vec![
+        RdmaOp::read(scratch.whole(), rw.handle.slice(0..16).unwrap()),
+        RdmaOp::write(src.whole(), bad_key),
+    ];
+    match node.submit(ops, DEADLINE).await {
+        Err(SubmitError::Op {
+            index: 1,
+            error: OpError::AccessDenied,
+        }) => {}
+        other => panic!("expected op 1 AccessDenied, got {other:?}"),
+    }
+    assert_eq!(peer.digest(&rw).await, digest(&rw.original()));
+
+    // A read-only handle upgraded on the wire: refused by the NIC itself.
+    let upgraded = forge(&ro.handle, |j| j["access"] = "ReadWrite".into());
+    match node
+        .submit(vec![RdmaOp::write(src.whole(), upgraded)], DEADLINE)
+        .await
+    {
+        Err(SubmitError::Op {
+            index: 0,
+            error: OpError::AccessDenied,
+        }) => {}
+        other => panic!("expected AccessDenied from the NIC, got {other:?}"),
+    }
+    assert_eq!(peer.digest(&ro).await, digest(&ro.original()));
+
+    // The failed QP was replaced: a good write goes through.
+    node.submit(
+        vec![RdmaOp::write(src.whole(), rw.handle.clone())],
+        DEADLINE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(peer.digest(&rw).await, digest(&pattern(len, 0xEE)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn peer_killed_mid_transfer_fails_before_the_deadline_and_a_restarted_peer_works() {
+    let node = rdma_node().await;
+    let mut peer = PeerProcess::spawn().await;
+    let len = 16 << 20;
+    let target = peer.alloc(len, Access::ReadWrite, 4).await;
+    let local = node.alloc(len, Access::ReadWrite).await.unwrap();
+    // Far more than soft-RoCE under emulation moves in the time before the kill.
+    let ops: Vec<_> = (0..256)
+        .map(|_| RdmaOp::read(local.whole(), target.handle.clone()))
+        .collect();
+    let started = Instant::now();
+    let transfer = tokio::spawn({
+        let node = node.clone();
+        async move { node.submit(ops, DEADLINE).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    peer.kill().await;
+    let result = tokio::time::timeout(DEADLINE, transfer)
+        .await
+        .expect("no hang")
+        .unwrap();
+    assert!(
+        matches!(
+            result,
+            Err(SubmitError::Op {
+                error: OpError::ConnectionLost { .. },
+                ..
+            })
+        ),
+        "got {result:?}"
+    );
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(500),
+        "ended before the kill: {result:?}"
+    );
+    assert!(took < DEADLINE / 2, "took {took:?}");
+
+    let mut peer = PeerProcess::spawn().await;
+    let target = peer.alloc(4096, Access::ReadWrite, 5).await;
+    let back = node.alloc(4096, Access::ReadWrite).await.unwrap();
+    node.submit(
+        vec![RdmaOp::read(back.whole(), target.handle.clone())],
+        DEADLINE,
+    )
+    .await
+    .unwrap();
+    assert!(back.to_vec() == target.original());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn a_node_with_ibverbs_disabled_talks_over_tcp() {
+    let node = rdma_node().await;
+    let mut peer = PeerProcess::spawn_with_env(&[(ferry::DISABLE_IBVERBS_ENV, "1")]).await;
+    let target = peer.alloc(1 << 20, Access::ReadWrite, 6).await;
+    assert!(target.handle.transports().ibverbs.is_none());
+    let src = node.alloc(1 << 20, Access::ReadWrite).await.unwrap();
+    src.write_at(0, &pattern(1 << 20, 7)).unwrap();
+    let op = RdmaOp::write(src.whole(), target.handle.clone());
+    assert_eq!(node.route(&op), Some(RdmaTransportLevel::Tcp));
+    node.submit(vec![op], DEADLINE).await.unwrap();
+    assert_eq!(peer.digest(&target).await, digest(&pattern(1 << 20, 7)));
+}
+
+/// Without a device (this host) the node starts on TCP and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_device_the_node_runs_on_tcp_and_says_why() {
+    let node = Node::builder().spawn().await.unwrap();
+    match node.ibverbs_unavailable() {
+        Some(reason) => {
+            assert!(node.ibverbs().is_none());
+            assert_eq!(node.transport_level(), RdmaTransportLevel::Tcp);
+            println!("ibverbs unavailable: {reason}");
+        }
+        None => assert_eq!(node.transport_level(), RdmaTransportLevel::Nic),
+    }
+    let disabled = Node::builder().ibverbs(false).spawn().await.unwrap();
+    assert_eq!(
+        disabled.ibverbs_unavailable(),
+        Some("disabled by the node builder")
+    );
+}
