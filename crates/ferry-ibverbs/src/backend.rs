@@ -21,6 +21,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, debug_span, info};
 
+pub use crate::connection::FOREIGN_WR_ID_BIT;
 use crate::connection::{self, PeerQp, Piece};
 use crate::device::{Device, IbvConfig};
 use crate::verbs::{MemoryRegion, RdmaOpcode, VerbsError, WorkRequest};
@@ -363,14 +364,27 @@ impl IbvQpHandle {
     }
 }
 
+/// Keys of one registered region on this device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IbvRegionKeys {
+    pub id: RegionId,
+    pub generation: Generation,
+    pub lkey: u32,
+    pub rkey: u32,
+}
+
 /// The backend's raw verbs handles, for code that posts RDMA itself.
 ///
 /// Every pointer stays valid for as long as this value lives: it holds
 /// references that keep the device context, the protection domain and each
-/// listed queue pair (and its completion queue) alive. Posting through them
-/// concurrently with ferry's own submits to the same QP is not coordinated:
-/// use a QP ferry is idle on, and keep the posted memory registered until its
-/// completion is polled.
+/// listed queue pair (and its completion queue) alive.
+///
+/// Rules for posting through them: give every work request a `wr_id` with
+/// [`FOREIGN_WR_ID_BIT`] set (ferry's poller skips such completions — it also
+/// polls the CQ, so do not rely on seeing them yourself; signal nothing, or
+/// check the remote result); post only on a QP ferry is idle on, since send
+/// queue slots are not coordinated; and keep the memory you post registered
+/// (hold its `Region`) until the work has completed.
 pub struct IbvTransportInfo {
     pub device: String,
     pub port: u8,
@@ -380,6 +394,8 @@ pub struct IbvTransportInfo {
     /// `ibv_mtu` value of the port.
     pub mtu: u32,
     pub qps: Vec<IbvQpHandle>,
+    /// Keys of the regions registered when this was taken.
+    pub regions: Vec<IbvRegionKeys>,
     device_ref: Arc<Device>,
     _qp_refs: Vec<Arc<PeerQp>>,
 }
@@ -450,6 +466,22 @@ impl Message<TransportInfo> for IbvManagerActor {
                     cq: unsafe { q.qp().cq().raw() } as usize,
                 })
                 .collect(),
+            regions: {
+                let map = self
+                    .shared
+                    .registry
+                    .0
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                map.iter()
+                    .map(|(&(id, generation), &(lkey, rkey))| IbvRegionKeys {
+                        id,
+                        generation,
+                        lkey,
+                        rkey,
+                    })
+                    .collect()
+            },
             device_ref: d.clone(),
             _qp_refs: qps,
         })

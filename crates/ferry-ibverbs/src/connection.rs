@@ -40,6 +40,10 @@ const MAX_POST: usize = 64;
 /// Empty polls (each a yield to the runtime) before sleeping on the channel.
 const BUSY_POLLS: u32 = 64;
 
+/// ferry's own work-request ids never have this bit set; code posting through
+/// the raw handles must set it, so its completions are told apart.
+pub const FOREIGN_WR_ID_BIT: u64 = 1 << 63;
+
 /// One piece of an op, ready to post.
 pub(crate) struct Piece {
     pub op: usize,
@@ -215,6 +219,11 @@ impl PeerQp {
         {
             let mut inflight = self.lock();
             for wc in completions {
+                if wc.wr_id & FOREIGN_WR_ID_BIT != 0 {
+                    // Posted through the raw handles, not by ferry: none of
+                    // our records is covered by it.
+                    continue;
+                }
                 let error =
                     (!wc.is_success()).then(|| self.error_for(wc, inflight.broken.as_ref()));
                 while let Some(record) = inflight.records.pop_front() {

@@ -12,8 +12,11 @@ pub mod verbs;
 mod wire;
 
 pub use backend::{
-    IbvBackend, IbvDevice, IbvManagerActor, IbvManagerArgs, IbvQpHandle, IbvRegistered,
-    IbvRegistration, IbvTransportInfo, RegisterRegion, Submit, TransportInfo, TransportLevel,
-    submit_outcome,
+    FOREIGN_WR_ID_BIT, IbvBackend, IbvDevice, IbvManagerActor, IbvManagerArgs, IbvQpHandle,
+    IbvRegionKeys, IbvRegistered, IbvRegistration, IbvTransportInfo, RegisterRegion, Submit,
+    TransportInfo, TransportLevel, submit_outcome,
 };
 pub use device::IbvConfig;
+/// The verbs bindings ferry is built with, for code that posts through the
+/// raw handles of [`IbvTransportInfo`].
+pub use rdma_sys as sys;
