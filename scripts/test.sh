@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check and test ferry has: formatting, clippy, unit, integration
-# (two-process TCP) and doc tests. `.ci/run` runs exactly this.
+# (two-process TCP), doc tests, and the RDMA tests inside a soft-RoCE VM.
+# `.ci/run` runs exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/install-deps.sh
@@ -10,3 +11,7 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --all-targets --locked
 cargo test --workspace --doc --locked
+
+# Real RDMA: the ibverbs tests inside a soft-RoCE VM (no NIC or KVM needed;
+# downloads Debian's kernel, QEMU and rdma-core into ~/.cache/ferry-rxe once).
+tests/rxe/ferry-tests.sh
