@@ -7,7 +7,10 @@ cd "$(dirname "$0")/../.."
 
 # cargo names each test binary it builds on stderr:
 #   Executable tests/ibverbs/main.rs (target/debug/deps/ibverbs-0123abcd)
-built=$(cargo test --locked -p ferry -p ferry-ibverbs --test ibverbs --test verbs_loopback --no-run 2>&1 | tee /dev/stderr)
+# (Echoed to fd 2 as it is: `tee /dev/stderr` would reopen a redirected log
+# file and truncate it.)
+built=$(cargo test --locked -p ferry -p ferry-ibverbs --test ibverbs --test verbs_loopback --no-run 2>&1)
+echo "$built" >&2
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 bins=()
