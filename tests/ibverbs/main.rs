@@ -302,6 +302,57 @@ async fn a_node_with_ibverbs_disabled_talks_over_tcp() {
     assert_eq!(peer.digest(&target).await, digest(&pattern(1 << 20, 7)));
 }
 
+/// A submit that outlives its deadline returns `Timeout`; its QP is flushed,
+/// the memory its requests touched is released only after that, and the next
+/// op runs on a fresh QP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn a_timed_out_submit_flushes_its_qp_and_the_next_op_reconnects() {
+    let node = rdma_node().await;
+    let mut peer = PeerProcess::spawn().await;
+    let len = 16 << 20;
+    let target = peer.alloc(len, Access::ReadWrite, 9).await;
+    let local = node.alloc(len, Access::ReadWrite).await.unwrap();
+    let key = (local.id(), local.generation());
+    // Much more than soft-RoCE under emulation moves in 200 ms.
+    let ops: Vec<_> = (0..64)
+        .map(|_| RdmaOp::read(local.whole(), target.handle.clone()))
+        .collect();
+    let timeout = Duration::from_millis(200);
+    let started = Instant::now();
+    let result = node.submit(ops, timeout).await;
+    assert!(
+        matches!(result, Err(SubmitError::Timeout { total: 64, .. })),
+        "got {result:?}"
+    );
+    assert!(
+        started.elapsed() < timeout + Duration::from_secs(5),
+        "answered late: {:?}",
+        started.elapsed()
+    );
+    drop(local);
+    // Released once the flush completions are in, with a deadline.
+    let released = Instant::now();
+    while node.registered_regions().await.contains(&key) {
+        assert!(
+            released.elapsed() < Duration::from_secs(30),
+            "region never released after the flush"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let back = node.alloc(4096, Access::ReadWrite).await.unwrap();
+    node.submit(
+        vec![RdmaOp::read(
+            back.whole(),
+            target.handle.slice(0..4096).unwrap(),
+        )],
+        DEADLINE,
+    )
+    .await
+    .unwrap();
+    assert!(back.to_vec() == target.original()[..4096]);
+}
+
 /// The raw handles from `transport_info()` are real: a WRITE posted on the
 /// QP through them, with plain verbs calls, lands in the peer's memory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
