@@ -58,6 +58,10 @@ impl BatchProgress {
         }
     }
 
+    pub fn is_done(&self) -> bool {
+        self.remaining.load(Ordering::Acquire) == 0
+    }
+
     /// Resolves when every piece has finished.
     pub async fn all_done(&self) {
         if self.remaining.load(Ordering::Acquire) > 0 {

@@ -26,6 +26,10 @@ use crate::connection::{self, PeerQp, Piece};
 use crate::device::{Device, IbvConfig};
 use crate::verbs::{MemoryRegion, RdmaOpcode, VerbsError, WorkRequest};
 
+/// How long a submitting task polls for its own completions before it waits
+/// for the poller task instead.
+const INLINE_POLL: Duration = Duration::from_micros(200);
+
 /// Local keys of the regions registered with this device, by region.
 #[derive(Default)]
 struct Registry(Mutex<HashMap<(RegionId, Generation), (u32, u32)>>);
@@ -103,7 +107,19 @@ struct Shared {
 }
 
 impl Shared {
+    /// Runs one batch to completion or deadline, in a tracing span.
     async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        let bytes: usize = ops.iter().map(RdmaOp::len).sum();
+        // A batch usually goes to one peer; name the first.
+        let peer = ops.first().map(|op| op.remote.owner().endpoint);
+        let span =
+            debug_span!("submit", transport = "ibverbs", peer = ?peer, ops = ops.len(), bytes);
+        let result = self.run(ops, timeout).instrument(span.clone()).await;
+        debug!(parent: &span, ?result, "submit finished");
+        result
+    }
+
+    async fn run(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         let deadline = Instant::now() + timeout;
         let max_msg = self.device.max_msg as usize;
         let mut counts = Vec::with_capacity(ops.len());
@@ -166,6 +182,16 @@ impl Shared {
                         .for_each(|p| progress.piece_done(p.op, Err(e.clone()))),
                 }
             }
+            // Small transfers finish within microseconds: poll for them here
+            // rather than sleep until the poller task wakes us, which costs
+            // several thread wake-ups. Bounded; then the poller takes over.
+            let spin_until = std::time::Instant::now() + INLINE_POLL;
+            let qps = used.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            while !progress.is_done() && std::time::Instant::now() < spin_until {
+                if qps.iter().map(|qp| qp.poll_now()).sum::<usize>() == 0 {
+                    std::hint::spin_loop();
+                }
+            }
             progress.all_done().await;
         };
         // Pinned so the outcome is decided before the work future is dropped.
@@ -196,8 +222,7 @@ pub struct IbvManagerActor {
 
 /// What the actor starts from; made by [`IbvBackend::start`].
 pub struct IbvManagerArgs {
-    device: Arc<Device>,
-    local: NodeAddr,
+    shared: Arc<Shared>,
     /// The node's `Control` connections: queue-pair exchanges from peers.
     control: mpsc::Receiver<ControlConnection>,
 }
@@ -208,16 +233,9 @@ impl Actor for IbvManagerActor {
 
     async fn on_start(args: Self::Args, _: ActorRef<Self>) -> Result<Self, Self::Error> {
         let IbvManagerArgs {
-            device,
-            local,
+            shared,
             mut control,
         } = args;
-        let shared = Arc::new(Shared {
-            device,
-            local,
-            peers: Peers::default(),
-            registry: Arc::default(),
-        });
         let shutdown = CancellationToken::new();
         let (acceptor_device, stop) = (shared.device.clone(), shutdown.clone());
         tokio::spawn(async move {
@@ -260,20 +278,12 @@ impl Message<Submit> for IbvManagerActor {
     async fn handle(&mut self, msg: Submit, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
         let (delegated, reply) = ctx.reply_sender();
         let shared = self.shared.clone();
-        let bytes: usize = msg.ops.iter().map(RdmaOp::len).sum();
-        let peer = msg.ops.first().map(|op| op.remote.owner().endpoint);
-        let span =
-            debug_span!("submit", transport = "ibverbs", peer = ?peer, ops = msg.ops.len(), bytes);
-        tokio::spawn(
-            async move {
-                let result = shared.submit(msg.ops, msg.timeout).await;
-                debug!(?result, "submit finished");
-                if let Some(reply) = reply {
-                    reply.send(result);
-                }
+        tokio::spawn(async move {
+            let result = shared.submit(msg.ops, msg.timeout).await;
+            if let Some(reply) = reply {
+                reply.send(result);
             }
-            .instrument(span),
-        );
+        });
         delegated
     }
 }
@@ -488,10 +498,13 @@ impl Message<TransportInfo> for IbvManagerActor {
     }
 }
 
-/// Cloneable handle to a running `IbvManagerActor`.
+/// Cloneable handle to a running `IbvManagerActor`. Its `submit` runs the
+/// transfer in the caller's task, without a mailbox hop; the actor's
+/// `Submit` message does the same work for callers that only hold the actor.
 #[derive(Clone)]
 pub struct IbvBackend {
     actor: ActorRef<IbvManagerActor>,
+    shared: Arc<Shared>,
     device: String,
 }
 
@@ -535,13 +548,19 @@ impl IbvBackend {
             max_send_wr = device.max_send_wr,
             "ibverbs transport ready"
         );
-        let actor = IbvManagerActor::spawn(IbvManagerArgs {
+        let shared = Arc::new(Shared {
             device,
             local,
+            peers: Peers::default(),
+            registry: Arc::default(),
+        });
+        let actor = IbvManagerActor::spawn(IbvManagerArgs {
+            shared: shared.clone(),
             control,
         });
         IbvBackend {
             actor,
+            shared,
             device: name,
         }
     }
@@ -581,8 +600,9 @@ pub fn submit_outcome(
 impl RdmaBackend for IbvBackend {
     type TransportInfo = IbvTransportInfo;
 
+    /// Runs the transfer in the caller's task (see [`IbvBackend`]).
     async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
-        submit_outcome(self.actor.ask(Submit { ops, timeout }).await)
+        self.shared.submit(ops, timeout).await
     }
 
     fn transport_level(&self) -> RdmaTransportLevel {

@@ -268,6 +268,25 @@ impl PeerQp {
         }
     }
 
+    /// Polls the CQ once and applies what it finds; returns how many
+    /// completions there were. Safe to call from any task alongside the
+    /// poller: both poll the same (thread-safe) CQ and apply completions
+    /// under the in-flight lock.
+    pub fn poll_now(&self) -> usize {
+        let mut wcs = Vec::with_capacity(16);
+        match self.qp.cq().poll(&mut wcs, 16) {
+            Ok(0) => 0,
+            Ok(n) => {
+                self.complete(&wcs);
+                n
+            }
+            Err(e) => {
+                self.break_with(OpError::Protocol(e.to_string()));
+                0
+            }
+        }
+    }
+
     /// Polls the CQ until the QP is broken and drained: busy for a short
     /// window after activity, then asleep on the completion channel.
     async fn poll_completions(
