@@ -187,8 +187,9 @@ impl Shared {
             // several thread wake-ups. Bounded; then the poller takes over.
             let spin_until = std::time::Instant::now() + INLINE_POLL;
             let qps = used.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let mut wcs = Vec::with_capacity(16);
             while !progress.is_done() && std::time::Instant::now() < spin_until {
-                if qps.iter().map(|qp| qp.poll_now()).sum::<usize>() == 0 {
+                if qps.iter().map(|qp| qp.poll_now(&mut wcs)).sum::<usize>() == 0 {
                     std::hint::spin_loop();
                 }
             }

@@ -145,11 +145,15 @@ impl PeerQp {
                 return;
             }
             // At least one credit, then whatever else is free right now.
-            match tokio::time::timeout_at(deadline, self.credits.acquire()).await {
-                Ok(Ok(permit)) => permit.forget(),
-                // Deadline passed or semaphore closed: the caller's timeout
-                // path accounts for the pieces never posted.
-                _ => return,
+            // Only wait (and arm a timer) when none is free.
+            match self.credits.try_acquire() {
+                Ok(permit) => permit.forget(),
+                Err(_) => match tokio::time::timeout_at(deadline, self.credits.acquire()).await {
+                    Ok(Ok(permit)) => permit.forget(),
+                    // Deadline passed or semaphore closed: the caller's
+                    // timeout path accounts for the pieces never posted.
+                    _ => return,
+                },
             }
             batch.clear();
             batch.extend(pieces.next());
@@ -272,12 +276,13 @@ impl PeerQp {
     /// completions there were. Safe to call from any task alongside the
     /// poller: both poll the same (thread-safe) CQ and apply completions
     /// under the in-flight lock.
-    pub fn poll_now(&self) -> usize {
-        let mut wcs = Vec::with_capacity(16);
-        match self.qp.cq().poll(&mut wcs, 16) {
+    /// `wcs` is scratch space, reused across calls.
+    pub fn poll_now(&self, wcs: &mut Vec<Completion>) -> usize {
+        wcs.clear();
+        match self.qp.cq().poll(wcs, 16) {
             Ok(0) => 0,
             Ok(n) => {
-                self.complete(&wcs);
+                self.complete(wcs);
                 n
             }
             Err(e) => {
