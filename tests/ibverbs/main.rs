@@ -183,7 +183,7 @@ fn forge(handle: &RemoteBuffer, edit: impl FnOnce(&mut serde_json::Value)) -> Re
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
-async fn the_nic_refuses_bad_keys_and_read_only_writes_then_a_new_qp_works() {
+async fn the_nic_refuses_bad_keys_out_of_bounds_and_read_only_writes_then_a_new_qp_works() {
     let node = rdma_node().await;
     let mut peer = PeerProcess::spawn().await;
     let len = 64 * 1024;
@@ -224,6 +224,30 @@ async fn the_nic_refuses_bad_keys_and_read_only_writes_then_a_new_qp_works() {
         other => panic!("expected AccessDenied from the NIC, got {other:?}"),
     }
     assert_eq!(peer.digest(&ro).await, digest(&ro.original()));
+
+    // Out of bounds: a slice past the handle fails before anything is posted,
+    // and a handle widened on the wire is refused by the NIC (the MR's bounds).
+    assert!(matches!(
+        rw.handle.slice(0..len as u64 + 1),
+        Err(OpError::OutOfBounds { .. })
+    ));
+    let widened = forge(&rw.handle, |j| j["len"] = (len as u64 + 4096).into());
+    let big = node.alloc(len + 4096, Access::ReadWrite).await.unwrap();
+    match node
+        .submit(vec![RdmaOp::write(big.whole(), widened)], DEADLINE)
+        .await
+    {
+        Err(SubmitError::Op {
+            index: 0,
+            error: OpError::AccessDenied,
+        }) => {}
+        other => panic!("expected the NIC to refuse an out-of-bounds write, got {other:?}"),
+    }
+    assert_eq!(
+        peer.digest(&rw).await,
+        digest(&rw.original()),
+        "out-of-bounds write changed bytes"
+    );
 
     // The failed QP was replaced: a good write goes through.
     node.submit(
