@@ -797,10 +797,15 @@ impl QueuePair {
         let mut chain: Vec<ibv_send_wr> = (0..wrs.len())
             .map(|_| unsafe { std::mem::zeroed() })
             .collect();
+        // All pointers into `sges` and `chain` derive from one base pointer
+        // each, taken after the vectors are complete, so none invalidates
+        // another and neither vector moves before the post.
+        let sge_base = sges.as_mut_ptr();
         for (i, wr) in wrs.iter().enumerate() {
             let w = &mut chain[i];
             w.wr_id = wr.wr_id;
-            w.sg_list = &mut sges[i];
+            // SAFETY: i < sges.len().
+            w.sg_list = unsafe { sge_base.add(i) };
             w.num_sge = 1;
             w.opcode = match wr.opcode {
                 RdmaOpcode::Read => ibv_wr_opcode::IBV_WR_RDMA_READ,
@@ -818,8 +823,9 @@ impl QueuePair {
         }
         let base = chain.as_mut_ptr();
         for i in 0..chain.len() - 1 {
-            // SAFETY: i + 1 < len, so the pointer stays within `chain`.
-            chain[i].next = unsafe { base.add(i + 1) };
+            // SAFETY: i + 1 < len, so both pointers stay within `chain`; the
+            // write goes through `base`, so it invalidates no other pointer.
+            unsafe { (*base.add(i)).next = base.add(i + 1) };
         }
         let mut bad: *mut ibv_send_wr = ptr::null_mut();
         // SAFETY: `chain` and `sges` outlive the call (the provider copies
