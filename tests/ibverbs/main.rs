@@ -87,41 +87,7 @@ async fn batches_up_to_4096_mixed_ops_stream_through_the_send_queue() {
     let mut peer = PeerProcess::spawn().await;
     for (round, batch) in [1usize, 7, 1024, 4096].into_iter().enumerate() {
         let sizes: Vec<usize> = (0..batch).map(|i| [1, 64, 4096, 3000][i % 4]).collect();
-        let total: usize = sizes.iter().sum();
-        let target = peer.alloc(total, Access::ReadWrite, round as u8).await;
-        let local = node.alloc(total, Access::ReadWrite).await.unwrap();
-        let outgoing = pattern(total, 90 + round as u8);
-        local.write_at(0, &outgoing).unwrap();
-        let original = target.original();
-        let (mut expected_remote, mut expected_local) = (original.clone(), outgoing.clone());
-        let mut ops = Vec::with_capacity(batch);
-        let mut at = 0;
-        for (i, &len) in sizes.iter().enumerate() {
-            let range = at..at + len;
-            let remote = target
-                .handle
-                .slice(range.start as u64..range.end as u64)
-                .unwrap();
-            let slice = local.slice(range.clone()).unwrap();
-            if i % 2 == 0 {
-                ops.push(RdmaOp::write(slice, remote));
-                expected_remote[range.clone()].copy_from_slice(&outgoing[range]);
-            } else {
-                ops.push(RdmaOp::read(slice, remote));
-                expected_local[range.clone()].copy_from_slice(&original[range]);
-            }
-            at += len;
-        }
-        node.submit(ops, DEADLINE).await.unwrap();
-        assert!(
-            local.to_vec() == expected_local,
-            "batch {batch}: local bytes"
-        );
-        assert_eq!(
-            peer.digest(&target).await,
-            digest(&expected_remote),
-            "batch {batch}: remote bytes"
-        );
+        common::mixed_batch_round_trip(&node, &mut peer, &sizes, round as u8).await;
     }
 }
 

@@ -195,3 +195,54 @@ pub fn peer_main() {
     // stdin closed: the test is over.
     std::process::exit(0);
 }
+
+/// Runs one batch of `sizes.len()` ops against a fresh peer region, covering
+/// it back to back: even ops write local bytes there, odd ops read the
+/// peer's bytes here (disjoint ranges, since ops of a batch run
+/// concurrently). Checks both sides byte for byte.
+pub async fn mixed_batch_round_trip(
+    node: &Node,
+    peer: &mut PeerProcess,
+    sizes: &[usize],
+    seed: u8,
+) {
+    let total: usize = sizes.iter().sum();
+    let target = peer.alloc(total, Access::ReadWrite, seed).await;
+    let local = node.alloc(total, Access::ReadWrite).await.unwrap();
+    let outgoing = pattern(total, seed.wrapping_add(100));
+    local.write_at(0, &outgoing).unwrap();
+    let original = target.original();
+    let (mut expected_remote, mut expected_local) = (original.clone(), outgoing.clone());
+    let mut ops = Vec::with_capacity(sizes.len());
+    let mut at = 0;
+    for (i, &len) in sizes.iter().enumerate() {
+        let range = at..at + len;
+        let remote = target
+            .handle
+            .slice(range.start as u64..range.end as u64)
+            .unwrap();
+        let slice = local.slice(range.clone()).unwrap();
+        if i % 2 == 0 {
+            ops.push(RdmaOp::write(slice, remote));
+            expected_remote[range.clone()].copy_from_slice(&outgoing[range]);
+        } else {
+            ops.push(RdmaOp::read(slice, remote));
+            expected_local[range.clone()].copy_from_slice(&original[range]);
+        }
+        at += len;
+    }
+    let batch = sizes.len();
+    node.submit(ops, COMMAND_DEADLINE)
+        .await
+        .unwrap_or_else(|e| panic!("batch of {batch}: {e}"));
+    assert!(
+        local.to_vec() == expected_local,
+        "batch of {batch}: local bytes"
+    );
+    assert_eq!(
+        peer.digest(&target).await,
+        digest(&expected_remote),
+        "batch of {batch}: remote bytes"
+    );
+    peer.drop_region(&target).await;
+}
