@@ -64,7 +64,13 @@ struct Args {
 async fn main() -> ExitCode {
     // Logs (RUST_LOG=debug) go to stderr: the target's stdout is its protocol.
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new(
+                    "warn,ferry=info,ferry_tcp=warn,ferry_ibverbs=warn",
+                )
+            }),
+        )
         .with_writer(std::io::stderr)
         .init();
     let args = match parse_args(std::env::args().skip(1)) {
