@@ -9,17 +9,19 @@ cd "$(dirname "$0")/../.."
 #   Executable tests/ibverbs/main.rs (target/debug/deps/ibverbs-0123abcd)
 # (Echoed to fd 2 as it is: `tee /dev/stderr` would reopen a redirected log
 # file and truncate it.)
-built=$(cargo test --locked -p ferry -p ferry-ibverbs --test ibverbs --test verbs_loopback --no-run 2>&1)
+built=$(cargo test --locked -p ferry -p ferry-ibverbs -p ferry-cli --test ibverbs --test verbs_loopback --test cli --no-run 2>&1)
 echo "$built" >&2
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 bins=()
-for name in verbs_loopback ibverbs; do
+for name in verbs_loopback ibverbs cli; do
     path=$(sed -n "s|.*Executable .* (\(target/[^)]*/${name}-[0-9a-f]*\))|\1|p" <<<"$built" | tail -n 1)
     [ -n "$path" ] || { echo "ferry-tests: no test binary named $name was built" >&2; exit 1; }
     cp "$path" "$stage/$name"   # the guest runs it under its plain name
     bins+=(--bin "$stage/$name")
 done
+# The CLI tests run the real `ferry` binary, found on the guest's PATH.
+bins+=(--bin target/debug/ferry)
 
 exec tests/rxe/run.sh "${bins[@]}" -- \
-    'verbs_loopback --include-ignored --test-threads=1 && ibverbs --include-ignored --test-threads=1'
+    'verbs_loopback --include-ignored --test-threads=1 && ibverbs --include-ignored --test-threads=1 && FERRY_BIN=ferry cli --test-threads=1'

@@ -8,6 +8,7 @@
 mod backend;
 mod connection;
 mod device;
+mod report;
 pub mod verbs;
 mod wire;
 
@@ -20,3 +21,4 @@ pub use device::IbvConfig;
 /// The verbs bindings ferry is built with, for code that posts through the
 /// raw handles of [`IbvTransportInfo`].
 pub use rdma_sys as sys;
+pub use report::{DeviceReport, GidReport, PortReport, describe_devices};

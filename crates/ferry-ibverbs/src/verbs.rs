@@ -105,6 +105,7 @@ pub struct DeviceLimits {
     pub max_cqe: u32,
     pub max_sge: u32,
     pub max_mr_size: u64,
+    pub ports: u8,
 }
 
 /// The state of one port.
@@ -198,6 +199,7 @@ impl Context {
             max_cqe: attr.max_cqe.max(0) as u32,
             max_sge: attr.max_sge.max(0) as u32,
             max_mr_size: attr.max_mr_size,
+            ports: attr.phys_port_cnt,
         })
     }
 
