@@ -1,5 +1,7 @@
-//! `ferry`: tells what this host's RDMA and TCP transports can do.
-//! (`serve` and `bench` are still to come; see the project's issue 4.)
+//! `ferry`: what this host's transports can do (`info`), a target node for
+//! benchmarks (`serve`), and the benchmark itself (`bench`).
+
+mod bench;
 
 use std::process::ExitCode;
 
@@ -27,6 +29,10 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Register a region and serve it to bench clients; prints its handle.
+    Serve(bench::ServeArgs),
+    /// Measure writes or reads against a served region, per block size.
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Serialize)]
@@ -116,9 +122,46 @@ fn print_info(info: &Info) {
     }
 }
 
+fn fail(message: impl std::fmt::Display) -> ExitCode {
+    eprintln!("ferry: error: {message}");
+    ExitCode::FAILURE
+}
+
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Serve(args) => {
+            let result = runtime()
+                .map_err(bench::Failure::from)
+                .and_then(|rt| rt.block_on(bench::serve(args)));
+            if let Err(bench::Failure(e)) = result {
+                return fail(e);
+            }
+        }
+        Command::Bench(args) => {
+            let json = args.json;
+            let result = runtime()
+                .map_err(bench::Failure::from)
+                .and_then(|rt| rt.block_on(bench::bench(args)));
+            match result {
+                Ok(rows) if json => {
+                    for row in &rows {
+                        match serde_json::to_string(row) {
+                            Ok(line) => println!("{line}"),
+                            Err(e) => return fail(e),
+                        }
+                    }
+                }
+                Ok(rows) => bench::print_table(&rows),
+                Err(bench::Failure(e)) => return fail(e),
+            }
+        }
         Command::Info { json } => {
             let info = info();
             if json {

@@ -111,3 +111,142 @@ fn bad_arguments_fail_cleanly() {
     assert!(ferry(&["info", "--help"]).status.success());
     assert!(ferry(&["--help"]).status.success());
 }
+
+/// `ferry serve` in one process, `ferry bench` against its handle file in
+/// another: every byte verified, one JSON row per block size.
+#[test]
+fn serve_and_bench_over_a_handle_file() {
+    let dir = std::env::temp_dir().join(format!("ferry-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let handle = dir.join("handle.json");
+    let bin =
+        std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_string());
+    let mut server = Command::new(&bin)
+        .args(["serve", "--size", "4M", "--handle-file"])
+        .arg(&handle)
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while !handle.exists() || std::fs::read_to_string(&handle).unwrap().is_empty() {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "serve wrote no handle"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for op in ["write", "read"] {
+        let h = handle.to_str().unwrap();
+        let out = ferry(&[
+            "bench",
+            "--handle",
+            h,
+            "--block",
+            "4K,64K,1M",
+            "--op",
+            op,
+            "--verify",
+            "--json",
+            "--iters",
+            "3",
+        ]);
+        assert!(
+            out.status.success(),
+            "{op}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(
+            rows.iter()
+                .map(|r| r["block"].as_u64().unwrap())
+                .collect::<Vec<_>>(),
+            [4096, 65536, 1 << 20]
+        );
+        for row in &rows {
+            assert_eq!(row["op"], op);
+            if in_rxe_vm() {
+                assert_eq!(row["transport"], "ibverbs", "both ends have rxe0");
+            } else if !std::path::Path::new("/sys/class/infiniband").exists() {
+                assert_eq!(row["transport"], "tcp");
+            }
+            assert_eq!(row["verified"], true);
+            assert!(
+                row["gbps"].as_f64().unwrap() > 0.0 && row["lat_p99_us"].as_f64().unwrap() > 0.0
+            );
+        }
+    }
+    drop(server.stdin.take());
+    assert!(
+        server.wait().unwrap().success(),
+        "serve exits when its stdin closes"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bench_errors_are_one_line_and_non_zero() {
+    let dir = std::env::temp_dir().join(format!("ferry-cli-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // A handle to a node that is gone: take one from a server, stop it.
+    let bin =
+        std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_string());
+    let stale = dir.join("stale.json");
+    let mut server = Command::new(&bin)
+        .args(["serve", "--size", "64K", "--handle-file"])
+        .arg(&stale)
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while !stale.exists() || std::fs::read_to_string(&stale).unwrap().is_empty() {
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    drop(server.stdin.take());
+    server.wait().unwrap();
+
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["bench", "--loopback", "--transport", "carrier-pigeon"],
+            "invalid value",
+        ),
+        (&["bench", "--loopback", "--size", "0"], "at least 1 byte"),
+        (
+            &["bench", "--handle", "/nonexistent/handle.json"],
+            "cannot read handle file",
+        ),
+        (
+            &[
+                "bench",
+                "--handle",
+                stale.to_str().unwrap(),
+                "--block",
+                "4K",
+                "--iters",
+                "1",
+            ],
+            "unreachable",
+        ),
+    ];
+    for (args, expected) in cases {
+        let out = ferry(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        if !expected.starts_with("invalid") && !expected.starts_with("at least") {
+            assert_eq!(
+                stderr.trim().lines().count(),
+                1,
+                "{args:?}: one line, got {stderr}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

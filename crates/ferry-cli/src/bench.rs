@@ -1,0 +1,407 @@
+//! `ferry serve` and `ferry bench`: a target node, and an initiator that
+//! measures transfers against it, in the style of perftest and nixlbench.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use ferry::prelude::*;
+use serde::Serialize;
+
+/// Deadline of any single submit.
+const SUBMIT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long `--loopback` waits for the server it started to print its handle.
+const SERVE_START: Duration = Duration::from_secs(30);
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on (port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: std::net::SocketAddr,
+    /// Bytes to register for bench clients (K, M, G suffixes: powers of 1024).
+    #[arg(long, value_parser = parse_size, default_value = "256M")]
+    pub size: usize,
+    /// Write the region's handle (JSON) to this file instead of stdout.
+    #[arg(long)]
+    pub handle_file: Option<PathBuf>,
+    /// Run TCP only, even where an RDMA device exists.
+    #[arg(long)]
+    pub no_ibverbs: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// The fastest transport both ends share.
+    Auto,
+    Tcp,
+    Ibverbs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Op {
+    Write,
+    Read,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Handle file written by `ferry serve`.
+    #[arg(
+        long,
+        required_unless_present = "loopback",
+        conflicts_with = "loopback"
+    )]
+    pub handle: Option<PathBuf>,
+    /// Start a `ferry serve` process on 127.0.0.1 and measure against it.
+    #[arg(long)]
+    pub loopback: bool,
+    /// Region size for `--loopback` (K, M, G suffixes).
+    #[arg(long, value_parser = parse_size, default_value = "64M")]
+    pub size: usize,
+    /// Block sizes to sweep, comma separated (K, M, G suffixes).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "4K,64K,1M,16M,64M")]
+    pub block: Vec<usize>,
+    #[arg(long, value_enum, default_value = "write")]
+    pub op: Op,
+    /// Ops per submit (default: as many blocks as fit in the region).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// TCP connections per peer.
+    #[arg(long, default_value_t = 4)]
+    pub streams: usize,
+    /// Measured submits per block size.
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// Measure for this many seconds per block size instead of --iters.
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Unmeasured submits before each block size.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    #[arg(long, value_enum, default_value = "auto")]
+    pub transport: Transport,
+    /// Check every byte after each block size.
+    #[arg(long)]
+    pub verify: bool,
+    /// One JSON object per block size instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A user-facing failure: printed as one line, exit status 1.
+#[derive(Debug)]
+pub struct Failure(pub String);
+
+impl<E: std::fmt::Display> From<E> for Failure {
+    fn from(e: E) -> Self {
+        Failure(e.to_string())
+    }
+}
+
+pub fn parse_size(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let (digits, shift) = match text.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&text[..i], 10),
+        Some((i, 'M' | 'm')) => (&text[..i], 20),
+        Some((i, 'G' | 'g')) => (&text[..i], 30),
+        _ => (text, 0),
+    };
+    let n: usize = digits
+        .parse()
+        .map_err(|_| format!("'{text}' is not a size (e.g. 4096, 64K, 1M)"))?;
+    let bytes = n
+        .checked_shl(shift)
+        .filter(|b| b >> shift == n)
+        .ok_or(format!("'{text}' is too large"))?;
+    if bytes == 0 {
+        return Err("a size must be at least 1 byte".into());
+    }
+    Ok(bytes)
+}
+
+pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
+    let node = Node::builder()
+        .listen(args.listen)
+        .ibverbs(!args.no_ibverbs)
+        .spawn()
+        .await?;
+    let region = node.alloc(args.size, Access::ReadWrite).await?;
+    let handle = serde_json::to_string(&region.remote())?;
+    match &args.handle_file {
+        Some(path) => std::fs::write(path, format!("{handle}\n"))
+            .map_err(|e| Failure(format!("cannot write {}: {e}", path.display())))?,
+        None => {
+            let mut out = std::io::stdout();
+            writeln!(out, "{handle}")?;
+            out.flush()?;
+        }
+    }
+    eprintln!(
+        "ferry serve: {} bytes registered at {}; stop with Ctrl-C or by closing stdin",
+        args.size,
+        node.addr().endpoint
+    );
+    // Serve until stdin closes (how `--loopback` stops its child) or the
+    // process is killed.
+    tokio::task::spawn_blocking(|| {
+        let mut sink = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+    })
+    .await?;
+    drop(region);
+    Ok(())
+}
+
+/// A `ferry serve` child; closing its stdin (on drop) stops it.
+struct Server {
+    child: Child,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_server(args: &BenchArgs) -> Result<(Server, RemoteBuffer), Failure> {
+    let exe = std::env::current_exe()?;
+    let mut command = Command::new(exe);
+    command.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--size",
+        &args.size.to_string(),
+    ]);
+    if args.transport == Transport::Tcp {
+        command.arg("--no-ibverbs");
+    }
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().expect("piped");
+    let server = Server { child };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = tx.send(BufReader::new(stdout).read_line(&mut line).map(|_| line));
+    });
+    let line = rx
+        .recv_timeout(SERVE_START)
+        .map_err(|_| Failure("the loopback server did not start in time".into()))??;
+    let handle = serde_json::from_str(&line)
+        .map_err(|e| Failure(format!("loopback server: bad handle: {e}")))?;
+    Ok((server, handle))
+}
+
+#[derive(Serialize)]
+pub struct Row {
+    pub op: Op,
+    pub transport: &'static str,
+    pub block: usize,
+    pub batch: usize,
+    pub submits: usize,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub gbps: f64,
+    pub mops: f64,
+    pub lat_avg_us: f64,
+    pub lat_p50_us: f64,
+    pub lat_p99_us: f64,
+    pub verified: bool,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let at = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[at.min(sorted.len() - 1)]
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            (i as u8)
+                .wrapping_mul(29)
+                .wrapping_add(seed ^ (i >> 16) as u8)
+        })
+        .collect()
+}
+
+pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
+    let (_server, remote) = match &args.handle {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| Failure(format!("cannot read handle file {}: {e}", path.display())))?;
+            let handle = serde_json::from_str(text.trim())
+                .map_err(|e| Failure(format!("{} is not a ferry handle: {e}", path.display())))?;
+            (None, handle)
+        }
+        None => {
+            let (server, handle) = start_server(&args)?;
+            (Some(server), handle)
+        }
+    };
+    let node = Node::builder()
+        .tcp_connections(args.streams)
+        .ibverbs(args.transport != Transport::Tcp)
+        .spawn()
+        .await?;
+    let size = remote.len() as usize;
+    let local = node.alloc(size, Access::ReadWrite).await?;
+    let probe = RdmaOp::write(local.slice(0..1)?, remote.slice(0..1)?);
+    let level = node
+        .route(&probe)
+        .ok_or_else(|| Failure("no transport shared with the target".into()))?;
+    let transport = match level {
+        RdmaTransportLevel::Nic => "ibverbs",
+        _ => "tcp",
+    };
+    if args.transport == Transport::Ibverbs && transport != "ibverbs" {
+        let why = node
+            .ibverbs_unavailable()
+            .unwrap_or("the target has no RDMA device");
+        return Err(Failure(format!(
+            "--transport ibverbs: not available here: {why}"
+        )));
+    }
+
+    let mut rows = Vec::new();
+    for &block in &args.block {
+        if block > size {
+            return Err(Failure(format!(
+                "block {block} B is larger than the {size}-byte target region"
+            )));
+        }
+        let blocks = size / block;
+        let batch = args.batch.unwrap_or(blocks).clamp(1, blocks);
+        let data = pattern(batch * block, block as u8);
+        local.write_at(0, &data)?;
+        let ops = |kind: Op| -> Result<Vec<RdmaOp>, Failure> {
+            (0..batch)
+                .map(|i| {
+                    let at = i * block;
+                    let l = local.slice(at..at + block)?;
+                    let r = remote.slice(at as u64..(at + block) as u64)?;
+                    Ok(match kind {
+                        Op::Write => RdmaOp::write(l, r),
+                        Op::Read => RdmaOp::read(l, r),
+                    })
+                })
+                .collect()
+        };
+        if args.op == Op::Read && args.verify {
+            // Put known bytes there first, so the reads have something to check.
+            node.submit(ops(Op::Write)?, SUBMIT_TIMEOUT).await?;
+            local.write_at(0, &vec![0; batch * block])?;
+        }
+        for _ in 0..args.warmup {
+            node.submit(ops(args.op)?, SUBMIT_TIMEOUT).await?;
+        }
+        let mut latencies = Vec::new();
+        let started = Instant::now();
+        loop {
+            let batch_ops = ops(args.op)?;
+            let t = Instant::now();
+            node.submit(batch_ops, SUBMIT_TIMEOUT).await?;
+            latencies.push(t.elapsed().as_secs_f64() * 1e6);
+            let done = match args.duration {
+                Some(s) => started.elapsed().as_secs_f64() >= s,
+                None => latencies.len() >= args.iters.max(1),
+            };
+            if done {
+                break;
+            }
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let verified =
+            args.verify && verify(&node, &local, &remote, &data, args.op, batch, block).await?;
+        let submits = latencies.len();
+        let bytes = (submits * batch * block) as u64;
+        latencies.sort_by(f64::total_cmp);
+        rows.push(Row {
+            op: args.op,
+            transport,
+            block,
+            batch,
+            submits,
+            bytes,
+            seconds,
+            gbps: bytes as f64 / seconds / 1e9,
+            mops: (submits * batch) as f64 / seconds / 1e6,
+            lat_avg_us: latencies.iter().sum::<f64>() / submits as f64,
+            lat_p50_us: percentile(&latencies, 0.5),
+            lat_p99_us: percentile(&latencies, 0.99),
+            verified,
+        });
+    }
+    Ok(rows)
+}
+
+/// After writes: reads the target back into a second region and compares
+/// with what was written. After reads: compares what arrived.
+async fn verify(
+    node: &Node,
+    local: &Region,
+    remote: &RemoteBuffer,
+    data: &[u8],
+    op: Op,
+    batch: usize,
+    block: usize,
+) -> Result<bool, Failure> {
+    let len = batch * block;
+    let got = match op {
+        Op::Read => {
+            let mut got = vec![0; len];
+            local.read_at(0, &mut got)?;
+            got
+        }
+        Op::Write => {
+            let back = node.alloc(len, Access::ReadWrite).await?;
+            let read = RdmaOp::read(back.whole(), remote.slice(0..len as u64)?);
+            node.submit(vec![read], SUBMIT_TIMEOUT).await?;
+            back.to_vec()
+        }
+    };
+    match got.iter().zip(data).position(|(a, b)| a != b) {
+        None => Ok(true),
+        Some(at) => Err(Failure(format!(
+            "verify failed: byte {at} of the {block}-byte-block run differs"
+        ))),
+    }
+}
+
+pub fn print_table(rows: &[Row]) {
+    println!(
+        "{:<6} {:<8} {:>10} {:>6} {:>9} {:>9} {:>10} {:>10} {:>10}",
+        "op", "via", "block", "batch", "GB/s", "Mops/s", "lat avg", "p50 us", "p99 us"
+    );
+    for r in rows {
+        println!(
+            "{:<6} {:<8} {:>10} {:>6} {:>9.3} {:>9.4} {:>10.1} {:>10.1} {:>10.1}{}",
+            format!("{:?}", r.op).to_lowercase(),
+            r.transport,
+            r.block,
+            r.batch,
+            r.gbps,
+            r.mops,
+            r.lat_avg_us,
+            r.lat_p50_us,
+            r.lat_p99_us,
+            if r.verified { "  verified" } else { "" }
+        );
+    }
+}
