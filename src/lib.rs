@@ -292,6 +292,73 @@ impl Node {
     }
 }
 
+/// What one backend's share of a batch moves, for the `metrics` facade:
+/// `ferry_ops_total` and `ferry_bytes_total` (by transport and op kind) count
+/// completed submits, `ferry_errors_total` failed ones (by transport and
+/// error), and `ferry_submit_seconds` is the submit latency histogram.
+struct OpCounts {
+    /// (ops, bytes) of reads and of writes.
+    read: (u64, u64),
+    write: (u64, u64),
+    kinds: Vec<OpKind>,
+}
+
+impl OpCounts {
+    fn of(ops: &[RdmaOp]) -> Self {
+        let mut counts = OpCounts {
+            read: (0, 0),
+            write: (0, 0),
+            kinds: Vec::with_capacity(ops.len()),
+        };
+        for op in ops {
+            let slot = match op.kind {
+                OpKind::Read => &mut counts.read,
+                OpKind::Write => &mut counts.write,
+            };
+            slot.0 += 1;
+            slot.1 += op.len() as u64;
+            counts.kinds.push(op.kind);
+        }
+        counts
+    }
+
+    fn record(
+        &self,
+        transport: &'static str,
+        started: std::time::Instant,
+        result: &Result<(), SubmitError>,
+    ) {
+        metrics::histogram!("ferry_submit_seconds", "transport" => transport)
+            .record(started.elapsed().as_secs_f64());
+        match result {
+            Ok(()) => {
+                for (op, (ops, bytes)) in [("read", self.read), ("write", self.write)] {
+                    if ops > 0 {
+                        metrics::counter!("ferry_ops_total", "transport" => transport, "op" => op)
+                            .increment(ops);
+                        metrics::counter!("ferry_bytes_total", "transport" => transport, "op" => op).increment(bytes);
+                    }
+                }
+            }
+            Err(e) => {
+                let (op, error) = match e {
+                    SubmitError::Op { index, .. } => (
+                        match self.kinds.get(*index) {
+                            Some(OpKind::Read) => "read",
+                            _ => "write",
+                        },
+                        "op",
+                    ),
+                    SubmitError::Timeout { .. } => ("batch", "timeout"),
+                    SubmitError::BackendStopped => ("batch", "backend_stopped"),
+                };
+                metrics::counter!("ferry_errors_total", "transport" => transport, "op" => op, "error" => error)
+                    .increment(1);
+            }
+        }
+    }
+}
+
 /// Maps a backend's answer about its share of a batch back to indices of the
 /// whole batch: `index[i]` is the batch index of the backend's op `i`.
 fn remap(result: Result<(), SubmitError>, index: &[usize]) -> Result<(), SubmitError> {
@@ -373,16 +440,24 @@ impl RdmaBackend for Node {
         let run_nic = async {
             match &self.0.ibverbs {
                 Some(ibverbs) if !nic_ops.is_empty() => {
-                    remap(ibverbs.submit(nic_ops, timeout).await, &nic_index)
+                    let counts = OpCounts::of(&nic_ops);
+                    let started = std::time::Instant::now();
+                    let result = ibverbs.submit(nic_ops, timeout).await;
+                    counts.record("ibverbs", started, &result);
+                    remap(result, &nic_index)
                 }
                 _ => Ok(()),
             }
         };
         let run_tcp = async {
-            match tcp_ops.is_empty() {
-                true => Ok(()),
-                false => remap(self.0.tcp.submit(tcp_ops, timeout).await, &tcp_index),
+            if tcp_ops.is_empty() {
+                return Ok(());
             }
+            let counts = OpCounts::of(&tcp_ops);
+            let started = std::time::Instant::now();
+            let result = self.0.tcp.submit(tcp_ops, timeout).await;
+            counts.record("tcp", started, &result);
+            remap(result, &tcp_index)
         };
         let (nic_result, tcp_result) = tokio::join!(run_nic, run_tcp);
         merge([nic_result, tcp_result], total)

@@ -29,6 +29,10 @@ pub struct ServeArgs {
     /// Run TCP only, even where an RDMA device exists.
     #[arg(long)]
     pub no_ibverbs: bool,
+    /// Serve Prometheus metrics on this address (GET /metrics): bytes and
+    /// requests served per transport and op kind.
+    #[arg(long)]
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -90,6 +94,18 @@ pub struct BenchArgs {
     /// One JSON object per block size instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Serve Prometheus metrics on this address while the bench runs: bytes,
+    /// ops and errors per transport and op kind, submit latency histogram.
+    #[arg(long)]
+    pub metrics: Option<std::net::SocketAddr>,
+}
+
+/// Installs the Prometheus recorder with its HTTP listener on `addr`.
+pub fn export_metrics(addr: std::net::SocketAddr) -> Result<(), Failure> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| Failure(format!("cannot serve metrics on {addr}: {e}")))
 }
 
 /// A user-facing failure: printed as one line, exit status 1.
@@ -124,6 +140,9 @@ pub fn parse_size(text: &str) -> Result<usize, String> {
 }
 
 pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
+    if let Some(addr) = args.metrics {
+        export_metrics(addr)?;
+    }
     let node = Node::builder()
         .listen(args.listen)
         .ibverbs(!args.no_ibverbs)
@@ -242,6 +261,9 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 }
 
 pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
+    if let Some(addr) = args.metrics {
+        export_metrics(addr)?;
+    }
     let (_server, remote) = match &args.handle {
         Some(path) => {
             let text = std::fs::read_to_string(path)

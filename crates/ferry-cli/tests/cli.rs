@@ -250,3 +250,117 @@ fn bench_errors_are_one_line_and_non_zero() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// GETs a page from a local HTTP endpoint (no client library needed).
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("metrics endpoint");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut page = String::new();
+    s.read_to_string(&mut page).unwrap();
+    page
+}
+
+fn metric(page: &str, prefix: &str) -> u64 {
+    page.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0, |v| v.parse::<f64>().unwrap() as u64)
+}
+
+/// The serve side's counters grow by exactly the bytes the bench moved. Over
+/// TCP, since over RDMA the owner's CPU never sees one-sided transfers.
+#[test]
+fn serve_metrics_count_exactly_the_bytes_bench_moved() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let metrics = format!("127.0.0.1:{port}");
+    let dir = std::env::temp_dir().join(format!("ferry-cli-metrics-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let handle = dir.join("handle.json");
+    let bin =
+        std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_string());
+    let mut server = Command::new(&bin)
+        .args([
+            "serve",
+            "--size",
+            "1M",
+            "--metrics",
+            &metrics,
+            "--handle-file",
+        ])
+        .arg(&handle)
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while !handle.exists() || std::fs::read_to_string(&handle).unwrap().is_empty() {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "serve wrote no handle"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let served = |page: &str, op: &str| {
+        metric(
+            page,
+            &format!("ferry_served_bytes_total{{transport=\"tcp\",op=\"{op}\"}}"),
+        )
+    };
+    let before = http_get(&metrics, "/metrics");
+    let mut moved = [0u64; 2];
+    for (i, op) in ["write", "read"].into_iter().enumerate() {
+        let h = handle.to_str().unwrap();
+        let out = ferry(&[
+            "bench",
+            "--handle",
+            h,
+            "--transport",
+            "tcp",
+            "--op",
+            op,
+            "--block",
+            "4K,64K",
+            "--warmup",
+            "0",
+            "--iters",
+            "3",
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        moved[i] = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["bytes"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .sum();
+    }
+    let after = http_get(&metrics, "/metrics");
+    assert_eq!(
+        served(&after, "write") - served(&before, "write"),
+        moved[0],
+        "{after}"
+    );
+    assert_eq!(
+        served(&after, "read") - served(&before, "read"),
+        moved[1],
+        "{after}"
+    );
+    assert!(moved[0] > 0 && moved[1] > 0);
+    drop(server.stdin.take());
+    assert!(server.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -155,6 +155,7 @@ async fn serve(
                         .payload(&stream, grant.memory.as_ptr().add(grant.offset), len)
                         .await?
                 };
+                served("write", req.len);
                 out.acks.push(Response::WriteAck { id: req.id }.encode());
             }
             (RequestKind::Read, Ok(grant)) => {
@@ -174,15 +175,25 @@ async fn serve(
                 }
                 iov.send_all(&stream).await?;
                 out.acks.clear();
+                served("read", req.len);
             }
             (kind, Err(refusal)) => {
                 if kind == RequestKind::Write {
                     reader.discard(&stream, len).await?;
                 }
+                metrics::counter!("ferry_served_refusals_total", "transport" => "tcp").increment(1);
                 out.refuse(req.id, refusal, req.len);
             }
         }
     }
+}
+
+/// Counts bytes and requests this node served to peers (one-sided ops leave
+/// no other trace on the owner's side).
+fn served(op: &'static str, bytes: u64) {
+    metrics::counter!("ferry_served_bytes_total", "transport" => "tcp", "op" => op)
+        .increment(bytes);
+    metrics::counter!("ferry_served_requests_total", "transport" => "tcp", "op" => op).increment(1);
 }
 
 /// Small responses waiting to be sent in one system call.
