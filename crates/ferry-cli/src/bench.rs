@@ -51,6 +51,15 @@ pub enum Op {
     Read,
 }
 
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::Write => "write",
+            Op::Read => "read",
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// Handle file written by `ferry serve`.
@@ -301,8 +310,10 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
         )));
     }
 
+    let progress = progress_bar(&args);
     let mut rows = Vec::new();
     for &block in &args.block {
+        progress.set_message(format!("{} {block} B blocks", args.op.name()));
         if block > size {
             return Err(Failure(format!(
                 "block {block} B is larger than the {size}-byte target region"
@@ -340,6 +351,7 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             let t = Instant::now();
             node.submit(batch_ops, SUBMIT_TIMEOUT).await?;
             latencies.push(t.elapsed().as_secs_f64() * 1e6);
+            progress.inc(1);
             let done = match args.duration {
                 Some(s) => started.elapsed().as_secs_f64() >= s,
                 None => latencies.len() >= args.iters.max(1),
@@ -370,7 +382,28 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             verified,
         });
     }
+    progress.finish_and_clear();
     Ok(rows)
+}
+
+/// A bar over all measured submits, on a terminal only: never when stderr is
+/// piped or under CI, so logs and `--json` output stay clean.
+fn progress_bar(args: &BenchArgs) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() || std::env::var_os("CI").is_some() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let total = match args.duration {
+        Some(_) => None,
+        None => Some((args.iters.max(1) * args.block.len()) as u64),
+    };
+    let bar =
+        indicatif::ProgressBar::with_draw_target(total, indicatif::ProgressDrawTarget::stderr());
+    let style =
+        indicatif::ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} submits")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar
 }
 
 /// After writes: reads the target back into a second region and compares
@@ -414,7 +447,7 @@ pub fn print_table(rows: &[Row]) {
     for r in rows {
         println!(
             "{:<6} {:<8} {:>10} {:>6} {:>9.3} {:>9.4} {:>10.1} {:>10.1} {:>10.1}{}",
-            format!("{:?}", r.op).to_lowercase(),
+            r.op.name(),
             r.transport,
             r.block,
             r.batch,
