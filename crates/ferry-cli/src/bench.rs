@@ -386,11 +386,12 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
     Ok(rows)
 }
 
-/// A bar over all measured submits, on a terminal only: never when stderr is
-/// piped or under CI, so logs and `--json` output stay clean.
+/// A bar over all measured submits, for a person at a terminal only: never
+/// with `--json` (output for programs, which may share the terminal, as on a
+/// VM's serial console), when stderr is piped, or under CI.
 fn progress_bar(args: &BenchArgs) -> indicatif::ProgressBar {
     use std::io::IsTerminal;
-    if !std::io::stderr().is_terminal() || std::env::var_os("CI").is_some() {
+    if args.json || !std::io::stderr().is_terminal() || std::env::var_os("CI").is_some() {
         return indicatif::ProgressBar::hidden();
     }
     let total = match args.duration {
