@@ -48,9 +48,9 @@ if ! command -v iperf3 >/dev/null; then
         { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y iperf3 >/dev/null; }
 fi
 
-echo "building the demo (release)" >&2
-cargo build --release --example demo >&2
-DEMO=target/release/examples/demo
+echo "building ferry (release)" >&2
+cargo build --release --locked -p ferry-cli >&2
+FERRY=target/release/ferry
 
 # iperf3 3.12 (Debian 12) runs all -P streams on one thread, while ferry uses
 # every core, so a single `iperf3 -P N` understates what loopback TCP can do.
@@ -93,9 +93,11 @@ IPERF_READ=$(iperf3_gbps 1 "$STREAMS" -R)
 IPERF_WRITE_N=$(iperf3_gbps "$STREAMS" 1)
 IPERF_READ_N=$(iperf3_gbps "$STREAMS" 1 -R)
 
-echo "ferry demo --streams $STREAMS --block $BLOCKS, ${SECONDS_PER_RUN} s per row" >&2
-timeout 600 "$DEMO" --json --verify --streams "$STREAMS" --block "$BLOCKS" --op write,read \
-    --size "$SIZE" --seconds "$SECONDS_PER_RUN" >"$WORK/ferry.jsonl"
+echo "ferry bench --streams $STREAMS --block $BLOCKS, ${SECONDS_PER_RUN} s per row" >&2
+for op in write read; do
+    timeout 600 "$FERRY" bench --loopback --transport tcp --json --verify --streams "$STREAMS" \
+        --block "$BLOCKS" --op "$op" --size "$SIZE" --duration "$SECONDS_PER_RUN" >>"$WORK/ferry.jsonl"
+done
 
 python3 - "$WORK/ferry.jsonl" "$IPERF_WRITE" "$IPERF_READ" "$IPERF_WRITE_N" "$IPERF_READ_N" \
     "$(iperf3 --version | head -1)" <<'EOF'
@@ -113,12 +115,12 @@ def size(b):
     return f"{b} B"
 
 print(f"{'op':<6} {'block':>8} {'streams':>7} {'ferry GB/s':>10} {'iperf3 -P N':>11} "
-      f"{'N x iperf3':>10} {'ratio':>6} {'RSS over regions MiB (init/target)':>35}")
+      f"{'N x iperf3':>10} {'ratio':>6} {'initiator RSS over regions MiB':>31}")
 for r in rows:
     ref = max(one[r["op"]], many[r["op"]])
-    over = f"{mib(r['initiator_rss_above_regions']):.1f} / {mib(r['target_rss_above_regions']):.1f}"
+    over = f"{mib(r['peak_rss'] - r['registered']):.1f}"
     print(f"{r['op']:<6} {size(r['block']):>8} {r['streams']:>7} {r['gbps']:>10.2f} "
-          f"{one[r['op']]:>11.2f} {many[r['op']]:>10.2f} {r['gbps'] / ref:>6.2f} {over:>35}")
-print(f"(ratio = ferry / the faster iperf3 figure; regions: {size(rows[0]['registered_per_process'])} "
-      f"per process; 'read' is compared with iperf3 -R; {sys.argv[6]}; all ferry rows verified)")
+          f"{one[r['op']]:>11.2f} {many[r['op']]:>10.2f} {r['gbps'] / ref:>6.2f} {over:>31}")
+print(f"(ratio = ferry / the faster iperf3 figure; 'read' is compared with iperf3 -R; {sys.argv[6]}; "
+      f"all ferry rows verified)")
 EOF

@@ -241,6 +241,8 @@ fn start_server(args: &BenchArgs) -> Result<(Server, RemoteBuffer), Failure> {
 pub struct Row {
     pub op: Op,
     pub transport: &'static str,
+    /// TCP connections per peer (`--streams`).
+    pub streams: usize,
     pub block: usize,
     pub batch: usize,
     pub submits: usize,
@@ -252,6 +254,22 @@ pub struct Row {
     pub lat_p50_us: f64,
     pub lat_p99_us: f64,
     pub verified: bool,
+    /// Peak resident memory of this process so far (VmHWM), and the bytes it
+    /// has registered: their difference is what the transfer cost in memory.
+    pub peak_rss: u64,
+    pub registered: u64,
+}
+
+/// This process's peak resident set size, from /proc (0 where unavailable).
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or(0)
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -259,14 +277,49 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[at.min(sorted.len() - 1)]
 }
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
+/// Pieces in which regions are filled and compared, so the bench never holds
+/// a copy of the payload (which would distort its memory figures).
+const PIECE: usize = 1 << 20;
+
+/// The bytes `at..at + len` of the test pattern for `seed`.
+fn pattern(at: usize, len: usize, seed: u8) -> Vec<u8> {
+    (at..at + len)
         .map(|i| {
             (i as u8)
                 .wrapping_mul(29)
                 .wrapping_add(seed ^ (i >> 16) as u8)
         })
         .collect()
+}
+
+/// Writes the pattern (or zeros) into `region[..len]`, a piece at a time.
+fn fill(region: &Region, len: usize, seed: Option<u8>) -> Result<(), Failure> {
+    for at in (0..len).step_by(PIECE) {
+        let n = PIECE.min(len - at);
+        let bytes = match seed {
+            Some(seed) => pattern(at, n, seed),
+            None => vec![0; n],
+        };
+        region.write_at(at, &bytes)?;
+    }
+    Ok(())
+}
+
+/// The first offset where `region[..len]` differs from the pattern.
+fn first_difference(region: &Region, len: usize, seed: u8) -> Result<Option<usize>, Failure> {
+    let mut got = vec![0; PIECE.min(len)];
+    for at in (0..len).step_by(PIECE) {
+        let n = PIECE.min(len - at);
+        region.read_at(at, &mut got[..n])?;
+        if let Some(i) = got[..n]
+            .iter()
+            .zip(pattern(at, n, seed))
+            .position(|(a, b)| *a != b)
+        {
+            return Ok(Some(at + i));
+        }
+    }
+    Ok(None)
 }
 
 pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
@@ -321,8 +374,8 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
         }
         let blocks = size / block;
         let batch = args.batch.unwrap_or(blocks).clamp(1, blocks);
-        let data = pattern(batch * block, block as u8);
-        local.write_at(0, &data)?;
+        let seed = block as u8;
+        fill(&local, batch * block, Some(seed))?;
         let ops = |kind: Op| -> Result<Vec<RdmaOp>, Failure> {
             (0..batch)
                 .map(|i| {
@@ -339,7 +392,7 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
         if args.op == Op::Read && args.verify {
             // Put known bytes there first, so the reads have something to check.
             node.submit(ops(Op::Write)?, SUBMIT_TIMEOUT).await?;
-            local.write_at(0, &vec![0; batch * block])?;
+            fill(&local, batch * block, None)?;
         }
         for _ in 0..args.warmup {
             node.submit(ops(args.op)?, SUBMIT_TIMEOUT).await?;
@@ -362,13 +415,14 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
         }
         let seconds = started.elapsed().as_secs_f64();
         let verified =
-            args.verify && verify(&node, &local, &remote, &data, args.op, batch, block).await?;
+            args.verify && verify(&node, &local, &remote, seed, args.op, batch, block).await?;
         let submits = latencies.len();
         let bytes = (submits * batch * block) as u64;
         latencies.sort_by(f64::total_cmp);
         rows.push(Row {
             op: args.op,
             transport,
+            streams: args.streams,
             block,
             batch,
             submits,
@@ -380,6 +434,14 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             lat_p50_us: percentile(&latencies, 0.5),
             lat_p99_us: percentile(&latencies, 0.99),
             verified,
+            peak_rss: peak_rss(),
+            // The local region, plus the read-back region of a verified write.
+            registered: (size
+                + if verified && args.op == Op::Write {
+                    batch * block
+                } else {
+                    0
+                }) as u64,
         });
     }
     progress.finish_and_clear();
@@ -413,26 +475,22 @@ async fn verify(
     node: &Node,
     local: &Region,
     remote: &RemoteBuffer,
-    data: &[u8],
+    seed: u8,
     op: Op,
     batch: usize,
     block: usize,
 ) -> Result<bool, Failure> {
     let len = batch * block;
-    let got = match op {
-        Op::Read => {
-            let mut got = vec![0; len];
-            local.read_at(0, &mut got)?;
-            got
-        }
+    let difference = match op {
+        Op::Read => first_difference(local, len, seed)?,
         Op::Write => {
             let back = node.alloc(len, Access::ReadWrite).await?;
             let read = RdmaOp::read(back.whole(), remote.slice(0..len as u64)?);
             node.submit(vec![read], SUBMIT_TIMEOUT).await?;
-            back.to_vec()
+            first_difference(&back, len, seed)?
         }
     };
-    match got.iter().zip(data).position(|(a, b)| a != b) {
+    match difference {
         None => Ok(true),
         Some(at) => Err(Failure(format!(
             "verify failed: byte {at} of the {block}-byte-block run differs"
