@@ -364,3 +364,66 @@ fn serve_metrics_count_exactly_the_bytes_bench_moved() {
     assert!(server.wait().unwrap().success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// While a bench runs, its own endpoint shows the initiator's counters and
+/// the submit latency histogram.
+#[test]
+fn bench_metrics_expose_initiator_counters_while_it_runs() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let metrics = format!("127.0.0.1:{port}");
+    let bin =
+        std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_string());
+    let mut bench = Command::new(&bin)
+        .args([
+            "bench",
+            "--loopback",
+            "--transport",
+            "tcp",
+            "--size",
+            "4M",
+            "--block",
+            "64K",
+        ])
+        .args(["--duration", "20", "--metrics", &metrics])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let page = loop {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(15),
+            "no initiator metrics appeared"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let Ok(mut s) = std::net::TcpStream::connect(&metrics) else {
+            continue;
+        };
+        use std::io::{Read, Write};
+        s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        write!(s, "GET /metrics HTTP/1.0\r\nHost: {metrics}\r\n\r\n").unwrap();
+        let mut page = String::new();
+        let _ = s.read_to_string(&mut page);
+        if metric(&page, "ferry_bytes_total{transport=\"tcp\",op=\"write\"}") > 0 {
+            break page;
+        }
+    };
+    let _ = bench.kill();
+    let _ = bench.wait();
+    let bytes = metric(&page, "ferry_bytes_total{transport=\"tcp\",op=\"write\"}");
+    let ops = metric(&page, "ferry_ops_total{transport=\"tcp\",op=\"write\"}");
+    assert_eq!(
+        bytes,
+        ops * 65536,
+        "every counted op moved one 64 KiB block:\n{page}"
+    );
+    assert!(
+        page.contains("ferry_submit_seconds"),
+        "latency histogram missing:\n{page}"
+    );
+}
