@@ -185,10 +185,16 @@ impl Shared {
             // Small transfers finish within microseconds: poll for them here
             // rather than sleep until the poller task wakes us, which costs
             // several thread wake-ups. Bounded; then the poller takes over.
+            // The clock is read only every 64 polls: where it is slow to read
+            // (an emulated HPET), reading it each time cost more than polling.
             let spin_until = std::time::Instant::now() + INLINE_POLL;
             let qps = used.lock().unwrap_or_else(|e| e.into_inner()).clone();
             let mut wcs = Vec::with_capacity(16);
-            while !progress.is_done() && std::time::Instant::now() < spin_until {
+            let mut polls = 0u32;
+            while !progress.is_done()
+                && (!polls.is_multiple_of(64) || std::time::Instant::now() < spin_until)
+            {
+                polls = polls.wrapping_add(1);
                 if qps.iter().map(|qp| qp.poll_now(&mut wcs)).sum::<usize>() == 0 {
                     std::hint::spin_loop();
                 }

@@ -28,7 +28,8 @@ use tracing::debug;
 
 use crate::device::Device;
 use crate::verbs::{
-    Completion, CompletionChannel, CompletionQueue, PathConfig, QpEndpoint, QueuePair, WorkRequest,
+    Completion, CompletionChannel, CompletionQueue, PathConfig, QpEndpoint, QueuePair, VerbsError,
+    WorkRequest,
 };
 use crate::wire::{QP_INFO_LEN, QpInfo};
 
@@ -37,8 +38,6 @@ use crate::wire::{QP_INFO_LEN, QpInfo};
 const SIGNAL_EVERY: usize = 16;
 /// Most work requests posted with one doorbell.
 const MAX_POST: usize = 64;
-/// Empty polls (each a yield to the runtime) before sleeping on the channel.
-const BUSY_POLLS: u32 = 64;
 
 /// ferry's own work-request ids never have this bit set; code posting through
 /// the raw handles must set it, so its completions are told apart.
@@ -55,7 +54,8 @@ struct Posted {
     wr_id: u64,
     op: usize,
     progress: Arc<BatchProgress>,
-    _pin: Region,
+    /// Keeps the local memory registered while the NIC may touch it.
+    pin: Region,
 }
 
 #[derive(Default)]
@@ -138,9 +138,9 @@ impl PeerQp {
         progress: &Arc<BatchProgress>,
         deadline: Instant,
     ) {
-        let mut pieces = pieces.into_iter().peekable();
+        let mut pending: VecDeque<Piece> = pieces.into();
         let mut batch: Vec<Piece> = Vec::with_capacity(MAX_POST);
-        while pieces.peek().is_some() {
+        while !pending.is_empty() {
             if progress.is_abandoned() {
                 return;
             }
@@ -156,21 +156,40 @@ impl PeerQp {
                 },
             }
             batch.clear();
-            batch.extend(pieces.next());
-            while batch.len() < MAX_POST && pieces.peek().is_some() {
+            batch.extend(pending.pop_front());
+            while batch.len() < MAX_POST && !pending.is_empty() {
                 match self.credits.try_acquire() {
                     Ok(permit) => {
                         permit.forget();
-                        batch.extend(pieces.next());
+                        batch.extend(pending.pop_front());
                     }
                     Err(_) => break,
                 }
             }
-            self.post_batch(&mut batch, progress);
+            if let Err(refused) = self.post_batch(&mut batch, progress) {
+                // The send queue was momentarily full: retry those pieces,
+                // in order, once completions have had a chance to drain it.
+                for piece in refused.into_iter().rev() {
+                    pending.push_front(piece);
+                }
+                if Instant::now() >= deadline {
+                    return;
+                }
+                tokio::task::yield_now().await;
+            }
         }
     }
 
-    fn post_batch(&self, batch: &mut Vec<Piece>, progress: &Arc<BatchProgress>) {
+    /// Posts `batch` as one linked list. `Err` hands back the pieces the
+    /// provider refused because its send queue was full (ENOMEM), their
+    /// credits returned, to be posted again. That can happen even within our
+    /// credits: a provider may report a completion a moment before it frees
+    /// the send-queue slot (soft-RoCE does). Any other refusal fails the QP.
+    fn post_batch(
+        &self,
+        batch: &mut Vec<Piece>,
+        progress: &Arc<BatchProgress>,
+    ) -> Result<(), Vec<Piece>> {
         let last = batch.len() - 1;
         let mut wrs: Vec<WorkRequest> = Vec::with_capacity(batch.len());
         for (i, piece) in batch.iter_mut().enumerate() {
@@ -187,7 +206,7 @@ impl PeerQp {
             batch
                 .drain(..)
                 .for_each(|p| progress.piece_done(p.op, Err(error.clone())));
-            return;
+            return Ok(());
         }
         let before = inflight.records.len();
         inflight
@@ -196,23 +215,37 @@ impl PeerQp {
                 wr_id: wr.wr_id,
                 op: piece.op,
                 progress: progress.clone(),
-                _pin: piece.pin,
+                pin: piece.pin,
             }));
         // SAFETY: every request's local range lies in a memory region of this
         // QP's protection domain (checked when the piece was built), and the
         // record pushed above pins that region until the request's completion
         // (or a later one) is polled; see the module docs.
-        if let Err((index, e)) = unsafe { self.qp.post(&wrs) } {
-            // Requests from `index` on were not posted: take their records back.
-            let refused: Vec<Posted> = inflight.records.drain(before + index..).collect();
-            let error = OpError::Protocol(format!("posting to the send queue failed: {e}"));
-            drop(inflight);
-            self.credits.add_permits(refused.len());
-            for record in refused {
-                record.progress.piece_done(record.op, Err(error.clone()));
-            }
-            self.break_with(error);
+        let Err((index, e)) = (unsafe { self.qp.post(&wrs) }) else {
+            return Ok(());
+        };
+        // Requests from `index` on were not posted: take their records back.
+        let refused: Vec<Posted> = inflight.records.drain(before + index..).collect();
+        drop(inflight);
+        self.credits.add_permits(refused.len());
+        let queue_full = matches!(&e, VerbsError::Call { source, .. } if source.raw_os_error() == Some(libc::ENOMEM));
+        if queue_full {
+            return Err(refused
+                .into_iter()
+                .zip(&wrs[index..])
+                .map(|(record, wr)| Piece {
+                    op: record.op,
+                    wr: *wr,
+                    pin: record.pin,
+                })
+                .collect());
         }
+        let error = OpError::Protocol(format!("posting to the send queue failed: {e}"));
+        for record in refused {
+            record.progress.piece_done(record.op, Err(error.clone()));
+        }
+        self.break_with(error);
+        Ok(())
     }
 
     /// Applies completions: every record up to and including the completed
@@ -292,8 +325,10 @@ impl PeerQp {
         }
     }
 
-    /// Polls the CQ until the QP is broken and drained: busy for a short
-    /// window after activity, then asleep on the completion channel.
+    /// Polls the CQ until the QP is broken and drained, sleeping on the
+    /// completion channel between bursts. It does not busy-poll: submitters
+    /// poll inline for their own small transfers (see `Shared::run`), and a
+    /// second spinner only contended with them for the CQ and the lock.
     async fn poll_completions(
         self: Arc<Self>,
         cq: Arc<CompletionQueue>,
@@ -310,7 +345,6 @@ impl PeerQp {
             }
         };
         let mut wcs = Vec::with_capacity(64);
-        let mut idle = 0;
         loop {
             wcs.clear();
             if let Err(e) = cq.poll(&mut wcs, 64) {
@@ -318,7 +352,6 @@ impl PeerQp {
             }
             if !wcs.is_empty() {
                 self.complete(&wcs);
-                idle = 0;
                 continue;
             }
             {
@@ -327,11 +360,6 @@ impl PeerQp {
                     return;
                 }
             }
-            if idle < BUSY_POLLS {
-                idle += 1;
-                tokio::task::yield_now().await;
-                continue;
-            }
             // Arm, then poll once more: a completion that arrived before the
             // arm raises no event.
             if let Err(e) = cq.arm() {
@@ -339,7 +367,6 @@ impl PeerQp {
             }
             if cq.poll(&mut wcs, 64).unwrap_or(0) > 0 {
                 self.complete(&wcs);
-                idle = 0;
                 continue;
             }
             // Wake up now and then regardless, to notice a broken, drained QP.
@@ -349,7 +376,6 @@ impl PeerQp {
                 guard.clear_ready();
                 while let Ok(true) = cq.take_event() {}
             }
-            idle = 0;
         }
     }
 }
