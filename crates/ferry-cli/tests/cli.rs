@@ -3,9 +3,13 @@
 
 use std::process::{Command, Output};
 
+/// The binary under test: `FERRY_BIN` inside the VM, cargo's build here.
+fn ferry_bin() -> String {
+    std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_string())
+}
+
 fn ferry(args: &[&str]) -> Output {
-    let bin =
-        std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_string());
+    let bin = ferry_bin();
     Command::new(bin)
         .args(args)
         .output()
@@ -14,6 +18,31 @@ fn ferry(args: &[&str]) -> Output {
 
 fn in_rxe_vm() -> bool {
     std::env::var_os("FERRY_RXE").is_some()
+}
+
+/// Starts `ferry serve` with `args`, writing its handle to `handle`, and
+/// waits (with a deadline) until the handle is there. Closing the child's
+/// stdin stops it.
+fn spawn_serve(args: &[&str], handle: &std::path::Path) -> std::process::Child {
+    let bin = ferry_bin();
+    let child = Command::new(&bin)
+        .arg("serve")
+        .args(args)
+        .arg("--handle-file")
+        .arg(handle)
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while !handle.exists() || std::fs::read_to_string(handle).unwrap().is_empty() {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "serve wrote no handle"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child
 }
 
 #[test]
@@ -74,8 +103,7 @@ fn info_as_text_says_why_a_transport_cannot_start() {
 
 #[test]
 fn disabling_ibverbs_is_reported() {
-    let bin =
-        std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_string());
+    let bin = ferry_bin();
     let out = Command::new(bin)
         .args(["info", "--json"])
         .env("FERRY_DISABLE_IBVERBS", "1")
@@ -119,23 +147,7 @@ fn serve_and_bench_over_a_handle_file() {
     let dir = std::env::temp_dir().join(format!("ferry-cli-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let handle = dir.join("handle.json");
-    let bin =
-        std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_string());
-    let mut server = Command::new(&bin)
-        .args(["serve", "--size", "4M", "--handle-file"])
-        .arg(&handle)
-        .stdin(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let started = std::time::Instant::now();
-    while !handle.exists() || std::fs::read_to_string(&handle).unwrap().is_empty() {
-        assert!(
-            started.elapsed() < std::time::Duration::from_secs(30),
-            "serve wrote no handle"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let mut server = spawn_serve(&["--size", "4M"], &handle);
     for op in ["write", "read"] {
         let h = handle.to_str().unwrap();
         let out = ferry(&[
@@ -193,21 +205,8 @@ fn bench_errors_are_one_line_and_non_zero() {
     let dir = std::env::temp_dir().join(format!("ferry-cli-bad-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     // A handle to a node that is gone: take one from a server, stop it.
-    let bin =
-        std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_string());
     let stale = dir.join("stale.json");
-    let mut server = Command::new(&bin)
-        .args(["serve", "--size", "64K", "--handle-file"])
-        .arg(&stale)
-        .stdin(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let started = std::time::Instant::now();
-    while !stale.exists() || std::fs::read_to_string(&stale).unwrap().is_empty() {
-        assert!(started.elapsed() < std::time::Duration::from_secs(30));
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let mut server = spawn_serve(&["--size", "64K"], &stale);
     drop(server.stdin.take());
     server.wait().unwrap();
 
@@ -283,30 +282,7 @@ fn serve_metrics_count_exactly_the_bytes_bench_moved() {
     let dir = std::env::temp_dir().join(format!("ferry-cli-metrics-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let handle = dir.join("handle.json");
-    let bin =
-        std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_string());
-    let mut server = Command::new(&bin)
-        .args([
-            "serve",
-            "--size",
-            "1M",
-            "--metrics",
-            &metrics,
-            "--handle-file",
-        ])
-        .arg(&handle)
-        .stdin(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let started = std::time::Instant::now();
-    while !handle.exists() || std::fs::read_to_string(&handle).unwrap().is_empty() {
-        assert!(
-            started.elapsed() < std::time::Duration::from_secs(30),
-            "serve wrote no handle"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let mut server = spawn_serve(&["--size", "1M", "--metrics", &metrics], &handle);
     let served = |page: &str, op: &str| {
         metric(
             page,
@@ -375,8 +351,7 @@ fn bench_metrics_expose_initiator_counters_while_it_runs() {
         .unwrap()
         .port();
     let metrics = format!("127.0.0.1:{port}");
-    let bin =
-        std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_string());
+    let bin = ferry_bin();
     let mut bench = Command::new(&bin)
         .args([
             "bench",
