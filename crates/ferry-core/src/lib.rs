@@ -10,6 +10,7 @@ mod error;
 mod handle;
 mod ids;
 mod memory;
+mod message;
 mod op;
 mod progress;
 
@@ -18,5 +19,6 @@ pub use error::{OpError, RegisterError, SubmitError};
 pub use handle::{Access, IbvRemote, RemoteBuffer, RemoteTransports, TcpRemote};
 pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128};
 pub use memory::{MemoryBlock, PAGE_SIZE, Region, RegionIds, RegionParts, RegionSlot};
+pub use message::{RegisterRegion, Submit};
 pub use op::{LocalSlice, OpKind, RdmaOp};
 pub use progress::BatchProgress;

@@ -7,9 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::{
-    Access, BatchProgress, Generation, IbvRemote, MemoryBlock, NodeAddr, OpError, OpKind,
-    RdmaBackend, RdmaOp, RdmaTransportLevel, Region, RegionId, RegisterError, SubmitError,
+    BatchProgress, Generation, IbvRemote, NodeAddr, OpError, OpKind, RdmaBackend, RdmaOp,
+    RdmaTransportLevel, Region, RegionId, RegisterError, SubmitError,
 };
+use ferry_core::{RegisterRegion, Submit};
 use ferry_tcp::ControlConnection;
 use kameo::Actor;
 use kameo::actor::{ActorRef, Spawn, WeakActorRef};
@@ -272,13 +273,6 @@ impl Actor for IbvManagerActor {
     }
 }
 
-/// Run a batch of one-sided ops over RDMA; answered like the TCP manager's.
-#[derive(Debug)]
-pub struct Submit {
-    pub ops: Vec<RdmaOp>,
-    pub timeout: Duration,
-}
-
 impl Message<Submit> for IbvManagerActor {
     type Reply = DelegatedReply<Result<(), SubmitError>>;
 
@@ -293,15 +287,6 @@ impl Message<Submit> for IbvManagerActor {
         });
         delegated
     }
-}
-
-/// Register memory with the device. Remote write is granted only for
-/// read-write regions, so the NIC refuses writes through read-only handles.
-pub struct RegisterRegion {
-    pub id: RegionId,
-    pub generation: Generation,
-    pub access: Access,
-    pub memory: Arc<MemoryBlock>,
 }
 
 pub struct IbvRegistered {
@@ -592,16 +577,6 @@ impl IbvBackend {
             _ => RegisterError::BackendStopped,
         })
     }
-}
-
-/// The result of asking the manager to `Submit`, as one error type.
-pub fn submit_outcome(
-    result: Result<(), SendError<Submit, SubmitError>>,
-) -> Result<(), SubmitError> {
-    result.map_err(|e| match e {
-        SendError::HandlerError(e) => e,
-        _ => SubmitError::BackendStopped,
-    })
 }
 
 impl RdmaBackend for IbvBackend {

@@ -14,10 +14,13 @@ mod wire;
 
 pub use backend::{
     FOREIGN_WR_ID_BIT, IbvBackend, IbvDevice, IbvManagerActor, IbvManagerArgs, IbvQpHandle,
-    IbvRegionKeys, IbvRegistered, IbvRegistration, IbvTransportInfo, RegisterRegion, Submit,
-    TransportInfo, TransportLevel, submit_outcome,
+    IbvRegionKeys, IbvRegistered, IbvRegistration, IbvTransportInfo, TransportInfo, TransportLevel,
 };
 pub use device::IbvConfig;
+/// The messages all managers share, and the one way to read a `Submit`'s
+/// answer, re-exported where users look for them.
+pub use ferry_core::{RegisterRegion, Submit};
+pub use ferry_tcp::submit_outcome;
 /// The verbs bindings ferry is built with, for code that posts through the
 /// raw handles of [`IbvTransportInfo`].
 pub use rdma_sys as sys;

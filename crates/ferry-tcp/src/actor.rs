@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_core::{
-    Access, Generation, MemoryBlock, NodeAddr, NodeId, RdmaBackend, RdmaOp, RdmaTransportLevel,
-    RegionId, RegisterError, SubmitError, TcpRemote, random_u128,
+    Generation, NodeAddr, NodeId, RdmaBackend, RdmaOp, RdmaTransportLevel, RegionId, RegisterError,
+    SubmitError, TcpRemote, random_u128,
 };
+use ferry_core::{RegisterRegion, Submit};
 use kameo::Actor;
 use kameo::actor::{ActorRef, Spawn, WeakActorRef};
 use kameo::error::{ActorStopReason, SendError};
@@ -112,15 +113,6 @@ impl Actor for TcpManagerActor {
     }
 }
 
-/// Run a batch of one-sided ops. Answered when every op has completed, one
-/// has failed, or `timeout` passes; the actor keeps serving other messages
-/// meanwhile.
-#[derive(Debug)]
-pub struct Submit {
-    pub ops: Vec<RdmaOp>,
-    pub timeout: Duration,
-}
-
 impl Message<Submit> for TcpManagerActor {
     type Reply = DelegatedReply<Result<(), SubmitError>>;
 
@@ -137,7 +129,8 @@ impl Message<Submit> for TcpManagerActor {
     }
 }
 
-/// The result of asking a manager to `Submit`, as one error type: a failed
+/// The result of asking any manager (TCP or ibverbs) to `Submit`, as one
+/// error type: a failed
 /// transfer as it is, and a manager that did not take the message (stopped,
 /// crashed, mailbox full) as `BackendStopped`.
 pub fn submit_outcome(
@@ -147,15 +140,6 @@ pub fn submit_outcome(
         SendError::HandlerError(e) => e,
         _ => SubmitError::BackendStopped,
     })
-}
-
-/// Make a region reachable over TCP. The reply carries the credentials for
-/// remote handles and a guard that deregisters the region when dropped.
-pub struct RegisterRegion {
-    pub id: RegionId,
-    pub generation: Generation,
-    pub access: Access,
-    pub memory: Arc<MemoryBlock>,
 }
 
 pub struct TcpRegistered {

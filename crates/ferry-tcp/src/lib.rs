@@ -15,10 +15,11 @@ mod server;
 mod table;
 
 pub use actor::{
-    DeregisterRegion, RegisterRegion, RegisteredRegions, Submit, TcpBackend, TcpConfig,
-    TcpManagerActor, TcpManagerArgs, TcpRegistered, TcpTransportInfo, TransportInfo,
-    TransportLevel, submit_outcome,
+    DeregisterRegion, RegisteredRegions, TcpBackend, TcpConfig, TcpManagerActor, TcpManagerArgs,
+    TcpRegistered, TcpTransportInfo, TransportInfo, TransportLevel, submit_outcome,
 };
 pub use client::connect_control;
+/// The messages all managers share, re-exported where users look for them.
+pub use ferry_core::{RegisterRegion, Submit};
 pub use server::ControlConnection;
 pub use table::TcpRegistration;
