@@ -58,8 +58,9 @@ fn check_rc(call: &'static str, rc: i32) -> Result<(), VerbsError> {
     }
 }
 
-/// Names of the RDMA devices on this host.
-pub fn device_names() -> Result<Vec<String>, VerbsError> {
+/// Runs `f` over this host's devices, as (name, device) pairs. The device
+/// pointers are valid only during `f`: the list is freed right after.
+fn with_devices<R>(f: impl FnOnce(&[(String, *mut ibv_device)]) -> R) -> Result<R, VerbsError> {
     let mut count = 0;
     // SAFETY: `count` is a valid out-pointer; the list is freed below.
     let list = unsafe { ibv_get_device_list(&mut count) };
@@ -70,21 +71,29 @@ pub fn device_names() -> Result<Vec<String>, VerbsError> {
             io::Error::last_os_error()
         )));
     }
-    let names = (0..count.max(0) as usize)
+    let devices: Vec<(String, *mut ibv_device)> = (0..count.max(0) as usize)
         .map(|i| {
             // SAFETY: `list` holds `count` valid device pointers; the name is a
             // NUL-terminated string owned by the device, copied out here.
             unsafe {
-                CStr::from_ptr(ibv_get_device_name(*list.add(i)))
+                let device = *list.add(i);
+                let name = CStr::from_ptr(ibv_get_device_name(device))
                     .to_string_lossy()
-                    .into_owned()
+                    .into_owned();
+                (name, device)
             }
         })
         .collect();
+    let result = f(&devices);
     // SAFETY: `list` came from ibv_get_device_list and is freed exactly once;
-    // no device pointer from it is used afterwards.
+    // no device pointer from it outlives `f`.
     unsafe { ibv_free_device_list(list) };
-    Ok(names)
+    Ok(result)
+}
+
+/// Names of the RDMA devices on this host.
+pub fn device_names() -> Result<Vec<String>, VerbsError> {
+    with_devices(|devices| devices.iter().map(|(name, _)| name.clone()).collect())
 }
 
 /// An open device.
@@ -129,49 +138,29 @@ impl PortInfo {
 impl Context {
     /// Opens the named device, or the first one when `name` is `None`.
     pub fn open(name: Option<&str>) -> Result<Arc<Context>, VerbsError> {
-        let mut count = 0;
-        // SAFETY: as in `device_names`.
-        let list = unsafe { ibv_get_device_list(&mut count) };
-        if list.is_null() {
-            return Err(VerbsError::NoDevice(format!(
-                "ibv_get_device_list: {}",
-                io::Error::last_os_error()
-            )));
-        }
-        let mut opened = Err(VerbsError::DeviceNotFound(
-            name.unwrap_or("(any)").to_string(),
-        ));
-        for i in 0..count.max(0) as usize {
-            // SAFETY: `list` holds `count` valid device pointers.
-            let device = unsafe { *list.add(i) };
-            // SAFETY: the device name is a NUL-terminated string owned by the device.
-            let dev_name = unsafe { CStr::from_ptr(ibv_get_device_name(device)) }
-                .to_string_lossy()
-                .into_owned();
-            if name.is_some_and(|n| n != dev_name) {
-                continue;
+        with_devices(|devices| {
+            if devices.is_empty() {
+                return Err(VerbsError::NoDevice(
+                    "ibv_get_device_list: no devices".into(),
+                ));
             }
-            // SAFETY: `device` is valid until the list is freed; the context
-            // returned stays valid after that (documented by libibverbs).
-            let raw = unsafe { ibv_open_device(device) };
-            opened = NonNull::new(raw)
+            let (dev_name, device) = devices
+                .iter()
+                .find(|(dev_name, _)| name.is_none_or(|n| n == dev_name))
+                .ok_or_else(|| VerbsError::DeviceNotFound(name.unwrap_or("(any)").to_string()))?;
+            // SAFETY: `device` is valid while `with_devices` runs `f`; the
+            // context returned stays valid after the list is freed (documented
+            // by libibverbs).
+            let raw = unsafe { ibv_open_device(*device) };
+            NonNull::new(raw)
                 .map(|raw| {
                     Arc::new(Context {
                         raw,
-                        name: dev_name,
+                        name: dev_name.clone(),
                     })
                 })
-                .ok_or_else(|| call_error("ibv_open_device"));
-            break;
-        }
-        // SAFETY: freed exactly once, after the last use of a device pointer.
-        unsafe { ibv_free_device_list(list) };
-        if count == 0 {
-            return Err(VerbsError::NoDevice(
-                "ibv_get_device_list: no devices".into(),
-            ));
-        }
-        opened
+                .ok_or_else(|| call_error("ibv_open_device"))
+        })?
     }
 
     pub fn name(&self) -> &str {
