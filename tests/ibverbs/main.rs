@@ -9,7 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{PeerProcess, digest, pattern};
+use common::{PeerProcess, digest, forge, pattern};
 use ferry::prelude::*;
 use ferry::{RdmaTransportLevel, ibverbs};
 
@@ -43,38 +43,8 @@ async fn write_then_read_back_over_rdma_1_byte_to_64_mib() {
         .into_iter()
         .enumerate()
     {
-        let margin = 16;
-        let target = peer
-            .alloc(len + 2 * margin, Access::ReadWrite, i as u8)
-            .await;
-        let remote = target
-            .handle
-            .slice(margin as u64..(margin + len) as u64)
-            .unwrap();
-        assert!(
-            remote.transports().ibverbs.is_some(),
-            "the peer registered with its NIC"
-        );
-        let data = pattern(len, 50 + i as u8);
-        let src = node.alloc(len, Access::ReadWrite).await.unwrap();
-        src.write_at(0, &data).unwrap();
-        let op = RdmaOp::write(src.whole(), remote.clone());
-        assert_eq!(node.route(&op), Some(RdmaTransportLevel::Nic));
-        node.submit(vec![op], DEADLINE).await.unwrap();
-        let mut expected = target.original();
-        expected[margin..margin + len].copy_from_slice(&data);
-        assert_eq!(
-            peer.digest(&target).await,
-            digest(&expected),
-            "{len} B write"
-        );
-
-        let back = node.alloc(len, Access::ReadWrite).await.unwrap();
-        node.submit(vec![RdmaOp::read(back.whole(), remote)], DEADLINE)
-            .await
-            .unwrap();
-        assert!(back.to_vec() == data, "{len} B read back differs");
-        peer.drop_region(&target).await;
+        let nic = Some(RdmaTransportLevel::Nic);
+        common::write_then_read_back(&node, &mut peer, len, i as u8, nic).await;
     }
 }
 
@@ -139,12 +109,6 @@ async fn concurrent_submits_to_the_manager_actor() {
         assert!(back == pattern(slice, w as u8), "worker {w}");
     }
     assert_eq!(peer.digest(&target).await, digest(&expected));
-}
-
-fn forge(handle: &RemoteBuffer, edit: impl FnOnce(&mut serde_json::Value)) -> RemoteBuffer {
-    let mut json = serde_json::to_value(handle).unwrap();
-    edit(&mut json);
-    serde_json::from_value(json).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

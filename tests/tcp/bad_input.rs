@@ -8,21 +8,13 @@ use ferry::tcp::frame::{
     Channel, HELLO_LEN, Hello, HelloReply, HelloStatus, RESPONSE_LEN, Refusal, Request,
     RequestKind, Response, VERSION,
 };
-use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::common::{PeerProcess, PeerRegion, digest, pattern};
+use crate::common::{PeerProcess, PeerRegion, digest, forge, pattern};
 
 const DEADLINE: Duration = Duration::from_secs(20);
 const LEN: usize = 64 * 1024;
-
-/// Edits a handle through its serialized form, as a forger on the wire would.
-fn forge(handle: &RemoteBuffer, edit: impl FnOnce(&mut Value)) -> RemoteBuffer {
-    let mut json = serde_json::to_value(handle).unwrap();
-    edit(&mut json);
-    serde_json::from_value(json).unwrap()
-}
 
 /// A local region holding `pattern(LEN, 0xEE)`: a write source or a read
 /// destination whose bytes must not change when an op is refused.

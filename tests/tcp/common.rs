@@ -246,3 +246,56 @@ pub async fn mixed_batch_round_trip(
     );
     peer.drop_region(&target).await;
 }
+
+/// Edits a handle through its serialized form, as a forger on the wire would.
+pub fn forge(handle: &RemoteBuffer, edit: impl FnOnce(&mut serde_json::Value)) -> RemoteBuffer {
+    let mut json = serde_json::to_value(handle).unwrap();
+    edit(&mut json);
+    serde_json::from_value(json).unwrap()
+}
+
+/// Writes `len` bytes into the middle of a fresh peer region and reads them
+/// back: the write must land with the margins around it untouched, the read
+/// must return it, and the source must be unchanged. `route` is the
+/// transport the op must take, where the test knows it.
+pub async fn write_then_read_back(
+    node: &Node,
+    peer: &mut PeerProcess,
+    len: usize,
+    seed: u8,
+    route: Option<RdmaTransportLevel>,
+) {
+    let margin = 16;
+    let target = peer.alloc(len + 2 * margin, Access::ReadWrite, seed).await;
+    let remote = target
+        .handle
+        .slice(margin as u64..(margin + len) as u64)
+        .unwrap();
+    let data = pattern(len, seed.wrapping_add(50));
+    let src = node.alloc(len, Access::ReadWrite).await.unwrap();
+    src.write_at(0, &data).unwrap();
+    let op = RdmaOp::write(src.whole(), remote.clone());
+    if let Some(route) = route {
+        assert_eq!(
+            node.route(&op),
+            Some(route),
+            "{len} B write takes the expected transport"
+        );
+    }
+    node.submit(vec![op], COMMAND_DEADLINE).await.unwrap();
+    let mut expected = target.original();
+    expected[margin..margin + len].copy_from_slice(&data);
+    assert_eq!(
+        peer.digest(&target).await,
+        digest(&expected),
+        "{len} B write landed, margins untouched"
+    );
+
+    let back = node.alloc(len, Access::ReadWrite).await.unwrap();
+    node.submit(vec![RdmaOp::read(back.whole(), remote)], COMMAND_DEADLINE)
+        .await
+        .unwrap();
+    assert!(back.to_vec() == data, "{len} B read back differs");
+    assert!(src.to_vec() == data, "{len} B source changed");
+    peer.drop_region(&target).await;
+}

@@ -15,7 +15,7 @@ const DEADLINE: Duration = Duration::from_secs(60);
 async fn write_then_read_back_sizes_1_byte_to_256_mib() {
     let node = Node::builder().spawn().await.unwrap();
     let mut peer = PeerProcess::spawn().await;
-    for (i, len) in [
+    let sizes = [
         1usize,
         7,
         4096,
@@ -24,40 +24,9 @@ async fn write_then_read_back_sizes_1_byte_to_256_mib() {
         (3 << 20) + 5,
         64 << 20,
         256 << 20,
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let margin = 16;
-        let target = peer
-            .alloc(len + 2 * margin, Access::ReadWrite, i as u8)
-            .await;
-        let remote = target
-            .handle
-            .slice(margin as u64..(margin + len) as u64)
-            .unwrap();
-        let data = pattern(len, 100 + i as u8);
-        let src = node.alloc(len, Access::ReadWrite).await.unwrap();
-        src.write_at(0, &data).unwrap();
-
-        node.submit(vec![RdmaOp::write(src.whole(), remote.clone())], DEADLINE)
-            .await
-            .unwrap();
-        let mut expected = target.original();
-        expected[margin..margin + len].copy_from_slice(&data);
-        assert_eq!(
-            peer.digest(&target).await,
-            digest(&expected),
-            "{len} B write landed, margins untouched"
-        );
-
-        let back = node.alloc(len, Access::ReadWrite).await.unwrap();
-        node.submit(vec![RdmaOp::read(back.whole(), remote)], DEADLINE)
-            .await
-            .unwrap();
-        assert!(back.to_vec() == data, "{len} B read back differs");
-        assert!(src.to_vec() == data, "{len} B source changed");
-        peer.drop_region(&target).await;
+    ];
+    for (i, len) in sizes.into_iter().enumerate() {
+        crate::common::write_then_read_back(&node, &mut peer, len, i as u8, None).await;
     }
 }
 
