@@ -39,6 +39,9 @@ use ferry_tcp::{TcpBackend, TcpConfig};
 use tokio::sync::mpsc;
 use tracing::info;
 
+mod meters;
+use meters::Meters;
+
 pub mod prelude {
     pub use crate::{
         Access, Node, NodeBuilder, OpError, OpKind, RdmaBackend, RdmaOp, RdmaTransportLevel,
@@ -160,6 +163,8 @@ impl NodeBuilder {
             tcp,
             ibverbs,
             ibverbs_unavailable,
+            tcp_meters: Meters::new("tcp"),
+            ibverbs_meters: Meters::new("ibverbs"),
         })))
     }
 }
@@ -175,6 +180,8 @@ struct NodeInner {
     tcp: TcpBackend,
     ibverbs: Option<IbvBackend>,
     ibverbs_unavailable: Option<String>,
+    tcp_meters: Meters,
+    ibverbs_meters: Meters,
 }
 
 /// The transports a node runs, and their raw details.
@@ -286,76 +293,28 @@ impl Node {
         }
     }
 
+    /// The ibverbs backend's share of a batch; every op routed to it.
+    async fn submit_ibverbs(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        let Some(ibverbs) = &self.0.ibverbs else {
+            return Err(SubmitError::BackendStopped);
+        };
+        let submitted = self.0.ibverbs_meters.start(&ops);
+        let result = ibverbs.submit(ops, timeout).await;
+        submitted.finish(&result);
+        result
+    }
+
+    /// The TCP backend's share of a batch.
+    async fn submit_tcp(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        let submitted = self.0.tcp_meters.start(&ops);
+        let result = self.0.tcp.submit(ops, timeout).await;
+        submitted.finish(&result);
+        result
+    }
+
     /// Same as [`RdmaBackend::submit`], without importing the trait.
     pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         RdmaBackend::submit(self, ops, timeout).await
-    }
-}
-
-/// What one backend's share of a batch moves, for the `metrics` facade:
-/// `ferry_ops_total` and `ferry_bytes_total` (by transport and op kind) count
-/// completed submits, `ferry_errors_total` failed ones (by transport and
-/// error), and `ferry_submit_seconds` is the submit latency histogram.
-struct OpCounts {
-    /// (ops, bytes) of reads and of writes.
-    read: (u64, u64),
-    write: (u64, u64),
-    kinds: Vec<OpKind>,
-}
-
-impl OpCounts {
-    fn of(ops: &[RdmaOp]) -> Self {
-        let mut counts = OpCounts {
-            read: (0, 0),
-            write: (0, 0),
-            kinds: Vec::with_capacity(ops.len()),
-        };
-        for op in ops {
-            let slot = match op.kind {
-                OpKind::Read => &mut counts.read,
-                OpKind::Write => &mut counts.write,
-            };
-            slot.0 += 1;
-            slot.1 += op.len() as u64;
-            counts.kinds.push(op.kind);
-        }
-        counts
-    }
-
-    fn record(
-        &self,
-        transport: &'static str,
-        started: std::time::Instant,
-        result: &Result<(), SubmitError>,
-    ) {
-        metrics::histogram!("ferry_submit_seconds", "transport" => transport)
-            .record(started.elapsed().as_secs_f64());
-        match result {
-            Ok(()) => {
-                for (op, (ops, bytes)) in [("read", self.read), ("write", self.write)] {
-                    if ops > 0 {
-                        metrics::counter!("ferry_ops_total", "transport" => transport, "op" => op)
-                            .increment(ops);
-                        metrics::counter!("ferry_bytes_total", "transport" => transport, "op" => op).increment(bytes);
-                    }
-                }
-            }
-            Err(e) => {
-                let (op, error) = match e {
-                    SubmitError::Op { index, .. } => (
-                        match self.kinds.get(*index) {
-                            Some(OpKind::Read) => "read",
-                            _ => "write",
-                        },
-                        "op",
-                    ),
-                    SubmitError::Timeout { .. } => ("batch", "timeout"),
-                    SubmitError::BackendStopped => ("batch", "backend_stopped"),
-                };
-                metrics::counter!("ferry_errors_total", "transport" => transport, "op" => op, "error" => error)
-                    .increment(1);
-            }
-        }
     }
 }
 
@@ -422,44 +381,37 @@ impl RdmaBackend for Node {
     /// Errors name the op's index in *this* batch.
     async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         let total = ops.len();
-        let (mut nic_ops, mut nic_index, mut tcp_ops, mut tcp_index) =
-            (vec![], vec![], vec![], vec![]);
-        for (index, op) in ops.into_iter().enumerate() {
-            match self.route(&op) {
-                Some(RdmaTransportLevel::Nic) => {
-                    nic_index.push(index);
-                    nic_ops.push(op);
-                }
-                Some(_) => {
-                    tcp_index.push(index);
-                    tcp_ops.push(op);
-                }
+        let mut on_nic = 0;
+        for (index, op) in ops.iter().enumerate() {
+            match self.route(op) {
+                Some(RdmaTransportLevel::Nic) => on_nic += 1,
+                Some(_) => {}
                 None => return Err(SubmitError::op(index, OpError::NoSharedTransport)),
             }
         }
-        let run_nic = async {
-            match &self.0.ibverbs {
-                Some(ibverbs) if !nic_ops.is_empty() => {
-                    let counts = OpCounts::of(&nic_ops);
-                    let started = std::time::Instant::now();
-                    let result = ibverbs.submit(nic_ops, timeout).await;
-                    counts.record("ibverbs", started, &result);
-                    remap(result, &nic_index)
-                }
-                _ => Ok(()),
+        // Usually a whole batch takes one transport: it goes on as it is.
+        if total == 0 {
+            return Ok(());
+        } else if on_nic == total {
+            return self.submit_ibverbs(ops, timeout).await;
+        } else if on_nic == 0 {
+            return self.submit_tcp(ops, timeout).await;
+        }
+        let (mut nic_ops, mut nic_index) = (Vec::with_capacity(on_nic), Vec::with_capacity(on_nic));
+        let (mut tcp_ops, mut tcp_index) = (vec![], vec![]);
+        for (index, op) in ops.into_iter().enumerate() {
+            if self.route(&op) == Some(RdmaTransportLevel::Nic) {
+                nic_index.push(index);
+                nic_ops.push(op);
+            } else {
+                tcp_index.push(index);
+                tcp_ops.push(op);
             }
-        };
-        let run_tcp = async {
-            if tcp_ops.is_empty() {
-                return Ok(());
-            }
-            let counts = OpCounts::of(&tcp_ops);
-            let started = std::time::Instant::now();
-            let result = self.0.tcp.submit(tcp_ops, timeout).await;
-            counts.record("tcp", started, &result);
-            remap(result, &tcp_index)
-        };
-        let (nic_result, tcp_result) = tokio::join!(run_nic, run_tcp);
+        }
+        let (nic_result, tcp_result) = tokio::join!(
+            async { remap(self.submit_ibverbs(nic_ops, timeout).await, &nic_index) },
+            async { remap(self.submit_tcp(tcp_ops, timeout).await, &tcp_index) },
+        );
         merge([nic_result, tcp_result], total)
     }
 

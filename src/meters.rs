@@ -1,0 +1,110 @@
+//! What the node reports through the `metrics` facade, per transport:
+//! `ferry_ops_total` and `ferry_bytes_total` (by op kind) count the ops of
+//! completed submits, `ferry_errors_total` failed submits (by op kind and
+//! error), and `ferry_submit_seconds` is the submit latency histogram.
+//!
+//! The counters and the histogram are registered once, when the node spawns,
+//! not looked up on every submit: install a recorder before spawning a node
+//! (as `metrics` advises), or the node's handles stay no-ops.
+
+use std::time::Instant;
+
+use ferry_core::{OpKind, RdmaOp, SubmitError};
+use metrics::{Counter, Histogram};
+
+/// The handles of one transport.
+pub(crate) struct Meters {
+    transport: &'static str,
+    /// Indexed by `kind_index`.
+    ops: [Counter; 2],
+    bytes: [Counter; 2],
+    submit_seconds: Histogram,
+}
+
+const KINDS: [&str; 2] = ["read", "write"];
+
+fn kind_index(kind: OpKind) -> usize {
+    match kind {
+        OpKind::Read => 0,
+        OpKind::Write => 1,
+    }
+}
+
+impl Meters {
+    pub fn new(transport: &'static str) -> Self {
+        let counter = |name: &'static str, op: &'static str| metrics::counter!(name, "transport" => transport, "op" => op);
+        Meters {
+            transport,
+            ops: KINDS.map(|op| counter("ferry_ops_total", op)),
+            bytes: KINDS.map(|op| counter("ferry_bytes_total", op)),
+            submit_seconds: metrics::histogram!("ferry_submit_seconds", "transport" => transport),
+        }
+    }
+
+    /// Takes what `ops` will move, before they are handed to the backend.
+    pub fn start(&self, ops: &[RdmaOp]) -> Submitted<'_> {
+        let mut counts = [(0u64, 0u64); 2];
+        for op in ops {
+            let slot = &mut counts[kind_index(op.kind)];
+            slot.0 += 1;
+            slot.1 += op.len() as u64;
+        }
+        // Which op failed is known only by index: keep the kinds for mixed
+        // batches (the only ones where the index is needed to tell).
+        let kinds = if counts.iter().all(|c| c.0 > 0) {
+            ops.iter().map(|op| op.kind).collect()
+        } else {
+            Vec::new()
+        };
+        Submitted {
+            meters: self,
+            counts,
+            kinds,
+            started: Instant::now(),
+        }
+    }
+}
+
+/// One backend's share of a batch, in flight.
+pub(crate) struct Submitted<'a> {
+    meters: &'a Meters,
+    /// (ops, bytes) per op kind.
+    counts: [(u64, u64); 2],
+    kinds: Vec<OpKind>,
+    started: Instant,
+}
+
+impl Submitted<'_> {
+    pub fn finish(self, result: &Result<(), SubmitError>) {
+        let m = self.meters;
+        m.submit_seconds
+            .record(self.started.elapsed().as_secs_f64());
+        match result {
+            Ok(()) => {
+                for (kind, (ops, bytes)) in self.counts.into_iter().enumerate() {
+                    if ops > 0 {
+                        m.ops[kind].increment(ops);
+                        m.bytes[kind].increment(bytes);
+                    }
+                }
+            }
+            Err(e) => {
+                let (op, error) = match e {
+                    SubmitError::Op { index, .. } => {
+                        let kind = match self.kinds.get(*index) {
+                            Some(kind) => kind_index(*kind),
+                            // A batch of one kind.
+                            None if self.counts[0].0 > 0 => 0,
+                            None => 1,
+                        };
+                        (KINDS[kind], "op")
+                    }
+                    SubmitError::Timeout { .. } => ("batch", "timeout"),
+                    SubmitError::BackendStopped => ("batch", "backend_stopped"),
+                };
+                metrics::counter!("ferry_errors_total", "transport" => m.transport, "op" => op, "error" => error)
+                    .increment(1);
+            }
+        }
+    }
+}
