@@ -39,7 +39,7 @@ impl fmt::Display for NodeId {
 }
 
 /// Where a node can be reached: its id plus its control endpoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct NodeAddr {
     pub id: NodeId,
     pub endpoint: SocketAddr,

@@ -1,14 +1,15 @@
 //! `IbvManagerActor`: owns the device, protection domain, memory regions and
 //! queue pairs of this node's RDMA data plane.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::Duration;
 
 use ferry_core::{
     BatchProgress, Generation, IbvRemote, NodeAddr, OpError, OpKind, RdmaBackend, RdmaOp,
-    RdmaTransportLevel, Region, RegionId, RegisterError, SubmitError,
+    RdmaTransportLevel, RegionId, RegisterError, SubmitError,
 };
 use ferry_core::{RegisterRegion, Submit};
 use ferry_tcp::ControlConnection;
@@ -23,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, debug_span, info};
 
 pub use crate::connection::FOREIGN_WR_ID_BIT;
-use crate::connection::{self, PeerQp, Piece};
+use crate::connection::{self, InlinePolling, PeerQp, Piece};
 use crate::device::{Device, IbvConfig};
 use crate::verbs::{MemoryRegion, RdmaOpcode, VerbsError, WorkRequest};
 
@@ -31,15 +32,14 @@ use crate::verbs::{MemoryRegion, RdmaOpcode, VerbsError, WorkRequest};
 /// for the poller task instead.
 const INLINE_POLL: Duration = Duration::from_micros(200);
 
-/// Local keys of the regions registered with this device, by region.
+/// (lkey, rkey) of the regions registered with this device, by region. A
+/// B-tree: looked up for every op, and small maps need no hashing.
 #[derive(Default)]
-struct Registry(Mutex<HashMap<(RegionId, Generation), (u32, u32)>>);
+struct Registry(Mutex<BTreeMap<(RegionId, Generation), (u32, u32)>>);
 
 impl Registry {
-    fn lkey(&self, region: &Region) -> Option<u32> {
-        let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        map.get(&(region.id(), region.generation()))
-            .map(|(lkey, _)| *lkey)
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(RegionId, Generation), (u32, u32)>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -53,49 +53,59 @@ pub struct IbvRegistration {
 
 impl Drop for IbvRegistration {
     fn drop(&mut self) {
-        self.registry
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.key);
+        self.registry.lock().remove(&self.key);
     }
 }
 
-/// The queue pair to one peer, once connected. The async lock makes
+/// The queue pair to one peer, once connected, and a lock that makes
 /// concurrent first submits share one connection attempt.
-type PeerSlot = Arc<tokio::sync::Mutex<Option<Arc<PeerQp>>>>;
-
-/// Queue pairs to peers, one per peer, connected on first use.
 #[derive(Default)]
-struct Peers(Mutex<HashMap<NodeAddr, PeerSlot>>);
+struct PeerSlot {
+    connected: Option<Arc<PeerQp>>,
+    connecting: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// Queue pairs to peers, one per peer, connected on first use. A B-tree:
+/// looked up for every submit, and small maps need no hashing.
+#[derive(Default)]
+struct Peers(Mutex<BTreeMap<NodeAddr, PeerSlot>>);
 
 impl Peers {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<NodeAddr, PeerSlot>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The usable QP to `peer`, if there is one.
+    fn connected(&self, peer: NodeAddr) -> Option<Arc<PeerQp>> {
+        let qp = self.lock().get(&peer)?.connected.clone()?;
+        // A broken QP drains on its own; the next op gets a fresh one.
+        (!qp.is_broken()).then_some(qp)
+    }
+
     async fn get(
         &self,
         device: &Arc<Device>,
         peer: NodeAddr,
         me: NodeAddr,
     ) -> Result<Arc<PeerQp>, OpError> {
-        let slot = {
-            let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-            map.entry(peer).or_default().clone()
-        };
-        let mut slot = slot.lock().await;
-        match &*slot {
-            Some(qp) if !qp.is_broken() => Ok(qp.clone()),
-            // A broken QP drains on its own; the next op gets a fresh one.
-            _ => {
-                let qp = connection::connect(device, peer, me.id).await?;
-                *slot = Some(qp.clone());
-                Ok(qp)
-            }
+        if let Some(qp) = self.connected(peer) {
+            return Ok(qp);
         }
+        let connecting = self.lock().entry(peer).or_default().connecting.clone();
+        let _turn = connecting.lock().await;
+        // Another submit may have connected while this one waited.
+        if let Some(qp) = self.connected(peer) {
+            return Ok(qp);
+        }
+        let qp = connection::connect(device, peer, me.id).await?;
+        self.lock().entry(peer).or_default().connected = Some(qp.clone());
+        Ok(qp)
     }
 
     fn all(&self) -> Vec<Arc<PeerQp>> {
-        let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        map.values()
-            .filter_map(|slot| slot.try_lock().ok().and_then(|s| s.clone()))
+        self.lock()
+            .values()
+            .filter_map(|slot| slot.connected.clone())
             .collect()
     }
 }
@@ -110,73 +120,39 @@ struct Shared {
 impl Shared {
     /// Runs one batch to completion or deadline, in a tracing span.
     async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
-        let bytes: usize = ops.iter().map(RdmaOp::len).sum();
-        // A batch usually goes to one peer; name the first.
-        let peer = ops.first().map(|op| op.remote.owner().endpoint);
-        let span =
-            debug_span!("submit", transport = "ibverbs", peer = ?peer, ops = ops.len(), bytes);
+        // (Fields are only evaluated when the span is enabled.) A batch
+        // usually goes to one peer; name the first.
+        let span = debug_span!(
+            "submit",
+            transport = "ibverbs",
+            peer = ?ops.first().map(|op| op.remote.owner().endpoint),
+            ops = ops.len(),
+            bytes = ops.iter().map(RdmaOp::len).sum::<usize>()
+        );
         let result = self.run(ops, timeout).instrument(span.clone()).await;
         debug!(parent: &span, ?result, "submit finished");
         result
     }
 
     async fn run(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
-        let deadline = Instant::now() + timeout;
-        let max_msg = self.device.max_msg as usize;
-        let mut counts = Vec::with_capacity(ops.len());
-        let mut keys = Vec::with_capacity(ops.len());
-        // Every op is checked before anything is posted.
-        for (index, op) in ops.iter().enumerate() {
-            op.validate().map_err(|e| SubmitError::op(index, e))?;
-            let remote = op.remote.transports().ibverbs;
-            let lkey = self.registry.lkey(op.local.region());
-            let (Some(remote), Some(lkey)) = (remote, lkey) else {
-                return Err(SubmitError::op(index, OpError::NoSharedTransport));
-            };
-            counts.push(op.len().div_ceil(max_msg) as u32);
-            keys.push((lkey, remote.rkey));
-        }
-        let progress = Arc::new(BatchProgress::new(counts));
+        let started = Instant::now();
+        let deadline = started + timeout;
+        let mut groups = self.prepare(&ops)?;
+        let progress =
+            Arc::new(BatchProgress::new(ops.iter().map(|op| {
+                op.len().div_ceil(self.device.max_msg as usize) as u32
+            })));
+        drop(ops);
         if progress.total_pieces() == 0 {
             return Ok(());
         }
-        // Ops larger than the port's message limit become several requests.
-        let mut groups: HashMap<NodeAddr, Vec<Piece>> = HashMap::new();
-        for (index, (op, (lkey, rkey))) in ops.into_iter().zip(keys).enumerate() {
-            let opcode = match op.kind {
-                OpKind::Read => RdmaOpcode::Read,
-                OpKind::Write => RdmaOpcode::Write,
-            };
-            let pieces = groups.entry(op.remote.owner()).or_default();
-            let mut at = 0;
-            while at < op.len() {
-                let len = max_msg.min(op.len() - at);
-                pieces.push(Piece {
-                    op: index,
-                    wr: WorkRequest {
-                        wr_id: 0,
-                        opcode,
-                        local_addr: op.local.as_ptr() as u64 + at as u64,
-                        len: len as u32,
-                        lkey,
-                        remote_addr: op.remote.addr() + at as u64,
-                        rkey,
-                        signaled: false,
-                    },
-                    pin: op.local.region().clone(),
-                });
-                at += len;
-            }
-        }
-        let used: Mutex<Vec<Arc<PeerQp>>> = Mutex::default();
         let work = async {
-            for (peer, pieces) in groups {
-                match self.peers.get(&self.device, peer, self.local).await {
+            for group in &mut groups {
+                let pieces = std::mem::take(&mut group.pieces);
+                match self.peers.get(&self.device, group.peer, self.local).await {
                     Ok(qp) => {
-                        used.lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .push(qp.clone());
-                        qp.post_all(pieces, &progress, deadline).await;
+                        let polling = group.polling.insert(qp.poll_inline());
+                        polling.qp().post_all(pieces, &progress, deadline).await;
                     }
                     Err(e) => pieces
                         .into_iter()
@@ -188,39 +164,106 @@ impl Shared {
             // several thread wake-ups. Bounded; then the poller takes over.
             // The clock is read only every 64 polls: where it is slow to read
             // (an emulated HPET), reading it each time cost more than polling.
-            let spin_until = std::time::Instant::now() + INLINE_POLL;
-            let qps = used.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            let mut wcs = Vec::with_capacity(16);
+            let spin_until = started + INLINE_POLL;
             let mut polls = 0u32;
-            while !progress.is_done()
-                && (!polls.is_multiple_of(64) || std::time::Instant::now() < spin_until)
-            {
+            while !progress.is_done() && (polls % 64 != 63 || Instant::now() < spin_until) {
                 polls = polls.wrapping_add(1);
-                if qps.iter().map(|qp| qp.poll_now(&mut wcs)).sum::<usize>() == 0 {
+                let found: usize = groups
+                    .iter()
+                    .filter_map(|g| g.polling.as_ref())
+                    .map(|p| p.qp().poll_now())
+                    .sum();
+                if found == 0 {
                     std::hint::spin_loop();
                 }
             }
+            groups.iter_mut().for_each(|g| g.polling = None);
             progress.all_done().await;
         };
         // Pinned so the outcome is decided before the work future is dropped.
-        let work = std::pin::pin!(work);
-        match tokio::time::timeout_at(deadline, work).await {
-            Ok(()) => progress.outcome(),
-            Err(_) => {
-                let error = progress.timed_out(timeout);
-                // Flush what is still outstanding: the flush completions
-                // release the pinned memory; the next op reconnects.
-                for qp in used.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-                    if qp.has_work_of(&progress) {
-                        qp.break_with(OpError::ConnectionLost {
-                            endpoint: qp.peer().endpoint,
-                        });
-                    }
-                }
-                Err(error)
+        let mut work = std::pin::pin!(work);
+        // Most small batches are done within the first poll (they poll
+        // inline): only one still running after it needs a timer.
+        let first = std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await;
+        if first.is_ready() || tokio::time::timeout_at(deadline, work).await.is_ok() {
+            return progress.outcome();
+        }
+        let error = progress.timed_out(timeout);
+        // Flush what is still outstanding: the flush completions release the
+        // pinned memory; the next op reconnects.
+        for qp in self.peers.all() {
+            if qp.has_work_of(&progress) {
+                qp.break_with(OpError::ConnectionLost {
+                    endpoint: qp.peer().endpoint,
+                });
             }
         }
+        Err(error)
     }
+
+    /// Checks every op before anything is posted, and turns them into work
+    /// requests grouped by peer (in a list: a batch rarely spans more than a
+    /// few). Ops larger than the port's message limit become several.
+    fn prepare(&self, ops: &[RdmaOp]) -> Result<Vec<PeerGroup>, SubmitError> {
+        let max_msg = self.device.max_msg as usize;
+        let mut groups: Vec<PeerGroup> = Vec::with_capacity(1);
+        let registry = self.registry.lock();
+        for (index, op) in ops.iter().enumerate() {
+            op.validate().map_err(|e| SubmitError::op(index, e))?;
+            let region = op.local.region();
+            let (Some(remote), Some(&(lkey, _))) = (
+                op.remote.transports().ibverbs,
+                registry.get(&(region.id(), region.generation())),
+            ) else {
+                return Err(SubmitError::op(index, OpError::NoSharedTransport));
+            };
+            let peer = op.remote.owner();
+            let group = match groups.iter().position(|g| g.peer == peer) {
+                Some(i) => i,
+                None => {
+                    groups.push(PeerGroup {
+                        peer,
+                        pieces: Vec::with_capacity(ops.len() - index),
+                        polling: None,
+                    });
+                    groups.len() - 1
+                }
+            };
+            let group = &mut groups[group];
+            let opcode = match op.kind {
+                OpKind::Read => RdmaOpcode::Read,
+                OpKind::Write => RdmaOpcode::Write,
+            };
+            let mut at = 0;
+            while at < op.len() {
+                let len = max_msg.min(op.len() - at);
+                group.pieces.push(Piece {
+                    op: index,
+                    wr: WorkRequest {
+                        wr_id: 0,
+                        opcode,
+                        local_addr: op.local.as_ptr() as u64 + at as u64,
+                        len: len as u32,
+                        lkey,
+                        remote_addr: op.remote.addr() + at as u64,
+                        rkey: remote.rkey,
+                        signaled: false,
+                    },
+                    pin: region.clone(),
+                });
+                at += len;
+            }
+        }
+        Ok(groups)
+    }
+}
+
+/// The part of a batch that goes to one peer.
+struct PeerGroup {
+    peer: NodeAddr,
+    pieces: Vec<Piece>,
+    /// Held while the submitter polls that peer's CQ itself.
+    polling: Option<InlinePolling>,
 }
 
 pub struct IbvManagerActor {
@@ -305,12 +348,7 @@ impl Message<RegisterRegion> for IbvManagerActor {
         let key = (msg.id, msg.generation);
         let mr = MemoryRegion::register(&self.shared.device.pd, msg.memory, msg.access)
             .map_err(|e| RegisterError::Backend(e.to_string()))?;
-        let mut map = self
-            .shared
-            .registry
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut map = self.shared.registry.lock();
         if map.contains_key(&key) {
             return Err(RegisterError::IdInUse(msg.id));
         }
@@ -469,12 +507,7 @@ impl Message<TransportInfo> for IbvManagerActor {
                 })
                 .collect(),
             regions: {
-                let map = self
-                    .shared
-                    .registry
-                    .0
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
+                let map = self.shared.registry.lock();
                 map.iter()
                     .map(|(&(id, generation), &(lkey, rkey))| IbvRegionKeys {
                         id,

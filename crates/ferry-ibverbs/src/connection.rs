@@ -13,7 +13,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,15 +21,15 @@ use ferry_core::{BatchProgress, NodeAddr, NodeId, OpError, Region, random_u128};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::device::Device;
 use crate::verbs::{
-    Completion, CompletionChannel, CompletionQueue, PathConfig, QpEndpoint, QueuePair, VerbsError,
-    WorkRequest,
+    Completion, CompletionChannel, CompletionQueue, PathConfig, PostBuffers, QpEndpoint, QueuePair,
+    VerbsError, WorkRequest,
 };
 use crate::wire::{QP_INFO_LEN, QpInfo};
 
@@ -38,11 +38,14 @@ use crate::wire::{QP_INFO_LEN, QpInfo};
 const SIGNAL_EVERY: usize = 16;
 /// Most work requests posted with one doorbell.
 const MAX_POST: usize = 64;
-/// Empty polls (each a yield to the runtime) before the poller arms the CQ
-/// and sleeps. While submits follow each other closely the CQ then stays
-/// unarmed, so completions raise no channel events and wake no thread:
-/// measured on soft-RoCE, dropping this window doubled 8-byte latency.
+/// Empty polls (each a yield to the runtime) the poller makes, while work is
+/// outstanding, before it arms the CQ and sleeps: while completions of a long
+/// batch follow each other closely the CQ stays unarmed, so they raise no
+/// channel events and wake no thread.
 const BUSY_POLLS: u32 = 64;
+/// How often a sleeping poller looks at its QP regardless, to notice that it
+/// is broken and drained.
+const IDLE_CHECK: Duration = Duration::from_millis(100);
 
 /// ferry's own work-request ids never have this bit set; code posting through
 /// the raw handles must set it, so its completions are told apart.
@@ -68,6 +71,10 @@ struct Inflight {
     records: VecDeque<Posted>,
     /// Set when the QP failed; it then only drains.
     broken: Option<OpError>,
+    /// Reused by every post, which happens under this lock: posting does not
+    /// allocate.
+    wrs: Vec<WorkRequest>,
+    buffers: PostBuffers,
 }
 
 pub(crate) struct PeerQp {
@@ -75,10 +82,40 @@ pub(crate) struct PeerQp {
     qp: QueuePair,
     credits: Semaphore,
     inflight: Mutex<Inflight>,
+    /// Mirrors `Inflight::broken.is_some()`, for a lock-free check per submit.
+    broken: AtomicBool,
     next_wr_id: AtomicU64,
+    /// Submitters polling the CQ themselves right now (see [`InlinePolling`]).
+    inline_pollers: AtomicUsize,
+    /// Wakes the poller task when the last inline poller leaves with work
+    /// still outstanding.
+    poller_wake: Notify,
     /// Cancelled when the QP is broken: stops the control-stream watcher,
     /// which closes the stream and so lets the peer destroy its QP.
     closed: CancellationToken,
+}
+
+/// A submitter polling the CQ for its own completions (see `Shared::run`).
+/// While any does, the poller task keeps the CQ unarmed and sleeps, so
+/// completions raise no channel event and wake no other thread, and the two
+/// never contend for the CQ or the in-flight lock. Dropping the last one hands
+/// whatever is still outstanding back to the poller task.
+pub(crate) struct InlinePolling(Arc<PeerQp>);
+
+impl InlinePolling {
+    pub fn qp(&self) -> &Arc<PeerQp> {
+        &self.0
+    }
+}
+
+impl Drop for InlinePolling {
+    fn drop(&mut self) {
+        let qp = &self.0;
+        if qp.inline_pollers.fetch_sub(1, Ordering::SeqCst) == 1 && !qp.lock().records.is_empty() {
+            // A stored permit if the poller is not waiting yet: no lost wake-up.
+            qp.poller_wake.notify_one();
+        }
+    }
 }
 
 /// The completion channel's fd for tokio's reactor. Owning the channel means
@@ -105,11 +142,19 @@ impl PeerQp {
     }
 
     pub fn is_broken(&self) -> bool {
-        self.lock().broken.is_some()
+        self.broken.load(Ordering::Acquire)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inflight> {
         self.inflight.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers the caller as polling this QP's CQ inline until the guard
+    /// is dropped. Take it before posting, so the poller task stands aside
+    /// before the first completion can arrive.
+    pub fn poll_inline(self: &Arc<Self>) -> InlinePolling {
+        self.inline_pollers.fetch_add(1, Ordering::SeqCst);
+        InlinePolling(self.clone())
     }
 
     /// Whether any posted request of `progress` is still outstanding.
@@ -127,6 +172,7 @@ impl PeerQp {
         if inflight.broken.is_none() {
             debug!(peer = %self.peer.endpoint, qpn = self.qp.qpn(), %error, "queue pair failed");
             inflight.broken = Some(error);
+            self.broken.store(true, Ordering::Release);
             if let Err(e) = self.qp.to_error() {
                 debug!(error = %e, "moving the queue pair to the error state failed");
             }
@@ -144,7 +190,6 @@ impl PeerQp {
         deadline: Instant,
     ) {
         let mut pending: VecDeque<Piece> = pieces.into();
-        let mut batch: Vec<Piece> = Vec::with_capacity(MAX_POST);
         while !pending.is_empty() {
             if progress.is_abandoned() {
                 return;
@@ -160,23 +205,18 @@ impl PeerQp {
                     _ => return,
                 },
             }
-            batch.clear();
-            batch.extend(pending.pop_front());
-            while batch.len() < MAX_POST && !pending.is_empty() {
-                match self.credits.try_acquire() {
-                    Ok(permit) => {
-                        permit.forget();
-                        batch.extend(pending.pop_front());
-                    }
-                    Err(_) => break,
-                }
+            let mut count = 1;
+            let more = (pending.len().min(MAX_POST) - 1).min(self.credits.available_permits());
+            if more > 0
+                && let Ok(permits) = self.credits.try_acquire_many(more as u32)
+            {
+                permits.forget();
+                count += more;
             }
-            if let Err(refused) = self.post_batch(&mut batch, progress) {
-                // The send queue was momentarily full: retry those pieces,
-                // in order, once completions have had a chance to drain it.
-                for piece in refused.into_iter().rev() {
-                    pending.push_front(piece);
-                }
+            if !self.post_front(&mut pending, count, progress) {
+                // The send queue was momentarily full: the pieces are back at
+                // the front of `pending`, to be retried once completions have
+                // had a chance to drain it.
                 if Instant::now() >= deadline {
                     return;
                 }
@@ -185,74 +225,82 @@ impl PeerQp {
         }
     }
 
-    /// Posts `batch` as one linked list. `Err` hands back the pieces the
-    /// provider refused because its send queue was full (ENOMEM), their
-    /// credits returned, to be posted again. That can happen even within our
-    /// credits: a provider may report a completion a moment before it frees
-    /// the send-queue slot (soft-RoCE does). Any other refusal fails the QP.
-    fn post_batch(
+    /// Posts the first `count` pieces of `pending` (credits for them already
+    /// taken) as one linked list and removes them. Returns false, with the
+    /// refused pieces back at the front of `pending` and their credits
+    /// returned, if the provider's send queue was full (ENOMEM). That can
+    /// happen even within our credits: a provider may report a completion a
+    /// moment before it frees the send-queue slot (soft-RoCE does). Any other
+    /// refusal fails the QP.
+    fn post_front(
         &self,
-        batch: &mut Vec<Piece>,
+        pending: &mut VecDeque<Piece>,
+        count: usize,
         progress: &Arc<BatchProgress>,
-    ) -> Result<(), Vec<Piece>> {
+    ) -> bool {
         // Ids are assigned and records queued under the same lock as the
         // post, so records are in posting order — the order the requests
         // complete in — and their ids strictly increase (`complete` relies
         // on both).
-        let mut inflight = self.lock();
-        let last = batch.len() - 1;
-        let mut wrs: Vec<WorkRequest> = Vec::with_capacity(batch.len());
-        for (i, piece) in batch.iter_mut().enumerate() {
-            piece.wr.wr_id = self.next_wr_id.fetch_add(1, Ordering::Relaxed);
-            piece.wr.signaled = i == last || i % SIGNAL_EVERY == SIGNAL_EVERY - 1;
-            wrs.push(piece.wr);
-        }
+        let mut guard = self.lock();
+        let inflight = &mut *guard;
         if let Some(error) = inflight.broken.clone() {
-            drop(inflight);
-            self.credits.add_permits(batch.len());
-            batch
-                .drain(..)
+            drop(guard);
+            self.credits.add_permits(count);
+            pending
+                .drain(..count)
                 .for_each(|p| progress.piece_done(p.op, Err(error.clone())));
-            return Ok(());
+            return true;
+        }
+        inflight.wrs.clear();
+        for (i, piece) in pending.iter().take(count).enumerate() {
+            let mut wr = piece.wr;
+            wr.wr_id = self.next_wr_id.fetch_add(1, Ordering::Relaxed);
+            wr.signaled = i == count - 1 || i % SIGNAL_EVERY == SIGNAL_EVERY - 1;
+            inflight.wrs.push(wr);
         }
         let before = inflight.records.len();
-        inflight
-            .records
-            .extend(batch.drain(..).zip(&wrs).map(|(piece, wr)| Posted {
-                wr_id: wr.wr_id,
-                op: piece.op,
-                progress: progress.clone(),
-                pin: piece.pin,
-            }));
+        inflight.records.extend(
+            pending
+                .drain(..count)
+                .zip(&inflight.wrs)
+                .map(|(piece, wr)| Posted {
+                    wr_id: wr.wr_id,
+                    op: piece.op,
+                    progress: progress.clone(),
+                    pin: piece.pin,
+                }),
+        );
         // SAFETY: every request's local range lies in a memory region of this
         // QP's protection domain (checked when the piece was built), and the
         // record pushed above pins that region until the request's completion
         // (or a later one) is polled; see the module docs.
-        let Err((index, e)) = (unsafe { self.qp.post(&wrs) }) else {
-            return Ok(());
+        let Err((index, e)) = (unsafe { self.qp.post(&inflight.wrs, &mut inflight.buffers) })
+        else {
+            return true;
         };
         // Requests from `index` on were not posted: take their records back.
         let refused: Vec<Posted> = inflight.records.drain(before + index..).collect();
-        drop(inflight);
+        let refused_wrs = inflight.wrs.split_off(index);
+        drop(guard);
         self.credits.add_permits(refused.len());
         let queue_full = matches!(&e, VerbsError::Call { source, .. } if source.raw_os_error() == Some(libc::ENOMEM));
         if queue_full {
-            return Err(refused
-                .into_iter()
-                .zip(&wrs[index..])
-                .map(|(record, wr)| Piece {
+            for (record, wr) in refused.into_iter().zip(refused_wrs).rev() {
+                pending.push_front(Piece {
                     op: record.op,
-                    wr: *wr,
+                    wr,
                     pin: record.pin,
-                })
-                .collect());
+                });
+            }
+            return false;
         }
         let error = OpError::Protocol(format!("posting to the send queue failed: {e}"));
         for record in refused {
             record.progress.piece_done(record.op, Err(error.clone()));
         }
         self.break_with(error);
-        Ok(())
+        true
     }
 
     /// Applies completions: every record up to and including the completed
@@ -328,13 +376,12 @@ impl PeerQp {
     /// completions there were. Safe to call from any task alongside the
     /// poller: both poll the same (thread-safe) CQ and apply completions
     /// under the in-flight lock.
-    /// `wcs` is scratch space, reused across calls.
-    pub fn poll_now(&self, wcs: &mut Vec<Completion>) -> usize {
-        wcs.clear();
-        match self.qp.cq().poll(wcs, 16) {
+    pub fn poll_now(&self) -> usize {
+        let mut wcs = [Completion::default(); 16];
+        match self.qp.cq().poll(&mut wcs) {
             Ok(0) => 0,
             Ok(n) => {
-                self.complete(wcs);
+                self.complete(&wcs[..n]);
                 n
             }
             Err(e) => {
@@ -345,10 +392,11 @@ impl PeerQp {
     }
 
     /// Polls the CQ until the QP is broken and drained: busy for a short
-    /// window after activity, then asleep on the completion channel.
-    /// Submitters also poll inline for their own small transfers (see
-    /// `Shared::run`); the CQ is thread safe and completions are applied under
-    /// the in-flight lock, so both may.
+    /// window after activity, then asleep on the completion channel. While a
+    /// submitter polls inline ([`InlinePolling`]) it sleeps with the CQ
+    /// unarmed instead. Correctness does not depend on that hand-off: the CQ
+    /// is thread safe and completions are applied under the in-flight lock,
+    /// so both may poll at once.
     async fn poll_completions(
         self: Arc<Self>,
         cq: Arc<CompletionQueue>,
@@ -364,25 +412,31 @@ impl PeerQp {
                 return self.break_with(OpError::Protocol(format!("completion channel: {e}")));
             }
         };
-        let mut wcs = Vec::with_capacity(64);
+        let mut wcs = [Completion::default(); 64];
         let mut idle = 0;
         loop {
-            wcs.clear();
-            if let Err(e) = cq.poll(&mut wcs, 64) {
+            let n = cq.poll(&mut wcs).unwrap_or_else(|e| {
                 self.break_with(OpError::Protocol(e.to_string()));
-            }
-            if !wcs.is_empty() {
-                self.complete(&wcs);
+                0
+            });
+            if n > 0 {
+                self.complete(&wcs[..n]);
                 idle = 0;
                 continue;
             }
-            {
+            let outstanding = {
                 let inflight = self.lock();
                 if inflight.broken.is_some() && inflight.records.is_empty() {
                     return;
                 }
+                !inflight.records.is_empty()
+            };
+            if self.inline_pollers.load(Ordering::SeqCst) > 0 {
+                let _ = tokio::time::timeout(IDLE_CHECK, self.poller_wake.notified()).await;
+                idle = 0;
+                continue;
             }
-            if idle < BUSY_POLLS {
+            if outstanding && idle < BUSY_POLLS {
                 idle += 1;
                 tokio::task::yield_now().await;
                 continue;
@@ -392,18 +446,24 @@ impl PeerQp {
             if let Err(e) = cq.arm() {
                 self.break_with(OpError::Protocol(e.to_string()));
             }
-            if cq.poll(&mut wcs, 64).unwrap_or(0) > 0 {
-                self.complete(&wcs);
+            let n = cq.poll(&mut wcs).unwrap_or(0);
+            if n > 0 {
+                self.complete(&wcs[..n]);
                 idle = 0;
                 continue;
             }
-            // Wake up now and then regardless, to notice a broken, drained QP.
-            if let Ok(Ok(mut guard)) =
-                tokio::time::timeout(Duration::from_millis(100), fd.readable()).await
-            {
-                guard.clear_ready();
-                while let Ok(true) = cq.take_event() {}
-            }
+            let wait = async {
+                tokio::select! {
+                    ready = fd.readable() => {
+                        if let Ok(mut guard) = ready {
+                            guard.clear_ready();
+                            while let Ok(true) = cq.take_event() {}
+                        }
+                    }
+                    _ = self.poller_wake.notified() => {}
+                }
+            };
+            let _ = tokio::time::timeout(IDLE_CHECK, wait).await;
             idle = 0;
         }
     }
@@ -483,7 +543,10 @@ pub(crate) async fn connect(
         qp,
         credits: Semaphore::new(credits),
         inflight: Mutex::new(Inflight::default()),
+        broken: AtomicBool::new(false),
         next_wr_id: AtomicU64::new(0),
+        inline_pollers: AtomicUsize::new(0),
+        poller_wake: Notify::new(),
         closed: CancellationToken::new(),
     });
     tokio::spawn(conn.clone().poll_completions(cq, channel));

@@ -409,7 +409,7 @@ impl Drop for CompletionChannel {
 }
 
 /// One work completion, decoded.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Completion {
     pub wr_id: u64,
     /// `ibv_wc_status` value; 0 is success.
@@ -500,29 +500,35 @@ impl CompletionQueue {
         self.raw.as_ptr()
     }
 
-    /// Appends up to `max` completions to `out`; returns how many.
-    pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize, VerbsError> {
+    /// Fills `out` with up to `out.len()` completions; returns how many.
+    pub fn poll(&self, out: &mut [Completion]) -> Result<usize, VerbsError> {
         const BATCH: usize = 32;
-        // SAFETY: ibv_wc is plain data; all-zero is a valid value.
-        let mut wcs: [ibv_wc; BATCH] = unsafe { std::mem::zeroed() };
+        // Not zeroed: this runs in busy-poll loops, and the provider writes
+        // every entry it reports.
+        let mut wcs = [const { std::mem::MaybeUninit::<ibv_wc>::uninit() }; BATCH];
         let mut total = 0;
-        while total < max {
-            let want = (max - total).min(BATCH);
+        while total < out.len() {
+            let want = (out.len() - total).min(BATCH);
             // SAFETY: `wcs` has room for `want` entries; the CQ is alive.
-            let n = unsafe { ibv_poll_cq(self.raw.as_ptr(), want as i32, wcs.as_mut_ptr()) };
+            let n = unsafe { ibv_poll_cq(self.raw.as_ptr(), want as i32, wcs[0].as_mut_ptr()) };
             if n < 0 {
                 return Err(VerbsError::Call {
                     call: "ibv_poll_cq",
                     source: io::Error::from_raw_os_error(-n),
                 });
             }
-            out.extend(wcs[..n as usize].iter().map(|wc| Completion {
-                wr_id: wc.wr_id,
-                status: wc.status,
-                qp_num: wc.qp_num,
-            }));
-            total += n as usize;
-            if (n as usize) < want {
+            let n = n as usize;
+            for (slot, wc) in out[total..total + n].iter_mut().zip(&wcs) {
+                // SAFETY: ibv_poll_cq filled the first `n` entries.
+                let wc = unsafe { wc.assume_init_ref() };
+                *slot = Completion {
+                    wr_id: wc.wr_id,
+                    status: wc.status,
+                    qp_num: wc.qp_num,
+                };
+            }
+            total += n;
+            if n < want {
                 break;
             }
         }
@@ -622,6 +628,19 @@ pub struct WorkRequest {
     pub rkey: u32,
     pub signaled: bool,
 }
+
+/// Space for [`QueuePair::post`] to build its linked list in, reused from
+/// post to post so that posting does not allocate.
+#[derive(Default)]
+pub struct PostBuffers {
+    sges: Vec<ibv_sge>,
+    chain: Vec<ibv_send_wr>,
+}
+
+// SAFETY: the pointers in `chain` point into these same buffers and are only
+// read by the provider during `post`, which holds `&mut self`; between posts
+// they are stale and nothing reads them.
+unsafe impl Send for PostBuffers {}
 
 impl QueuePair {
     /// Creates an RC QP whose send and receive completions go to `cq`.
@@ -772,31 +791,26 @@ impl QueuePair {
     /// alive until the request's completion — or, for unsignaled requests, a
     /// later signaled one on this QP — has been polled, or until the QP is
     /// destroyed.
-    pub unsafe fn post(&self, wrs: &[WorkRequest]) -> Result<(), (usize, VerbsError)> {
+    pub unsafe fn post(
+        &self,
+        wrs: &[WorkRequest],
+        buffers: &mut PostBuffers,
+    ) -> Result<(), (usize, VerbsError)> {
         if wrs.is_empty() {
             return Ok(());
         }
-        let mut sges: Vec<ibv_sge> = wrs
-            .iter()
-            .map(|wr| ibv_sge {
-                addr: wr.local_addr,
-                length: wr.len,
-                lkey: wr.lkey,
-            })
-            .collect();
-        // SAFETY: ibv_send_wr is plain data; all-zero is a valid value.
-        let mut chain: Vec<ibv_send_wr> = (0..wrs.len())
-            .map(|_| unsafe { std::mem::zeroed() })
-            .collect();
-        // All pointers into `sges` and `chain` derive from one base pointer
-        // each, taken after the vectors are complete, so none invalidates
-        // another and neither vector moves before the post.
-        let sge_base = sges.as_mut_ptr();
-        for (i, wr) in wrs.iter().enumerate() {
-            let w = &mut chain[i];
+        let PostBuffers { sges, chain } = buffers;
+        sges.clear();
+        sges.extend(wrs.iter().map(|wr| ibv_sge {
+            addr: wr.local_addr,
+            length: wr.len,
+            lkey: wr.lkey,
+        }));
+        chain.clear();
+        chain.extend(wrs.iter().map(|wr| {
+            // SAFETY: ibv_send_wr is plain data; all-zero is a valid value.
+            let mut w: ibv_send_wr = unsafe { std::mem::zeroed() };
             w.wr_id = wr.wr_id;
-            // SAFETY: i < sges.len().
-            w.sg_list = unsafe { sge_base.add(i) };
             w.num_sge = 1;
             w.opcode = match wr.opcode {
                 RdmaOpcode::Read => ibv_wr_opcode::IBV_WR_RDMA_READ,
@@ -811,12 +825,25 @@ impl QueuePair {
                 remote_addr: wr.remote_addr,
                 rkey: wr.rkey,
             };
-        }
+            w
+        }));
+        // All pointers into `sges` and `chain` derive from one base pointer
+        // each, taken after both are complete, so none invalidates another
+        // and neither moves before the post.
+        let sge_base = sges.as_mut_ptr();
+        let n = chain.len();
         let base = chain.as_mut_ptr();
-        for i in 0..chain.len() - 1 {
-            // SAFETY: i + 1 < len, so both pointers stay within `chain`; the
-            // write goes through `base`, so it invalidates no other pointer.
-            unsafe { (*base.add(i)).next = base.add(i + 1) };
+        for i in 0..n {
+            // SAFETY: i < len (and i + 1 < len for `next`), so every pointer
+            // stays within its buffer; writes go through `base`, so they
+            // invalidate no other pointer.
+            unsafe {
+                let w = base.add(i);
+                (*w).sg_list = sge_base.add(i);
+                if i + 1 < n {
+                    (*w).next = base.add(i + 1);
+                }
+            }
         }
         let mut bad: *mut ibv_send_wr = ptr::null_mut();
         // SAFETY: `chain` and `sges` outlive the call (the provider copies

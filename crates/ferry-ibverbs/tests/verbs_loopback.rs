@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use ferry_core::{Access, MemoryBlock};
 use ferry_ibverbs::verbs::{
-    Completion, CompletionQueue, Context, MemoryRegion, PathConfig, ProtectionDomain, QpEndpoint,
-    QueuePair, RdmaOpcode, VerbsError, WorkRequest, device_names,
+    Completion, CompletionQueue, Context, MemoryRegion, PathConfig, PostBuffers, ProtectionDomain,
+    QpEndpoint, QueuePair, RdmaOpcode, VerbsError, WorkRequest, device_names,
 };
 
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -105,7 +105,9 @@ fn wait_for(cq: &CompletionQueue, n: usize) -> Vec<Completion> {
     let mut out = Vec::new();
     while out.len() < n {
         let missing = n - out.len();
-        cq.poll(&mut out, missing).unwrap();
+        let mut batch = [Completion::default(); 64];
+        let got = cq.poll(&mut batch[..missing.min(64)]).unwrap();
+        out.extend_from_slice(&batch[..got]);
         assert!(
             started.elapsed() < DEADLINE,
             "only {} of {n} completions",
@@ -156,7 +158,7 @@ fn rc_write_chain_and_read_move_the_bytes() {
         .collect();
     chain.last_mut().unwrap().signaled = true;
     // SAFETY: both MRs (and their memory) live until after the completion is polled.
-    unsafe { p.a.post(&chain) }.unwrap();
+    unsafe { p.a.post(&chain, &mut PostBuffers::default()) }.unwrap();
     let done = wait_for(&p.cq, 1);
     assert!(done[0].is_success(), "{}", done[0].status_str());
     assert_eq!(done[0].wr_id, (15 * piece) as u64);
@@ -170,7 +172,7 @@ fn rc_write_chain_and_read_move_the_bytes() {
     let mut read = wr(RdmaOpcode::Read, &back, &dst, 0, len);
     read.signaled = true;
     // SAFETY: as above.
-    unsafe { p.b.post(&[read]) }.unwrap();
+    unsafe { p.b.post(&[read], &mut PostBuffers::default()) }.unwrap();
     let done = wait_for(&p.cq, 1);
     assert!(done[0].is_success(), "{}", done[0].status_str());
     assert!(
@@ -202,7 +204,7 @@ fn the_nic_refuses_bad_rkeys_and_writes_to_read_only_regions() {
             write.rkey ^= 0x5a5a;
         }
         // SAFETY: both MRs live until after the completion is polled.
-        unsafe { p.a.post(&[write]) }.unwrap();
+        unsafe { p.a.post(&[write], &mut PostBuffers::default()) }.unwrap();
         let done = wait_for(&p.cq, 1);
         assert!(
             done[0].is_remote_access_error(),
@@ -231,7 +233,7 @@ fn moving_a_qp_to_error_flushes_outstanding_work() {
     write.signaled = true;
     // SAFETY: both MRs live until the flush completion is polled. Posting to a
     // QP in the error state is allowed and completes with a flush error.
-    unsafe { p.a.post(&[write]) }.unwrap();
+    unsafe { p.a.post(&[write], &mut PostBuffers::default()) }.unwrap();
     let done = wait_for(&p.cq, 1);
     assert!(done[0].is_flush(), "got {}", done[0].status_str());
     assert!(dst.memory().to_vec() == vec![2; 4096]);
