@@ -312,6 +312,33 @@ impl Node {
         result
     }
 
+    /// A batch whose ops take both transports: each share runs as its own
+    /// batch, concurrently, and errors are mapped back to batch indices.
+    async fn submit_split(
+        &self,
+        ops: Vec<RdmaOp>,
+        on_nic: usize,
+        timeout: Duration,
+    ) -> Result<(), SubmitError> {
+        let total = ops.len();
+        let (mut nic_ops, mut nic_index) = (Vec::with_capacity(on_nic), Vec::with_capacity(on_nic));
+        let (mut tcp_ops, mut tcp_index) = (vec![], vec![]);
+        for (index, op) in ops.into_iter().enumerate() {
+            if self.route(&op) == Some(RdmaTransportLevel::Nic) {
+                nic_index.push(index);
+                nic_ops.push(op);
+            } else {
+                tcp_index.push(index);
+                tcp_ops.push(op);
+            }
+        }
+        let (nic_result, tcp_result) = tokio::join!(
+            async { remap(self.submit_ibverbs(nic_ops, timeout).await, &nic_index) },
+            async { remap(self.submit_tcp(tcp_ops, timeout).await, &tcp_index) },
+        );
+        merge([nic_result, tcp_result], total)
+    }
+
     /// Same as [`RdmaBackend::submit`], without importing the trait.
     pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         RdmaBackend::submit(self, ops, timeout).await
@@ -397,22 +424,9 @@ impl RdmaBackend for Node {
         } else if on_nic == 0 {
             return self.submit_tcp(ops, timeout).await;
         }
-        let (mut nic_ops, mut nic_index) = (Vec::with_capacity(on_nic), Vec::with_capacity(on_nic));
-        let (mut tcp_ops, mut tcp_index) = (vec![], vec![]);
-        for (index, op) in ops.into_iter().enumerate() {
-            if self.route(&op) == Some(RdmaTransportLevel::Nic) {
-                nic_index.push(index);
-                nic_ops.push(op);
-            } else {
-                tcp_index.push(index);
-                tcp_ops.push(op);
-            }
-        }
-        let (nic_result, tcp_result) = tokio::join!(
-            async { remap(self.submit_ibverbs(nic_ops, timeout).await, &nic_index) },
-            async { remap(self.submit_tcp(tcp_ops, timeout).await, &tcp_index) },
-        );
-        merge([nic_result, tcp_result], total)
+        // Boxed: both transports' futures at once are large, and every
+        // submit's future would otherwise carry (and copy) them.
+        Box::pin(self.submit_split(ops, on_nic, timeout)).await
     }
 
     fn transport_level(&self) -> RdmaTransportLevel {

@@ -15,6 +15,9 @@ pub struct BatchProgress {
     remaining: AtomicUsize,
     /// Lowest-indexed failure so far.
     error: Mutex<Option<(usize, OpError)>>,
+    /// Whether `error` was ever set: most batches succeed, and their outcome
+    /// needs no lock.
+    failed: AtomicBool,
     /// Set once the caller has been answered `Timeout`.
     abandoned: AtomicBool,
     done: Notify,
@@ -32,6 +35,7 @@ impl BatchProgress {
             op_pieces,
             remaining: AtomicUsize::new(remaining),
             error: Mutex::new(None),
+            failed: AtomicBool::new(false),
             abandoned: AtomicBool::new(false),
             done: Notify::new(),
         }
@@ -51,6 +55,7 @@ impl BatchProgress {
             if error.as_ref().is_none_or(|(index, _)| op < *index) {
                 *error = Some((op, e));
             }
+            self.failed.store(true, Ordering::Release);
         }
         self.op_pieces[op].fetch_sub(1, Ordering::AcqRel);
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -80,6 +85,9 @@ impl BatchProgress {
 
     /// The answer once every piece finished: the lowest-indexed failure, if any.
     pub fn outcome(&self) -> Result<(), SubmitError> {
+        if !self.failed.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let error = self.error.lock().unwrap_or_else(|e| e.into_inner());
         match error.as_ref() {
             Some((index, e)) => Err(SubmitError::op(*index, e.clone())),

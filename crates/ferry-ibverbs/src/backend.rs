@@ -88,9 +88,21 @@ impl Peers {
         peer: NodeAddr,
         me: NodeAddr,
     ) -> Result<Arc<PeerQp>, OpError> {
-        if let Some(qp) = self.connected(peer) {
-            return Ok(qp);
+        match self.connected(peer) {
+            Some(qp) => Ok(qp),
+            // Boxed: connecting happens once per peer, and its large state
+            // would otherwise be part of (and copied with) every submit's
+            // future.
+            None => Box::pin(self.connect(device, peer, me)).await,
         }
+    }
+
+    async fn connect(
+        &self,
+        device: &Arc<Device>,
+        peer: NodeAddr,
+        me: NodeAddr,
+    ) -> Result<Arc<PeerQp>, OpError> {
         let connecting = self.lock().entry(peer).or_default().connecting.clone();
         let _turn = connecting.lock().await;
         // Another submit may have connected while this one waited.

@@ -81,6 +81,8 @@ pub(crate) struct PeerQp {
     peer: NodeAddr,
     qp: QueuePair,
     credits: Semaphore,
+    /// All credits: fewer are available exactly while work is outstanding.
+    max_credits: usize,
     inflight: Mutex<Inflight>,
     /// Mirrors `Inflight::broken.is_some()`, for a lock-free check per submit.
     broken: AtomicBool,
@@ -111,7 +113,8 @@ impl InlinePolling {
 impl Drop for InlinePolling {
     fn drop(&mut self) {
         let qp = &self.0;
-        if qp.inline_pollers.fetch_sub(1, Ordering::SeqCst) == 1 && !qp.lock().records.is_empty() {
+        let outstanding = || qp.credits.available_permits() < qp.max_credits;
+        if qp.inline_pollers.fetch_sub(1, Ordering::SeqCst) == 1 && outstanding() {
             // A stored permit if the poller is not waiting yet: no lost wake-up.
             qp.poller_wake.notify_one();
         }
@@ -198,7 +201,10 @@ impl PeerQp {
             // Only wait (and arm a timer) when none is free.
             match self.credits.try_acquire() {
                 Ok(permit) => permit.forget(),
-                Err(_) => match tokio::time::timeout_at(deadline, self.credits.acquire()).await {
+                // Boxed: rarely needed, and large.
+                Err(_) => match Box::pin(tokio::time::timeout_at(deadline, self.credits.acquire()))
+                    .await
+                {
                     Ok(Ok(permit)) => permit.forget(),
                     // Deadline passed or semaphore closed: the caller's
                     // timeout path accounts for the pieces never posted.
@@ -542,6 +548,7 @@ pub(crate) async fn connect(
         peer,
         qp,
         credits: Semaphore::new(credits),
+        max_credits: credits,
         inflight: Mutex::new(Inflight::default()),
         broken: AtomicBool::new(false),
         next_wr_id: AtomicU64::new(0),
