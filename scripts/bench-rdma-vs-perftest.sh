@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Compares ferry's RDMA data path with perftest in the same soft-RoCE VM boot:
 # ib_write_bw / ib_read_bw at 4 KiB, 64 KiB and 1 MiB (bandwidth and message
-# rate) and ib_write_lat at 8 bytes, against `ferry bench --loopback` (two
-# processes) in the same block sizes and single 8-byte submits.
+# rate), against `ferry bench --loopback` (two processes) in the same block
+# sizes; and ib_write_lat / ib_read_lat at 8 bytes against single 8-byte
+# submits, in ROUNDS interleaved rounds (perftest's latency moves by 10-20%
+# from run to run under emulation, so each side's median is compared).
 # Absolute numbers under emulation mean nothing; the ratios are the result.
 #
-#   scripts/bench-rdma-vs-perftest.sh [SECONDS_PER_ROW]   (default 6)
+#   scripts/bench-rdma-vs-perftest.sh [SECONDS_PER_ROW [ROUNDS]]   (default 6 3)
 #
 # Timing inside the emulated guest is occasionally off (perftest itself has
 # reported 0 MiB/s, and one unverified ferry row an impossible 7x): run it a
@@ -13,6 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-6}
+rounds=${2:-3}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
@@ -21,17 +24,24 @@ bench="ferry bench --loopback --transport ibverbs --json"
 tests/rxe/run.sh --perf --bin target/release/ferry -- \
     "$bench --size 64M --block 4K,64K,1M --op write --duration $seconds && \
      $bench --size 64M --block 4K,64K,1M --op read --duration $seconds && \
-     $bench --size 4K --block 8 --batch 1 --op write --iters 3000 && \
-     $bench --size 4K --block 8 --batch 1 --op read --iters 3000" | tee "$out/console.log" >&2
+     for round in \$(seq $rounds); do \
+         rxe-pair --perf ib_write_lat -s 8 -n 5000 && \
+         $bench --size 4K --block 8 --batch 1 --op write --iters 5000 && \
+         rxe-pair --perf ib_read_lat -s 8 -n 5000 && \
+         $bench --size 4K --block 8 --batch 1 --op read --iters 5000 || exit 1; \
+     done" | tee "$out/console.log" >&2
 
 grep -a '^PERF ' "$out/console.log" >"$out/perftest.txt"
 grep -a '^{' "$out/console.log" >"$out/ferry.jsonl"
 python3 - "$out/perftest.txt" "$out/ferry.jsonl" <<'PY'
-import json, sys
-ref = {}
+import json, statistics, sys
+ref, lat_ref = {}, {}
 for line in open(sys.argv[1]):
     kv = dict(x.split("=", 1) for x in line.split()[1:])
     ref[(kv["tool"], int(kv["bytes"]))] = kv
+    # The interleaved runs only (5000 iterations), not the battery's.
+    if kv["tool"].endswith("_lat") and kv["iters"] == "5000":
+        lat_ref.setdefault(kv["tool"], []).append(float(kv["t_typical_us"]))
 rows = [json.loads(l) for l in open(sys.argv[2])]
 print("| op | size | ferry MiB/s | perftest MiB/s | ratio | ferry Kmsg/s | perftest Kmsg/s | ratio |")
 print("|---|---|---|---|---|---|---|---|")
@@ -48,13 +58,20 @@ for r in rows:
         print(f"| {op} | {size} | {mibps:.2f} | (no result) | - | {rate:.3f} | (no result) | - |")
         continue
     print(f"| {op} | {size} | {mibps:.2f} | {ref_bw:.2f} | {mibps / ref_bw:.2f} | {rate:.3f} | {ref_rate:.3f} | {rate / ref_rate:.2f} |")
-lat = ref[("ib_write_lat", 8)]
-one_way = float(lat["t_typical_us"])
-for r in rows:
-    if r["block"] == 8:
-        # A ferry submit completes when the transfer is acknowledged: one round
-        # trip. ib_write_lat reports one-way latency (half its ping-pong).
-        print(f"8-byte {r['op']} submit: p50 {r['lat_p50_us']:.1f} us, p99 {r['lat_p99_us']:.1f} us; "
-              f"ib_write_lat typical {one_way} us one-way = {2 * one_way:.1f} us round trip; "
-              f"p50 / round trip = {r['lat_p50_us'] / (2 * one_way):.2f}")
+def med(xs):
+    return statistics.median(xs), " ".join(f"{x:.1f}" for x in xs)
+for op, tool in (("write", "ib_write_lat"), ("read", "ib_read_lat")):
+    ferry = [r for r in rows if r["block"] == 8 and r["op"] == op]
+    if not ferry or tool not in lat_ref:
+        continue
+    p50, p50s = med([r["lat_p50_us"] for r in ferry])
+    p99, _ = med([r["lat_p99_us"] for r in ferry])
+    typ, typs = med(lat_ref[tool])
+    # A ferry submit completes when the transfer is acknowledged: one round
+    # trip. ib_write_lat reports one-way latency (half its ping-pong);
+    # ib_read_lat reports the read's round trip.
+    rtt = 2 * typ if tool == "ib_write_lat" else typ
+    print(f"8-byte {op} submit p50 {p50:.1f} us (runs: {p50s}; p99 {p99:.1f}); "
+          f"{tool} typical {typ:.2f} us (runs: {typs}) = {rtt:.1f} us round trip; "
+          f"p50 / round trip = {p50 / rtt:.2f}")
 PY
