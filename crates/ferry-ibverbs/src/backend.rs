@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, debug_span, info};
 
 pub use crate::connection::FOREIGN_WR_ID_BIT;
-use crate::connection::{self, InlinePolling, PeerQp, Piece};
+use crate::connection::{self, PeerQp, Piece, QpSession};
 use crate::device::{Device, IbvConfig};
 use crate::verbs::{MemoryRegion, RdmaOpcode, VerbsError, WorkRequest};
 
@@ -158,38 +158,57 @@ impl Shared {
         if progress.total_pieces() == 0 {
             return Ok(());
         }
+        // Small transfers finish within microseconds: the submitter polls
+        // for them itself rather than sleep until the poller task wakes it,
+        // which costs several thread wake-ups. Bounded; then the poller task
+        // takes over.
+        let spin_until = started + INLINE_POLL;
+        // A single-peer batch polls from the start, so its QP's poller task
+        // stands aside before the first completion arrives, and it polls
+        // while waiting for credits. A batch over several peers starts
+        // polling once all is posted: waiting for one QP's credits while
+        // keeping another's poller aside could stall other submitters there.
+        let single_peer = groups.len() == 1;
         let work = async {
             for group in &mut groups {
                 let pieces = std::mem::take(&mut group.pieces);
                 match self.peers.get(&self.device, group.peer, self.local).await {
                     Ok(qp) => {
-                        let polling = group.polling.insert(qp.poll_inline());
-                        polling.qp().post_all(pieces, &progress, deadline).await;
+                        let session = group.session.insert(QpSession::new(qp));
+                        if single_peer {
+                            session.start_polling();
+                        }
+                        session
+                            .post_all(pieces, &progress, spin_until, deadline)
+                            .await;
                     }
                     Err(e) => pieces
                         .into_iter()
                         .for_each(|p| progress.piece_done(p.op, Err(e.clone()))),
                 }
             }
-            // Small transfers finish within microseconds: poll for them here
-            // rather than sleep until the poller task wakes us, which costs
-            // several thread wake-ups. Bounded; then the poller takes over.
+            if !single_peer {
+                groups
+                    .iter_mut()
+                    .filter_map(|g| g.session.as_mut())
+                    .for_each(QpSession::start_polling);
+            }
             // The clock is read only every 64 polls: where it is slow to read
             // (an emulated HPET), reading it each time cost more than polling.
-            let spin_until = started + INLINE_POLL;
             let mut polls = 0u32;
             while !progress.is_done() && (polls % 64 != 63 || Instant::now() < spin_until) {
                 polls = polls.wrapping_add(1);
                 let found: usize = groups
                     .iter()
-                    .filter_map(|g| g.polling.as_ref())
-                    .map(|p| p.qp().poll_now())
+                    .filter_map(|g| g.session.as_ref())
+                    .filter(|s| s.is_polling())
+                    .map(|s| s.qp().poll_now())
                     .sum();
                 if found == 0 {
                     std::hint::spin_loop();
                 }
             }
-            groups.iter_mut().for_each(|g| g.polling = None);
+            groups.iter_mut().for_each(|g| g.session = None);
             progress.all_done().await;
         };
         // Pinned so the outcome is decided before the work future is dropped.
@@ -236,7 +255,7 @@ impl Shared {
                     groups.push(PeerGroup {
                         peer,
                         pieces: Vec::with_capacity(ops.len() - index),
-                        polling: None,
+                        session: None,
                     });
                     groups.len() - 1
                 }
@@ -274,8 +293,8 @@ impl Shared {
 struct PeerGroup {
     peer: NodeAddr,
     pieces: Vec<Piece>,
-    /// Held while the submitter polls that peer's CQ itself.
-    polling: Option<InlinePolling>,
+    /// The submitter's use of the peer's QP, once connected.
+    session: Option<QpSession>,
 }
 
 pub struct IbvManagerActor {

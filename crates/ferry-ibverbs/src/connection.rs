@@ -87,7 +87,7 @@ pub(crate) struct PeerQp {
     /// Mirrors `Inflight::broken.is_some()`, for a lock-free check per submit.
     broken: AtomicBool,
     next_wr_id: AtomicU64,
-    /// Submitters polling the CQ themselves right now (see [`InlinePolling`]).
+    /// Sessions polling the CQ themselves right now (see [`QpSession`]).
     inline_pollers: AtomicUsize,
     /// Wakes the poller task when the last inline poller leaves with work
     /// still outstanding.
@@ -97,27 +97,132 @@ pub(crate) struct PeerQp {
     closed: CancellationToken,
 }
 
-/// A submitter polling the CQ for its own completions (see `Shared::run`).
-/// While any does, the poller task keeps the CQ unarmed and sleeps, so
-/// completions raise no channel event and wake no other thread, and the two
-/// never contend for the CQ or the in-flight lock. Dropping the last one hands
-/// whatever is still outstanding back to the poller task.
-pub(crate) struct InlinePolling(Arc<PeerQp>);
-
-impl InlinePolling {
-    pub fn qp(&self) -> &Arc<PeerQp> {
-        &self.0
-    }
+/// One submitter's use of a QP: it posts its pieces through this and, while
+/// the session is polling, polls the CQ for its completions itself (see
+/// `Shared::run`). While any session polls, the poller task keeps the CQ
+/// unarmed and sleeps, so completions raise no channel event and wake no
+/// other thread, and the two never contend for the CQ or the in-flight lock.
+/// The last session to stop polling hands whatever is still outstanding back
+/// to the poller task.
+pub(crate) struct QpSession {
+    qp: Arc<PeerQp>,
+    polling: bool,
 }
 
-impl Drop for InlinePolling {
-    fn drop(&mut self) {
-        let qp = &self.0;
+impl QpSession {
+    pub fn new(qp: Arc<PeerQp>) -> Self {
+        QpSession { qp, polling: false }
+    }
+
+    pub fn qp(&self) -> &Arc<PeerQp> {
+        &self.qp
+    }
+
+    pub fn is_polling(&self) -> bool {
+        self.polling
+    }
+
+    /// Start before posting, so that the poller task stands aside before
+    /// the first completion can arrive.
+    pub fn start_polling(&mut self) {
+        if !self.polling {
+            self.polling = true;
+            self.qp.inline_pollers.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    pub fn stop_polling(&mut self) {
+        if !self.polling {
+            return;
+        }
+        self.polling = false;
+        let qp = &self.qp;
         let outstanding = || qp.credits.available_permits() < qp.max_credits;
         if qp.inline_pollers.fetch_sub(1, Ordering::SeqCst) == 1 && outstanding() {
             // A stored permit if the poller is not waiting yet: no lost wake-up.
             qp.poller_wake.notify_one();
         }
+    }
+
+    /// Polls the CQ until `done()` or until `until` has passed; returns
+    /// `done()`. The clock is read only every 64 polls: where it is slow to
+    /// read (an emulated HPET), reading it each time cost more than polling.
+    fn spin(&self, until: Instant, mut done: impl FnMut() -> bool) -> bool {
+        let mut polls = 0u32;
+        while !done() {
+            if polls % 64 == 63 && Instant::now() >= until {
+                return false;
+            }
+            polls = polls.wrapping_add(1);
+            if self.qp.poll_now() == 0 {
+                std::hint::spin_loop();
+            }
+        }
+        true
+    }
+
+    /// Posts `pieces` in order, as linked lists of at most `MAX_POST`
+    /// requests, waiting for send-queue credits as needed until `deadline`.
+    /// Out of credits while polling, the submitter polls for the completions
+    /// that return them itself until `spin_until`, then stops polling and
+    /// leaves them to the poller task. Pieces that cannot be posted are
+    /// reported to `progress`.
+    pub async fn post_all(
+        &mut self,
+        pieces: Vec<Piece>,
+        progress: &Arc<BatchProgress>,
+        spin_until: Instant,
+        deadline: Instant,
+    ) {
+        let qp = self.qp.clone();
+        let credits = &qp.credits;
+        let mut pending: VecDeque<Piece> = pieces.into();
+        while !pending.is_empty() {
+            if progress.is_abandoned() {
+                return;
+            }
+            // At least one credit, then whatever else is free right now.
+            // Only wait (and arm a timer) when none is free.
+            if self.polling && credits.available_permits() == 0 {
+                self.spin(spin_until, || credits.available_permits() > 0);
+            }
+            match credits.try_acquire() {
+                Ok(permit) => permit.forget(),
+                Err(_) => {
+                    self.stop_polling();
+                    // Boxed: rarely needed, and large.
+                    match Box::pin(tokio::time::timeout_at(deadline, credits.acquire())).await {
+                        Ok(Ok(permit)) => permit.forget(),
+                        // Deadline passed or semaphore closed: the caller's
+                        // timeout path accounts for the pieces never posted.
+                        _ => return,
+                    }
+                }
+            }
+            let mut count = 1;
+            let more = (pending.len().min(MAX_POST) - 1).min(credits.available_permits());
+            if more > 0
+                && let Ok(permits) = credits.try_acquire_many(more as u32)
+            {
+                permits.forget();
+                count += more;
+            }
+            if !qp.post_front(&mut pending, count, progress) {
+                // The send queue was momentarily full: the pieces are back at
+                // the front of `pending`, to be retried once completions have
+                // had a chance to drain it.
+                if Instant::now() >= deadline {
+                    return;
+                }
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+}
+
+impl Drop for QpSession {
+    fn drop(&mut self) {
+        self.stop_polling();
     }
 }
 
@@ -152,14 +257,6 @@ impl PeerQp {
         self.inflight.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Registers the caller as polling this QP's CQ inline until the guard
-    /// is dropped. Take it before posting, so the poller task stands aside
-    /// before the first completion can arrive.
-    pub fn poll_inline(self: &Arc<Self>) -> InlinePolling {
-        self.inline_pollers.fetch_add(1, Ordering::SeqCst);
-        InlinePolling(self.clone())
-    }
-
     /// Whether any posted request of `progress` is still outstanding.
     pub fn has_work_of(&self, progress: &Arc<BatchProgress>) -> bool {
         self.lock()
@@ -180,54 +277,6 @@ impl PeerQp {
                 debug!(error = %e, "moving the queue pair to the error state failed");
             }
             self.closed.cancel();
-        }
-    }
-
-    /// Posts `pieces` in order, as linked lists of at most `MAX_POST`
-    /// requests, waiting for send-queue credits as needed until `deadline`.
-    /// Pieces that cannot be posted are reported to `progress`.
-    pub async fn post_all(
-        &self,
-        pieces: Vec<Piece>,
-        progress: &Arc<BatchProgress>,
-        deadline: Instant,
-    ) {
-        let mut pending: VecDeque<Piece> = pieces.into();
-        while !pending.is_empty() {
-            if progress.is_abandoned() {
-                return;
-            }
-            // At least one credit, then whatever else is free right now.
-            // Only wait (and arm a timer) when none is free.
-            match self.credits.try_acquire() {
-                Ok(permit) => permit.forget(),
-                // Boxed: rarely needed, and large.
-                Err(_) => match Box::pin(tokio::time::timeout_at(deadline, self.credits.acquire()))
-                    .await
-                {
-                    Ok(Ok(permit)) => permit.forget(),
-                    // Deadline passed or semaphore closed: the caller's
-                    // timeout path accounts for the pieces never posted.
-                    _ => return,
-                },
-            }
-            let mut count = 1;
-            let more = (pending.len().min(MAX_POST) - 1).min(self.credits.available_permits());
-            if more > 0
-                && let Ok(permits) = self.credits.try_acquire_many(more as u32)
-            {
-                permits.forget();
-                count += more;
-            }
-            if !self.post_front(&mut pending, count, progress) {
-                // The send queue was momentarily full: the pieces are back at
-                // the front of `pending`, to be retried once completions have
-                // had a chance to drain it.
-                if Instant::now() >= deadline {
-                    return;
-                }
-                tokio::task::yield_now().await;
-            }
         }
     }
 
@@ -399,7 +448,7 @@ impl PeerQp {
 
     /// Polls the CQ until the QP is broken and drained: busy for a short
     /// window after activity, then asleep on the completion channel. While a
-    /// submitter polls inline ([`InlinePolling`]) it sleeps with the CQ
+    /// submitter polls inline ([`QpSession`]) it sleeps with the CQ
     /// unarmed instead. Correctness does not depend on that hand-off: the CQ
     /// is thread safe and completions are applied under the in-flight lock,
     /// so both may poll at once.
