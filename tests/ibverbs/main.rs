@@ -61,6 +61,79 @@ async fn batches_up_to_4096_mixed_ops_stream_through_the_send_queue() {
     }
 }
 
+/// Ops bigger than one work request may carry are split, and the pieces of
+/// one op stream through a send queue much smaller than their number: 4 KiB
+/// pieces, 16 credits, a 1 MiB + 3 op (257 pieces) and a 700-op batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn ops_larger_than_a_work_request_are_split_and_stream_through_few_credits() {
+    let config = ibverbs::IbvConfig {
+        max_wr_bytes: Some(4096),
+        max_send_wr: 16,
+        ..Default::default()
+    };
+    let node = Node::builder()
+        .ibverbs_config(config)
+        .spawn()
+        .await
+        .unwrap();
+    assert!(node.ibverbs().is_some(), "{NEEDS_DEVICE}");
+    let mut peer = PeerProcess::spawn().await;
+    let nic = Some(RdmaTransportLevel::Nic);
+    for (i, len) in [4096usize, 4097, (1 << 20) + 3].into_iter().enumerate() {
+        common::write_then_read_back(&node, &mut peer, len, i as u8, nic).await;
+    }
+    let sizes: Vec<usize> = (0..700).map(|i| [1, 5000, 4096, 12289][i % 4]).collect();
+    common::mixed_batch_round_trip(&node, &mut peer, &sizes, 9).await;
+}
+
+/// An explicit GID index is used as given; one the port does not have stops
+/// the ibverbs backend from starting, and the node runs on TCP saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn an_explicit_gid_index_is_used_and_a_bad_one_is_reported() {
+    let index: u32 = std::env::var("FERRY_RXE_GID_INDEX")
+        .expect("the rxe VM exports FERRY_RXE_GID_INDEX")
+        .parse()
+        .unwrap();
+    let config = |gid_index| ibverbs::IbvConfig {
+        gid_index: Some(gid_index),
+        ..Default::default()
+    };
+    let node = Node::builder()
+        .ibverbs_config(config(index))
+        .spawn()
+        .await
+        .unwrap();
+    let info = node
+        .transport_info()
+        .await
+        .unwrap()
+        .ibverbs
+        .expect(NEEDS_DEVICE);
+    assert_eq!(info.gid_index, index);
+    let mut peer = PeerProcess::spawn().await;
+    let nic = Some(RdmaTransportLevel::Nic);
+    common::write_then_read_back(&node, &mut peer, 4096, 1, nic).await;
+
+    // Past the table, and an unused entry of it.
+    let ctx = ibverbs::verbs::Context::open(None).unwrap();
+    let empty = (0..ctx.port(1).unwrap().gid_table_len)
+        .find(|&i| ctx.gid(1, i).is_ok_and(|gid| gid == [0; 16]))
+        .expect("rxe's GID table has unused entries");
+    for (gid_index, why) in [(4000, "ibv_query_gid"), (empty, "is empty")] {
+        let bad = Node::builder()
+            .ibverbs_config(config(gid_index))
+            .spawn()
+            .await
+            .unwrap();
+        assert!(bad.ibverbs().is_none());
+        let reason = bad.ibverbs_unavailable().unwrap();
+        assert!(reason.contains(why), "GID index {gid_index}: {reason}");
+        assert_eq!(bad.transport_level(), RdmaTransportLevel::Tcp);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
 async fn concurrent_submits_to_the_manager_actor() {

@@ -150,10 +150,10 @@ impl Shared {
         let started = Instant::now();
         let deadline = started + timeout;
         let mut groups = self.prepare(&ops)?;
-        let progress =
-            Arc::new(BatchProgress::new(ops.iter().map(|op| {
-                op.len().div_ceil(self.device.max_msg as usize) as u32
-            })));
+        let max_msg = self.device.max_msg as usize;
+        let progress = Arc::new(BatchProgress::new(
+            ops.iter().map(|op| op.len().div_ceil(max_msg) as u32),
+        ));
         drop(ops);
         if progress.total_pieces() == 0 {
             return Ok(());
@@ -265,9 +265,7 @@ impl Shared {
                 OpKind::Read => RdmaOpcode::Read,
                 OpKind::Write => RdmaOpcode::Write,
             };
-            let mut at = 0;
-            while at < op.len() {
-                let len = max_msg.min(op.len() - at);
+            for (at, len) in pieces_of(op.len(), max_msg) {
                 group.pieces.push(Piece {
                     op: index,
                     wr: WorkRequest {
@@ -282,11 +280,16 @@ impl Shared {
                     },
                     pin: region.clone(),
                 });
-                at += len;
             }
         }
         Ok(groups)
     }
+}
+
+/// The (offset, length) pieces an op of `len` bytes is posted as, each at
+/// most `max` bytes: `len.div_ceil(max)` of them.
+fn pieces_of(len: usize, max: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..len).step_by(max).map(move |at| (at, max.min(len - at)))
 }
 
 /// The part of a batch that goes to one peer.
@@ -657,5 +660,32 @@ impl RdmaBackend for IbvBackend {
 
     async fn transport_info(&self) -> Option<IbvTransportInfo> {
         self.actor.ask(TransportInfo).await.ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pieces_of;
+
+    #[test]
+    fn ops_split_into_pieces_that_cover_them_exactly() {
+        assert_eq!(
+            pieces_of(10, 4).collect::<Vec<_>>(),
+            [(0, 4), (4, 4), (8, 2)]
+        );
+        assert_eq!(pieces_of(8, 4).collect::<Vec<_>>(), [(0, 4), (4, 4)]);
+        assert_eq!(pieces_of(3, 4).collect::<Vec<_>>(), [(0, 3)]);
+        assert_eq!(pieces_of(0, 4).count(), 0);
+        for len in [1, 4095, 4096, 4097, (1 << 20) + 3] {
+            let pieces: Vec<_> = pieces_of(len, 4096).collect();
+            assert_eq!(pieces.len(), len.div_ceil(4096));
+            let mut next = 0;
+            for (at, piece) in pieces {
+                assert_eq!(at, next);
+                assert!((1..=4096).contains(&piece));
+                next += piece;
+            }
+            assert_eq!(next, len);
+        }
     }
 }

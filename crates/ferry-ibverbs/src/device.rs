@@ -16,6 +16,10 @@ pub struct IbvConfig {
     /// requests may be outstanding to one peer. Larger batches stream
     /// through it.
     pub max_send_wr: u32,
+    /// Largest piece of an op one work request carries; larger ops are
+    /// split. The port's maximum message size when `None`, and never more.
+    /// A smaller cap keeps one huge op from holding the send queue alone.
+    pub max_wr_bytes: Option<u32>,
 }
 
 impl Default for IbvConfig {
@@ -25,6 +29,7 @@ impl Default for IbvConfig {
             port: 1,
             gid_index: None,
             max_send_wr: 1024,
+            max_wr_bytes: None,
         }
     }
 }
@@ -64,6 +69,17 @@ impl Device {
             Some(index) => (index, context.gid(config.port, index)?),
             None => context.ipv4_gid(config.port)?,
         };
+        if gid == [0; 16] {
+            // An unused table entry: queue pairs addressed with it never connect.
+            return Err(VerbsError::Call {
+                call: "ibv_query_gid",
+                source: std::io::Error::other(format!(
+                    "GID index {gid_index} of {} port {} is empty",
+                    context.name(),
+                    config.port
+                )),
+            });
+        }
         let limits = context.limits()?;
         let pd = ProtectionDomain::new(&context)?;
         Ok(Device {
@@ -73,7 +89,10 @@ impl Device {
             gid,
             lid: port.lid,
             mtu: port.active_mtu,
-            max_msg: port.max_msg_size.max(1),
+            max_msg: config
+                .max_wr_bytes
+                .map_or(port.max_msg_size, |cap| cap.min(port.max_msg_size))
+                .max(1),
             max_send_wr: config
                 .max_send_wr
                 .clamp(1, limits.max_qp_wr.saturating_sub(1).max(1)),
