@@ -193,21 +193,15 @@ impl Shared {
                     .filter_map(|g| g.session.as_mut())
                     .for_each(QpSession::start_polling);
             }
-            // The clock is read only every 64 polls: where it is slow to read
-            // (an emulated HPET), reading it each time cost more than polling.
-            let mut polls = 0u32;
-            while !progress.is_done() && (polls % 64 != 63 || Instant::now() < spin_until) {
-                polls = polls.wrapping_add(1);
-                let found: usize = groups
+            let poll = || {
+                groups
                     .iter()
                     .filter_map(|g| g.session.as_ref())
                     .filter(|s| s.is_polling())
                     .map(|s| s.qp().poll_now())
-                    .sum();
-                if found == 0 {
-                    std::hint::spin_loop();
-                }
-            }
+                    .sum()
+            };
+            connection::spin_until_done(spin_until, poll, || progress.is_done());
             groups.iter_mut().for_each(|g| g.session = None);
             progress.all_done().await;
         };

@@ -175,23 +175,6 @@ impl QpSession {
         }
     }
 
-    /// Polls the CQ until `done()` or until `until` has passed; returns
-    /// `done()`. The clock is read only every 64 polls: where it is slow to
-    /// read (an emulated HPET), reading it each time cost more than polling.
-    fn spin(&self, until: Instant, mut done: impl FnMut() -> bool) -> bool {
-        let mut polls = 0u32;
-        while !done() {
-            if polls % 64 == 63 && Instant::now() >= until {
-                return false;
-            }
-            polls = polls.wrapping_add(1);
-            if self.qp.poll_now() == 0 {
-                std::hint::spin_loop();
-            }
-        }
-        true
-    }
-
     /// Posts `pieces` in order, as linked lists of at most `MAX_POST`
     /// requests, waiting for send-queue credits as needed until `deadline`.
     /// Out of credits while polling, the submitter polls for the completions
@@ -215,7 +198,11 @@ impl QpSession {
             // At least one credit, then whatever else is free right now.
             // Only wait (and arm a timer) when none is free.
             if self.polling && credits.available_permits() == 0 {
-                self.spin(spin_until, || credits.available_permits() > 0);
+                spin_until_done(
+                    spin_until,
+                    || qp.poll_now(),
+                    || credits.available_permits() > 0,
+                );
             }
             match credits.try_acquire() {
                 Ok(permit) => permit.forget(),
@@ -249,6 +236,28 @@ impl QpSession {
             }
         }
     }
+}
+
+/// Calls `poll` (which returns how many completions it applied) until
+/// `done()` or until `until` has passed; returns `done()`. The clock is read
+/// only every 64 polls: where it is slow to read (an emulated HPET), reading
+/// it each time cost more than polling.
+pub(crate) fn spin_until_done(
+    until: Instant,
+    mut poll: impl FnMut() -> usize,
+    mut done: impl FnMut() -> bool,
+) -> bool {
+    let mut polls = 0u32;
+    while !done() {
+        if polls % 64 == 63 && Instant::now() >= until {
+            return false;
+        }
+        polls = polls.wrapping_add(1);
+        if poll() == 0 {
+            std::hint::spin_loop();
+        }
+    }
+    true
 }
 
 impl Drop for QpSession {
