@@ -87,6 +87,80 @@ async fn ops_larger_than_a_work_request_are_split_and_stream_through_few_credits
     common::mixed_batch_round_trip(&node, &mut peer, &sizes, 9).await;
 }
 
+/// One batch to an RDMA peer and a TCP-only peer: each op takes its own
+/// transport, both shares run, every byte lands, and a failure in either
+/// share is reported by its index in the whole batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn one_batch_over_both_transports_reports_errors_by_batch_index() {
+    let node = rdma_node().await;
+    let mut nic_peer = PeerProcess::spawn().await;
+    let mut tcp_peer = PeerProcess::spawn_with_env(&[(ferry::DISABLE_IBVERBS_ENV, "1")]).await;
+    let len = 64 << 10;
+    let on_nic = nic_peer.alloc(len, Access::ReadWrite, 1).await;
+    let on_tcp = tcp_peer.alloc(len, Access::ReadWrite, 2).await;
+    let src = node.alloc(4 * len, Access::ReadWrite).await.unwrap();
+    src.write_at(0, &pattern(4 * len, 3)).unwrap();
+    let slice = |i: usize| src.slice(i * len..(i + 1) * len).unwrap();
+
+    // Interleaved, so that each share's indices differ from the batch's.
+    let ops = vec![
+        RdmaOp::write(slice(0), on_tcp.handle.clone()),
+        RdmaOp::write(slice(1), on_nic.handle.clone()),
+    ];
+    let routes: Vec<_> = ops.iter().map(|op| node.route(op)).collect();
+    assert_eq!(
+        routes,
+        [Some(RdmaTransportLevel::Tcp), Some(RdmaTransportLevel::Nic)]
+    );
+    node.submit(ops, DEADLINE).await.unwrap();
+    let sent = pattern(4 * len, 3);
+    assert_eq!(tcp_peer.digest(&on_tcp).await, digest(&sent[..len]));
+    assert_eq!(nic_peer.digest(&on_nic).await, digest(&sent[len..2 * len]));
+
+    // A wrong rkey (the NIC share's op 1 is the batch's op 3), then a wrong
+    // token (the TCP share's op 1 is the batch's op 2): each is named by
+    // its batch index, and nothing else in the batch is left undone.
+    let bad_rkey = forge(&on_nic.handle, |j| {
+        let rkey = j["transports"]["ibverbs"]["rkey"].as_u64().unwrap();
+        j["transports"]["ibverbs"]["rkey"] = (rkey ^ 0x5a5a).into();
+    });
+    let bad_token = forge(&on_tcp.handle, |j| {
+        let token =
+            u128::from_str_radix(j["transports"]["tcp"]["token"].as_str().unwrap(), 16).unwrap();
+        j["transports"]["tcp"]["token"] = format!("{:032x}", token ^ 1).into();
+    });
+    let batch = |nic_target: RemoteBuffer, tcp_target: RemoteBuffer| {
+        vec![
+            RdmaOp::read(slice(2), on_tcp.handle.clone()),
+            RdmaOp::read(slice(3), on_nic.handle.clone()),
+            RdmaOp::write(slice(0), tcp_target),
+            RdmaOp::write(slice(1), nic_target),
+        ]
+    };
+    for (ops, index) in [
+        (batch(bad_rkey, on_tcp.handle.clone()), 3),
+        (batch(on_nic.handle.clone(), bad_token), 2),
+    ] {
+        src.write_at(2 * len, &vec![0; 2 * len]).unwrap();
+        match node.submit(ops, DEADLINE).await {
+            Err(SubmitError::Op {
+                index: i,
+                error: OpError::AccessDenied,
+            }) if i == index => {}
+            other => panic!("expected op {index} AccessDenied, got {other:?}"),
+        }
+        // The reads in the same batch completed on both transports, and the
+        // refused write changed nothing.
+        let mut got = vec![0; 2 * len];
+        src.read_at(2 * len, &mut got).unwrap();
+        assert_eq!(digest(&got[..len]), digest(&sent[..len]));
+        assert_eq!(digest(&got[len..]), digest(&sent[len..2 * len]));
+        assert_eq!(tcp_peer.digest(&on_tcp).await, digest(&sent[..len]));
+        assert_eq!(nic_peer.digest(&on_nic).await, digest(&sent[len..2 * len]));
+    }
+}
+
 /// An explicit GID index is used as given; one the port does not have stops
 /// the ibverbs backend from starting, and the node runs on TCP saying why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
