@@ -169,23 +169,40 @@ impl Shared {
         // polling once all is posted: waiting for one QP's credits while
         // keeping another's poller aside could stall other submitters there.
         let single_peer = groups.len() == 1;
+        // The common case waits for nothing: one peer, its QP connected,
+        // credits free for every piece, done within the inline window. It
+        // runs right here; what it leaves, the async work below picks up.
+        if single_peer && self.try_now(&mut groups[0], &progress, spin_until) {
+            return progress.outcome();
+        }
         let work = async {
             for group in &mut groups {
                 let pieces = std::mem::take(&mut group.pieces);
-                match self.peers.get(&self.device, group.peer, self.local).await {
-                    Ok(qp) => {
-                        let session = group.session.insert(QpSession::new(qp));
-                        if single_peer {
-                            session.start_polling();
-                        }
-                        session
-                            .post_all(pieces, &progress, spin_until, deadline)
-                            .await;
-                    }
-                    Err(e) => pieces
-                        .into_iter()
-                        .for_each(|p| progress.piece_done(p.op, Err(e.clone()))),
+                if pieces.is_empty() {
+                    // Posted already, or only zero-length ops: no QP needed.
+                    continue;
                 }
+                // A session try_now began is used as it is.
+                if group.session.is_none() {
+                    match self.peers.get(&self.device, group.peer, self.local).await {
+                        Ok(qp) => {
+                            let session = group.session.insert(QpSession::new(qp));
+                            if single_peer {
+                                session.start_polling();
+                            }
+                        }
+                        Err(e) => {
+                            pieces
+                                .into_iter()
+                                .for_each(|p| progress.piece_done(p.op, Err(e.clone())));
+                            continue;
+                        }
+                    }
+                }
+                let session = group.session.as_mut().expect("set above");
+                session
+                    .post_all(pieces, &progress, spin_until, deadline)
+                    .await;
             }
             if !single_peer {
                 groups
@@ -224,6 +241,29 @@ impl Shared {
             }
         }
         Err(error)
+    }
+
+    /// Posts `group` and polls for its completions without waiting for
+    /// anything: only if its QP is connected and credits for all its pieces
+    /// are free. Returns whether the batch finished; if not, the pieces not
+    /// posted are left in the group, and the session (still polling) too.
+    fn try_now(
+        &self,
+        group: &mut PeerGroup,
+        progress: &Arc<BatchProgress>,
+        spin_until: Instant,
+    ) -> bool {
+        let Some(qp) = self.peers.connected(group.peer) else {
+            return false;
+        };
+        let session = group.session.insert(QpSession::new(qp));
+        session.start_polling();
+        session.post_now(&mut group.pieces, progress)
+            && connection::spin_until_done(
+                spin_until,
+                || session.qp().poll_now(),
+                || progress.is_done(),
+            )
     }
 
     /// Checks every op before anything is posted, and turns them into work

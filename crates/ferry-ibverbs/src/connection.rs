@@ -175,6 +175,26 @@ impl QpSession {
         }
     }
 
+    /// Posts all of `pieces` with one doorbell, if they fit in one and
+    /// credits for all of them are free right now; returns whether it did.
+    /// Otherwise (a full provider queue included) they stay in `pieces`.
+    pub fn post_now(&mut self, pieces: &mut Vec<Piece>, progress: &Arc<BatchProgress>) -> bool {
+        let count = pieces.len();
+        if count > MAX_POST {
+            return false;
+        }
+        let Ok(permits) = self.qp.credits.try_acquire_many(count as u32) else {
+            return false;
+        };
+        permits.forget();
+        let mut pending: VecDeque<Piece> = std::mem::take(pieces).into();
+        let posted = self.qp.post_front(&mut pending, count, progress);
+        if !posted {
+            *pieces = pending.into();
+        }
+        posted
+    }
+
     /// Posts `pieces` in order, as linked lists of at most `MAX_POST`
     /// requests, waiting for send-queue credits as needed until `deadline`.
     /// Out of credits while polling, the submitter polls for the completions
