@@ -24,6 +24,14 @@ fn ferry_peer() {
     }
 }
 
+/// The handle with a wrong rkey: the NIC must refuse it.
+fn with_wrong_rkey(handle: &RemoteBuffer) -> RemoteBuffer {
+    forge(handle, |j| {
+        let rkey = j["transports"]["ibverbs"]["rkey"].as_u64().unwrap();
+        j["transports"]["ibverbs"]["rkey"] = (rkey ^ 0x5a5a).into();
+    })
+}
+
 async fn rdma_node() -> Node {
     let node = Node::builder().spawn().await.unwrap();
     assert!(
@@ -121,15 +129,8 @@ async fn one_batch_over_both_transports_reports_errors_by_batch_index() {
     // A wrong rkey (the NIC share's op 1 is the batch's op 3), then a wrong
     // token (the TCP share's op 1 is the batch's op 2): each is named by
     // its batch index, and nothing else in the batch is left undone.
-    let bad_rkey = forge(&on_nic.handle, |j| {
-        let rkey = j["transports"]["ibverbs"]["rkey"].as_u64().unwrap();
-        j["transports"]["ibverbs"]["rkey"] = (rkey ^ 0x5a5a).into();
-    });
-    let bad_token = forge(&on_tcp.handle, |j| {
-        let token =
-            u128::from_str_radix(j["transports"]["tcp"]["token"].as_str().unwrap(), 16).unwrap();
-        j["transports"]["tcp"]["token"] = format!("{:032x}", token ^ 1).into();
-    });
+    let bad_rkey = with_wrong_rkey(&on_nic.handle);
+    let bad_token = common::with_wrong_token(&on_tcp.handle);
     let batch = |nic_target: RemoteBuffer, tcp_target: RemoteBuffer| {
         vec![
             RdmaOp::read(slice(2), on_tcp.handle.clone()),
@@ -270,10 +271,7 @@ async fn the_nic_refuses_bad_keys_out_of_bounds_and_read_only_writes_then_a_new_
     src.write_at(0, &pattern(len, 0xEE)).unwrap();
 
     // Wrong rkey, as the second op of a batch: the error names it.
-    let bad_key = forge(&rw.handle, |j| {
-        let rkey = j["transports"]["ibverbs"]["rkey"].as_u64().unwrap();
-        j["transports"]["ibverbs"]["rkey"] = (rkey ^ 0x5a5a).into();
-    });
+    let bad_key = with_wrong_rkey(&rw.handle);
     let scratch = node.alloc(16, Access::ReadWrite).await.unwrap();
     let ops = vec![
         RdmaOp::read(scratch.whole(), rw.handle.slice(0..16).unwrap()),

@@ -55,11 +55,7 @@ async fn setup(access: Access) -> (Node, PeerProcess, PeerRegion, Region) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_token_is_access_denied() {
     let (node, mut peer, target, local) = setup(Access::ReadWrite).await;
-    let forged = forge(&target.handle, |j| {
-        let token =
-            u128::from_str_radix(j["transports"]["tcp"]["token"].as_str().unwrap(), 16).unwrap();
-        j["transports"]["tcp"]["token"] = format!("{:032x}", token ^ 1).into();
-    });
+    let forged = crate::common::with_wrong_token(&target.handle);
     let write = node
         .submit(vec![RdmaOp::write(local.whole(), forged.clone())], DEADLINE)
         .await;

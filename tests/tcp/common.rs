@@ -254,6 +254,15 @@ pub fn forge(handle: &RemoteBuffer, edit: impl FnOnce(&mut serde_json::Value)) -
     serde_json::from_value(json).unwrap()
 }
 
+/// The handle with its TCP token off by one bit: what a guesser would send.
+pub fn with_wrong_token(handle: &RemoteBuffer) -> RemoteBuffer {
+    forge(handle, |j| {
+        let token =
+            u128::from_str_radix(j["transports"]["tcp"]["token"].as_str().unwrap(), 16).unwrap();
+        j["transports"]["tcp"]["token"] = format!("{:032x}", token ^ 1).into();
+    })
+}
+
 /// Writes `len` bytes into the middle of a fresh peer region and reads them
 /// back: the write must land with the margins around it untouched, the read
 /// must return it, and the source must be unchanged. `route` is the
