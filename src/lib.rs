@@ -298,18 +298,12 @@ impl Node {
         let Some(ibverbs) = &self.0.ibverbs else {
             return Err(SubmitError::BackendStopped);
         };
-        let submitted = self.0.ibverbs_meters.start(&ops);
-        let result = ibverbs.submit(ops, timeout).await;
-        submitted.finish(&result);
-        result
+        self.0.ibverbs_meters.submit(ibverbs, ops, timeout).await
     }
 
     /// The TCP backend's share of a batch.
     async fn submit_tcp(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
-        let submitted = self.0.tcp_meters.start(&ops);
-        let result = self.0.tcp.submit(ops, timeout).await;
-        submitted.finish(&result);
-        result
+        self.0.tcp_meters.submit(&self.0.tcp, ops, timeout).await
     }
 
     /// A batch whose ops take both transports: each share runs as its own

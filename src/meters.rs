@@ -7,9 +7,9 @@
 //! not looked up on every submit: install a recorder before spawning a node
 //! (as `metrics` advises), or the node's handles stay no-ops.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use ferry_core::{OpKind, RdmaOp, SubmitError};
+use ferry_core::{OpKind, RdmaBackend, RdmaOp, SubmitError};
 use metrics::{Counter, Histogram};
 
 /// The handles of one transport.
@@ -41,8 +41,21 @@ impl Meters {
         }
     }
 
+    /// Runs `ops` on `backend`, counting them and timing the submit.
+    pub async fn submit<B: RdmaBackend>(
+        &self,
+        backend: &B,
+        ops: Vec<RdmaOp>,
+        timeout: Duration,
+    ) -> Result<(), SubmitError> {
+        let submitted = self.start(&ops);
+        let result = backend.submit(ops, timeout).await;
+        submitted.finish(&result);
+        result
+    }
+
     /// Takes what `ops` will move, before they are handed to the backend.
-    pub fn start(&self, ops: &[RdmaOp]) -> Submitted<'_> {
+    fn start(&self, ops: &[RdmaOp]) -> Submitted<'_> {
         let mut counts = [(0u64, 0u64); 2];
         for op in ops {
             let slot = &mut counts[kind_index(op.kind)];
@@ -66,7 +79,7 @@ impl Meters {
 }
 
 /// One backend's share of a batch, in flight.
-pub(crate) struct Submitted<'a> {
+struct Submitted<'a> {
     meters: &'a Meters,
     /// (ops, bytes) per op kind.
     counts: [(u64, u64); 2],
@@ -75,7 +88,7 @@ pub(crate) struct Submitted<'a> {
 }
 
 impl Submitted<'_> {
-    pub fn finish(self, result: &Result<(), SubmitError>) {
+    fn finish(self, result: &Result<(), SubmitError>) {
         let m = self.meters;
         m.submit_seconds
             .record(self.started.elapsed().as_secs_f64());
