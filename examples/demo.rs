@@ -47,14 +47,15 @@ const MIB: f64 = (1 << 20) as f64;
 #[derive(Clone, Debug)]
 struct Args {
     serve: bool,
-    size: usize,
-    blocks: Vec<usize>,
+    /// Bytes; every length in ferry's API is `u64`.
+    size: u64,
+    blocks: Vec<u64>,
     ops: Vec<OpKind>,
     streams: Vec<usize>,
     batch: Option<usize>,
     iters: u32,
     seconds: Option<f64>,
-    chunk: Option<usize>,
+    chunk: Option<u64>,
     timeout: Duration,
     verify: bool,
     json: bool,
@@ -141,7 +142,7 @@ struct Target {
 }
 
 impl Target {
-    async fn spawn(size: usize) -> Result<(Target, RemoteBuffer), String> {
+    async fn spawn(size: u64) -> Result<(Target, RemoteBuffer), String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut child = Command::new(exe)
             .args(["--serve", "--size", &size.to_string()])
@@ -216,7 +217,7 @@ fn parse_stats(line: &str) -> Result<u64, String> {
 /// One measured (op, block, streams) combination.
 struct Row {
     op: OpKind,
-    block: usize,
+    block: u64,
     streams: usize,
     bytes: u64,
     secs: f64,
@@ -277,10 +278,10 @@ async fn initiate(args: Args) -> Result<(), String> {
         let node = builder.spawn().await.map_err(|e| e.to_string())?;
         let local = alloc(&node, size).await?;
         // Open every connection before anything is timed: one small op per stream.
-        let warmup = (0..streams.min(size)).map(|i| {
+        let warmup = (0..(streams as u64).min(size)).map(|i| {
             RdmaOp::read(
                 local.slice(i..i + 1).unwrap(),
-                remote.slice(i as u64..i as u64 + 1).unwrap(),
+                remote.slice(i..i + 1).unwrap(),
             )
         });
         node.submit(warmup.collect(), args.timeout)
@@ -325,7 +326,7 @@ async fn run_row(
     remote: &RemoteBuffer,
     target: &mut Target,
     op: OpKind,
-    block: usize,
+    block: u64,
     streams: usize,
     seed: u64,
 ) -> Result<Row, String> {
@@ -339,12 +340,14 @@ async fn run_row(
             fill(local, !seed);
         }
     }
+    // `block` is at most `size`, the length of a region this process holds,
+    // so it fits usize.
     let ops: Vec<RdmaOp> = (0..size)
-        .step_by(block)
+        .step_by(block as usize)
         .map(|at| {
             let end = (at + block).min(size);
             let local = local.slice(at..end).unwrap();
-            let remote = remote.slice(at as u64..end as u64).unwrap();
+            let remote = remote.slice(at..end).unwrap();
             match op {
                 OpKind::Write => RdmaOp::write(local, remote),
                 OpKind::Read => RdmaOp::read(local, remote),
@@ -402,7 +405,7 @@ async fn run_row(
         op,
         block,
         streams,
-        bytes: passes * size as u64,
+        bytes: passes * size,
         secs,
         rss,
         verified,
@@ -411,7 +414,7 @@ async fn run_row(
 
 fn print_row(args: &Args, row: &Row) {
     let gbps = row.bytes as f64 / 1e9 / row.secs;
-    let registered = args.size as u64;
+    let registered = args.size;
     let over = row.rss.map(|r| r as i64 - registered as i64);
     let op = op_name(row.op);
     if args.json {
@@ -461,42 +464,42 @@ fn op_name(op: OpKind) -> &'static str {
 
 // ------------------------------------------------------------- shared helpers
 
-async fn alloc(node: &Node, size: usize) -> Result<Region, String> {
+async fn alloc(node: &Node, size: u64) -> Result<Region, String> {
     let region = node.alloc(size, Access::ReadWrite).await;
     region.map_err(|e| format!("allocating {}: {e}", size_str(size)))
 }
 
 /// Regions are filled and checked a piece at a time, so verification adds
 /// at most this much to a process's memory.
-const PIECE: usize = 1 << 20;
+const PIECE: u64 = 1 << 20;
 
 /// The pattern's bytes at `start..start + buf.len()`; `start` is a multiple of 8.
-fn pattern_at(seed: u64, start: usize, buf: &mut [u8]) {
+fn pattern_at(seed: u64, start: u64, buf: &mut [u8]) {
     for (i, word) in buf.chunks_mut(8).enumerate() {
-        let n = (start / 8 + i) as u64;
+        let n = start / 8 + i as u64;
         let v = (n ^ seed.rotate_left(32)).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed;
         word.copy_from_slice(&v.to_le_bytes()[..word.len()]);
     }
 }
 
 fn fill(region: &Region, seed: u64) {
-    let mut buf = vec![0; PIECE];
-    for at in (0..region.len()).step_by(PIECE) {
-        let piece = &mut buf[..PIECE.min(region.len() - at)];
+    let mut buf = vec![0; PIECE as usize];
+    for at in (0..region.len()).step_by(PIECE as usize) {
+        let piece = &mut buf[..PIECE.min(region.len() - at) as usize];
         pattern_at(seed, at, piece);
         region.write_at(at, piece).unwrap();
     }
 }
 
 /// Offset of the first byte that differs from `seed`'s pattern.
-fn mismatch(region: &Region, seed: u64) -> Option<usize> {
-    let (mut have, mut want) = (vec![0; PIECE], vec![0; PIECE]);
-    for at in (0..region.len()).step_by(PIECE) {
-        let n = PIECE.min(region.len() - at);
+fn mismatch(region: &Region, seed: u64) -> Option<u64> {
+    let (mut have, mut want) = (vec![0; PIECE as usize], vec![0; PIECE as usize]);
+    for at in (0..region.len()).step_by(PIECE as usize) {
+        let n = PIECE.min(region.len() - at) as usize;
         region.read_at(at, &mut have[..n]).unwrap();
         pattern_at(seed, at, &mut want[..n]);
         if let Some(i) = (0..n).find(|&i| have[i] != want[i]) {
-            return Some(at + i);
+            return Some(at + i as u64);
         }
     }
     None
@@ -586,7 +589,7 @@ fn parse_secs(s: &str) -> Result<f64, String> {
 }
 
 /// `4096`, `64K`, `1M`, `2G` (also `KiB`, `MiB`, `GiB`), binary units.
-fn parse_size(s: &str) -> Result<usize, String> {
+fn parse_size(s: &str) -> Result<u64, String> {
     let lower = s.to_ascii_lowercase();
     let digits = lower.trim_end_matches(|c: char| c.is_ascii_alphabetic());
     let shift = match &lower[digits.len()..] {
@@ -596,13 +599,13 @@ fn parse_size(s: &str) -> Result<usize, String> {
         "g" | "gib" => 30,
         _ => return Err(format!("unknown unit in {s:?}")),
     };
-    let n = parse_num(digits)?;
+    let n = parse_num(digits)? as u64;
     n.checked_shl(shift)
         .filter(|v| v >> shift == n)
         .ok_or(format!("{s:?} is too large"))
 }
 
-fn size_str(bytes: usize) -> String {
+fn size_str(bytes: u64) -> String {
     for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
         if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
             return format!("{} {unit}", bytes >> shift);

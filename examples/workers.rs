@@ -21,7 +21,8 @@ use kameo::actor::{ActorRef, Spawn};
 use kameo::message::{Context, Message};
 
 const WORKERS: usize = 4;
-const SLICE: usize = 1 << 20;
+/// Bytes each worker moves (lengths in ferry are `u64` bytes).
+const SLICE: u64 = 1 << 20;
 /// Every transfer gives up after this long instead of hanging.
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -84,7 +85,10 @@ async fn main() -> ExitCode {
     );
 
     // B: one region for all workers, shared as a serializable handle.
-    let target = b.alloc(WORKERS * SLICE, Access::ReadWrite).await.unwrap();
+    let target = b
+        .alloc(WORKERS as u64 * SLICE, Access::ReadWrite)
+        .await
+        .unwrap();
     // Any serde format works. The JSON holds the access token: treat it as a secret.
     let json = serde_json::to_string(&target.remote()).unwrap();
     println!(
@@ -102,9 +106,9 @@ async fn main() -> ExitCode {
             src: a.alloc(SLICE, Access::ReadWrite).await.unwrap(),
             back: a.alloc(SLICE, Access::ReadWrite).await.unwrap(),
         });
-        let range = (i * SLICE) as u64..((i + 1) * SLICE) as u64;
+        let at = i as u64 * SLICE;
         let msg = RoundTrip {
-            remote: remote.slice(range).unwrap(),
+            remote: remote.slice(at..at + SLICE).unwrap(),
             seed: i as u8,
         };
         // Workers run concurrently; ask each and collect the answers.

@@ -55,6 +55,20 @@ pub mod prelude {
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
 
+/// Regions come only from [`Node::alloc`] and [`Node::register`]: a region
+/// assembled by hand would hand out handles that lie. Neither a `Region`
+/// constructor nor `RegionParts` is reachable through this crate:
+///
+/// ```compile_fail
+/// let _ = ferry::Region::new;
+/// ```
+///
+/// ```compile_fail
+/// let _: Option<ferry::RegionParts> = None;
+/// ```
+#[cfg(doctest)]
+pub struct RegionsOnlyFromNodes;
+
 /// Setting this environment variable to `1` keeps a node off RDMA, as
 /// [`NodeBuilder::ibverbs`]`(false)` does.
 pub const DISABLE_IBVERBS_ENV: &str = "FERRY_DISABLE_IBVERBS";
@@ -102,9 +116,11 @@ impl NodeBuilder {
         self
     }
 
-    /// Largest request the TCP backend sends as one chunk (default 1 MiB).
-    pub fn tcp_chunk_size(mut self, bytes: usize) -> Self {
-        self.tcp.chunk_size = bytes.max(1);
+    /// Largest request the TCP backend sends as one chunk, in bytes
+    /// (default 1 MiB; the backend caps it at its wire format's limit).
+    pub fn tcp_chunk_size(mut self, bytes: u64) -> Self {
+        // Anything past usize is past the backend's cap as well.
+        self.tcp.chunk_size = usize::try_from(bytes).unwrap_or(usize::MAX).max(1);
         self
     }
 
@@ -218,7 +234,7 @@ impl Node {
     }
 
     /// Allocates `len` zeroed, page-aligned bytes and registers them.
-    pub async fn alloc(&self, len: usize, access: Access) -> Result<Region, RegisterError> {
+    pub async fn alloc(&self, len: u64, access: Access) -> Result<Region, RegisterError> {
         self.register(MemoryBlock::alloc(len)?, access).await
     }
 
@@ -260,14 +276,15 @@ impl Node {
             registrations.push(Box::new(ibv.registration));
             transports.ibverbs = Some(ibv.remote);
         }
-        Ok(Region::new(RegionParts {
+        Ok(RegionParts {
             slot,
             memory,
             access,
             owner: self.0.addr,
             transports,
             registrations,
-        }))
+        }
+        .into_region())
     }
 
     /// Regions currently reachable by peers over TCP, as (id, generation).
@@ -333,7 +350,18 @@ impl Node {
         merge([nic_result, tcp_result], total)
     }
 
-    /// Same as [`RdmaBackend::submit`], without importing the trait.
+    /// Runs a batch of ops, each over the fastest transport both ends share;
+    /// the same as [`RdmaBackend::submit`], without importing the trait.
+    ///
+    /// The ops have no order among themselves: they run concurrently (split
+    /// over connections, work requests, and transports), so ops of one batch
+    /// whose byte ranges overlap leave those bytes unspecified, as on RDMA.
+    /// Submit the second after the first completed when order matters.
+    ///
+    /// A zero-length op is checked locally (lengths, write access, a remote
+    /// address range that does not wrap, a shared transport) and then
+    /// succeeds at once without contacting the remote side: it does not prove
+    /// that the remote region exists.
     pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         RdmaBackend::submit(self, ops, timeout).await
     }
@@ -407,7 +435,12 @@ impl RdmaBackend for Node {
             match self.route(op) {
                 Some(RdmaTransportLevel::Nic) => on_nic += 1,
                 Some(_) => {}
-                None => return Err(SubmitError::op(index, OpError::NoSharedTransport)),
+                None => {
+                    return Err(SubmitError::Op {
+                        index,
+                        error: OpError::NoSharedTransport,
+                    });
+                }
             }
         }
         // Usually a whole batch takes one transport: it goes on as it is.

@@ -60,7 +60,7 @@ impl Meters {
         for op in ops {
             let slot = &mut counts[kind_index(op.kind)];
             slot.0 += 1;
-            slot.1 += op.len() as u64;
+            slot.1 += op.len();
         }
         // Which op failed is known only by index: keep the kinds for mixed
         // batches (the only ones where the index is needed to tell).

@@ -107,9 +107,12 @@ async fn one_batch_over_both_transports_reports_errors_by_batch_index() {
     let len = 64 << 10;
     let on_nic = nic_peer.alloc(len, Access::ReadWrite, 1).await;
     let on_tcp = tcp_peer.alloc(len, Access::ReadWrite, 2).await;
-    let src = node.alloc(4 * len, Access::ReadWrite).await.unwrap();
+    let src = node
+        .alloc((4 * len) as u64, Access::ReadWrite)
+        .await
+        .unwrap();
     src.write_at(0, &pattern(4 * len, 3)).unwrap();
-    let slice = |i: usize| src.slice(i * len..(i + 1) * len).unwrap();
+    let slice = |i: usize| src.slice((i * len) as u64..((i + 1) * len) as u64).unwrap();
 
     // Interleaved, so that each share's indices differ from the batch's.
     let ops = vec![
@@ -143,7 +146,7 @@ async fn one_batch_over_both_transports_reports_errors_by_batch_index() {
         (batch(bad_rkey, on_tcp.handle.clone()), 3),
         (batch(on_nic.handle.clone(), bad_token), 2),
     ] {
-        src.write_at(2 * len, &vec![0; 2 * len]).unwrap();
+        src.write_at((2 * len) as u64, &vec![0; 2 * len]).unwrap();
         match node.submit(ops, DEADLINE).await {
             Err(SubmitError::Op {
                 index: i,
@@ -154,7 +157,7 @@ async fn one_batch_over_both_transports_reports_errors_by_batch_index() {
         // The reads in the same batch completed on both transports, and the
         // refused write changed nothing.
         let mut got = vec![0; 2 * len];
-        src.read_at(2 * len, &mut got).unwrap();
+        src.read_at((2 * len) as u64, &mut got).unwrap();
         assert_eq!(digest(&got[..len]), digest(&sent[..len]));
         assert_eq!(digest(&got[len..]), digest(&sent[len..2 * len]));
         assert_eq!(tcp_peer.digest(&on_tcp).await, digest(&sent[..len]));
@@ -229,9 +232,9 @@ async fn concurrent_submits_to_the_manager_actor() {
             .unwrap();
         let (node, manager) = (node.clone(), manager.clone());
         tasks.push(tokio::spawn(async move {
-            let src = node.alloc(slice, Access::ReadWrite).await.unwrap();
+            let src = node.alloc(slice as u64, Access::ReadWrite).await.unwrap();
             src.write_at(0, &pattern(slice, w as u8)).unwrap();
-            let back = node.alloc(slice, Access::ReadWrite).await.unwrap();
+            let back = node.alloc(slice as u64, Access::ReadWrite).await.unwrap();
             let submit = |ops| ibverbs::Submit {
                 ops,
                 timeout: DEADLINE,
@@ -267,7 +270,7 @@ async fn the_nic_refuses_bad_keys_out_of_bounds_and_read_only_writes_then_a_new_
     let len = 64 * 1024;
     let rw = peer.alloc(len, Access::ReadWrite, 1).await;
     let ro = peer.alloc(len, Access::ReadOnly, 2).await;
-    let src = node.alloc(len, Access::ReadWrite).await.unwrap();
+    let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
     src.write_at(0, &pattern(len, 0xEE)).unwrap();
 
     // Wrong rkey, as the second op of a batch: the error names it.
@@ -307,7 +310,10 @@ async fn the_nic_refuses_bad_keys_out_of_bounds_and_read_only_writes_then_a_new_
         Err(OpError::OutOfBounds { .. })
     ));
     let widened = forge(&rw.handle, |j| j["len"] = (len as u64 + 4096).into());
-    let big = node.alloc(len + 4096, Access::ReadWrite).await.unwrap();
+    let big = node
+        .alloc(len as u64 + 4096, Access::ReadWrite)
+        .await
+        .unwrap();
     match node
         .submit(vec![RdmaOp::write(big.whole(), widened)], DEADLINE)
         .await
@@ -341,7 +347,7 @@ async fn peer_killed_mid_transfer_fails_before_the_deadline_and_a_restarted_peer
     let mut peer = PeerProcess::spawn().await;
     let len = 16 << 20;
     let target = peer.alloc(len, Access::ReadWrite, 4).await;
-    let local = node.alloc(len, Access::ReadWrite).await.unwrap();
+    let local = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
     // Far more than soft-RoCE under emulation moves in the time before the kill.
     let ops: Vec<_> = (0..256)
         .map(|_| RdmaOp::read(local.whole(), target.handle.clone()))
@@ -411,7 +417,7 @@ async fn a_timed_out_submit_flushes_its_qp_and_the_next_op_reconnects() {
     let mut peer = PeerProcess::spawn().await;
     let len = 16 << 20;
     let target = peer.alloc(len, Access::ReadWrite, 9).await;
-    let local = node.alloc(len, Access::ReadWrite).await.unwrap();
+    let local = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
     let key = (local.id(), local.generation());
     // Much more than soft-RoCE under emulation moves in 200 ms.
     let ops: Vec<_> = (0..64)
@@ -462,7 +468,7 @@ async fn a_write_posted_through_the_raw_handles_lands() {
     let mut peer = PeerProcess::spawn().await;
     let len = 8192;
     let target = peer.alloc(len, Access::ReadWrite, 8).await;
-    let src = node.alloc(len, Access::ReadWrite).await.unwrap();
+    let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
     src.write_at(0, &pattern(len, 0x42)).unwrap();
     // Queue pairs connect on first use: one small ferry op creates it.
     let probe = node.alloc(1, Access::ReadWrite).await.unwrap();

@@ -19,7 +19,7 @@ const LEN: usize = 64 * 1024;
 /// A local region holding `pattern(LEN, 0xEE)`: a write source or a read
 /// destination whose bytes must not change when an op is refused.
 async fn local(node: &Node) -> Region {
-    let region = node.alloc(LEN, Access::ReadWrite).await.unwrap();
+    let region = node.alloc(LEN as u64, Access::ReadWrite).await.unwrap();
     region.write_at(0, &pattern(LEN, 0xEE)).unwrap();
     region
 }
@@ -66,7 +66,7 @@ async fn wrong_token_is_access_denied() {
         RdmaOp::read(local.slice(0..10).unwrap(), ok.slice(0..10).unwrap()),
         RdmaOp::read(local.slice(10..20).unwrap(), ok.slice(10..20).unwrap()),
         RdmaOp::read(
-            local.slice(20..LEN).unwrap(),
+            local.slice(20..LEN as u64).unwrap(),
             forged.slice(20..LEN as u64).unwrap(),
         ),
     ];
@@ -121,13 +121,13 @@ async fn out_of_bounds_slices_are_refused_locally_and_by_the_owner() {
         matches!(target.handle.slice(1..len + 1), Err(OpError::OutOfBounds { bound, .. }) if bound == len)
     );
     assert!(matches!(
-        local.slice(LEN - 1..LEN + 1),
+        local.slice(len - 1..len + 1),
         Err(OpError::OutOfBounds { .. })
     ));
 
     // A handle widened on the wire: the owner checks the region's real bounds.
     let widened = forge(&target.handle, |j| j["len"] = (len + 4096).into());
-    let src = node.alloc(LEN + 4096, Access::ReadWrite).await.unwrap();
+    let src = node.alloc(len + 4096, Access::ReadWrite).await.unwrap();
     let write = node
         .submit(vec![RdmaOp::write(src.whole(), widened.clone())], DEADLINE)
         .await;
@@ -137,16 +137,18 @@ async fn out_of_bounds_slices_are_refused_locally_and_by_the_owner() {
         |e| matches!(e, OpError::OutOfBounds { bound, .. } if *bound == len),
     );
     // One whose address range wraps around the end of the address space:
-    // refused as out of bounds, no overflow anywhere.
+    // refused as a forged handle, before anything is sent and with no
+    // overflow anywhere.
     let wrapping = forge(&target.handle, |j| j["addr"] = (u64::MAX - 10).into());
-    assert!(matches!(
-        wrapping.slice(20..30),
-        Err(OpError::OutOfBounds { .. })
-    ));
+    let overflow = OpError::AddressOverflow {
+        addr: u64::MAX - 10,
+        len,
+    };
+    assert_eq!(wrapping.slice(20..30), Err(overflow.clone()));
     let read = node
         .submit(vec![RdmaOp::read(local.whole(), wrapping)], DEADLINE)
         .await;
-    assert_op_error(read, 0, |e| matches!(e, OpError::OutOfBounds { .. }));
+    assert_op_error(read, 0, |e| *e == overflow);
     // One shifted below the region's start.
     let below = forge(&target.handle, |j| {
         j["addr"] = (target.handle.addr() - 8).into()
@@ -267,7 +269,7 @@ async fn peer_killed_mid_transfer_fails_before_the_deadline() {
     let mut peer = PeerProcess::spawn().await;
     let len = 64 << 20;
     let target = peer.alloc(len, Access::ReadWrite, 6).await;
-    let local = node.alloc(len, Access::ReadWrite).await.unwrap();
+    let local = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
     // 8 GiB of reads: far longer than the moment we wait before the kill.
     let ops: Vec<_> = (0..128)
         .map(|_| RdmaOp::read(local.whole(), target.handle.clone()))
@@ -304,7 +306,7 @@ async fn peer_killed_mid_transfer_fails_before_the_deadline() {
     // The node itself is fine: a new peer works.
     let mut peer = PeerProcess::spawn().await;
     let target = peer.alloc(LEN, Access::ReadWrite, 7).await;
-    let back = node.alloc(LEN, Access::ReadWrite).await.unwrap();
+    let back = node.alloc(LEN as u64, Access::ReadWrite).await.unwrap();
     node.submit(
         vec![RdmaOp::read(back.whole(), target.handle.clone())],
         DEADLINE,

@@ -167,10 +167,10 @@ pub fn peer_main() {
                     } else {
                         Access::ReadWrite
                     };
-                    let len: usize = len.parse().unwrap();
+                    let len: u64 = len.parse().unwrap();
                     let region = node.alloc(len, access).await.expect("peer alloc");
                     region
-                        .write_at(0, &pattern(len, seed.parse().unwrap()))
+                        .write_at(0, &pattern(len as usize, seed.parse().unwrap()))
                         .unwrap();
                     let json = serde_json::to_string(&region.remote()).unwrap();
                     regions.push(Some(region));
@@ -208,7 +208,7 @@ pub async fn mixed_batch_round_trip(
 ) {
     let total: usize = sizes.iter().sum();
     let target = peer.alloc(total, Access::ReadWrite, seed).await;
-    let local = node.alloc(total, Access::ReadWrite).await.unwrap();
+    let local = node.alloc(total as u64, Access::ReadWrite).await.unwrap();
     let outgoing = pattern(total, seed.wrapping_add(100));
     local.write_at(0, &outgoing).unwrap();
     let original = target.original();
@@ -217,11 +217,9 @@ pub async fn mixed_batch_round_trip(
     let mut at = 0;
     for (i, &len) in sizes.iter().enumerate() {
         let range = at..at + len;
-        let remote = target
-            .handle
-            .slice(range.start as u64..range.end as u64)
-            .unwrap();
-        let slice = local.slice(range.clone()).unwrap();
+        let bytes = range.start as u64..range.end as u64;
+        let remote = target.handle.slice(bytes.clone()).unwrap();
+        let slice = local.slice(bytes).unwrap();
         if i % 2 == 0 {
             ops.push(RdmaOp::write(slice, remote));
             expected_remote[range.clone()].copy_from_slice(&outgoing[range]);
@@ -281,7 +279,7 @@ pub async fn write_then_read_back(
         .slice(margin as u64..(margin + len) as u64)
         .unwrap();
     let data = pattern(len, seed.wrapping_add(50));
-    let src = node.alloc(len, Access::ReadWrite).await.unwrap();
+    let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
     src.write_at(0, &data).unwrap();
     let op = RdmaOp::write(src.whole(), remote.clone());
     if let Some(route) = route {
@@ -300,7 +298,7 @@ pub async fn write_then_read_back(
         "{len} B write landed, margins untouched"
     );
 
-    let back = node.alloc(len, Access::ReadWrite).await.unwrap();
+    let back = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
     node.submit(vec![RdmaOp::read(back.whole(), remote)], COMMAND_DEADLINE)
         .await
         .unwrap();

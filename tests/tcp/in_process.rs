@@ -12,10 +12,10 @@ const T: Duration = Duration::from_secs(20);
 async fn write_then_read_back_between_two_nodes() {
     let a = Node::builder().spawn().await.unwrap();
     let b = Node::builder().spawn().await.unwrap();
-    let len = 3 << 20 | 123;
-    let src = a.alloc(len, Access::ReadWrite).await.unwrap();
-    let back = a.alloc(len, Access::ReadWrite).await.unwrap();
-    let target = b.alloc(len + 10, Access::ReadWrite).await.unwrap();
+    let len: usize = 3 << 20 | 123;
+    let src = a.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    let back = a.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    let target = b.alloc(len as u64 + 10, Access::ReadWrite).await.unwrap();
     let data = pattern(len, 7);
     src.write_at(0, &data).unwrap();
     let remote = target.remote().slice(5..5 + len as u64).unwrap();

@@ -14,7 +14,7 @@ use ferry::{Generation, NodeId, RegionId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-const LEN: usize = 256 * 1024;
+const LEN: u64 = 256 * 1024;
 
 /// Accepts one data connection as node `id` and returns it with the first
 /// request the initiator sent.
@@ -76,7 +76,7 @@ async fn timed_out_read() -> (Node, (RegionId, Generation), TcpStream, Request) 
     });
     drop(local);
     let (stream, request) = accept_as(&fake, fake_id).await;
-    assert_eq!(request.len, LEN as u64);
+    assert_eq!(request.len, LEN);
 
     let result = submit.await.unwrap();
     assert_eq!(
@@ -110,14 +110,20 @@ async fn timed_out_read_keeps_memory_until_its_data_arrives() {
         )
         .await
         .unwrap();
-    stream.write_all(&vec![0x5A; LEN / 2]).await.unwrap();
+    stream
+        .write_all(&vec![0x5A; LEN as usize / 2])
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
         is_registered(&node, key).await,
         "deregistered with half the payload outstanding"
     );
     // The rest: now nothing can touch the region, and it goes.
-    stream.write_all(&vec![0x5A; LEN / 2]).await.unwrap();
+    stream
+        .write_all(&vec![0x5A; LEN as usize / 2])
+        .await
+        .unwrap();
     deregistered(&node, key).await;
 }
 

@@ -62,10 +62,10 @@ impl Message<RoundTrip> for Worker {
     type Reply = Result<Vec<u8>, SubmitError>;
 
     async fn handle(&mut self, msg: RoundTrip, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let len = msg.remote.len() as usize;
+        let len = msg.remote.len();
         let src = self.node.alloc(len, Access::ReadWrite).await.unwrap();
         let back = self.node.alloc(len, Access::ReadWrite).await.unwrap();
-        src.write_at(0, &pattern(len, msg.seed)).unwrap();
+        src.write_at(0, &pattern(len as usize, msg.seed)).unwrap();
         let submit = |ops| ferry::tcp::Submit {
             ops,
             timeout: DEADLINE,

@@ -22,7 +22,7 @@ pub struct ServeArgs {
     pub listen: std::net::SocketAddr,
     /// Bytes to register for bench clients (K, M, G suffixes: powers of 1024).
     #[arg(long, value_parser = parse_size, default_value = "256M")]
-    pub size: usize,
+    pub size: u64,
     /// Write the region's handle (JSON) to this file instead of stdout.
     #[arg(long)]
     pub handle_file: Option<PathBuf>,
@@ -74,10 +74,10 @@ pub struct BenchArgs {
     pub loopback: bool,
     /// Region size for `--loopback` (K, M, G suffixes).
     #[arg(long, value_parser = parse_size, default_value = "64M")]
-    pub size: usize,
+    pub size: u64,
     /// Block sizes to sweep, comma separated (K, M, G suffixes).
     #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "4K,64K,1M,16M,64M")]
-    pub block: Vec<usize>,
+    pub block: Vec<u64>,
     #[arg(long, value_enum, default_value = "write")]
     pub op: Op,
     /// Ops per submit (default: as many blocks as fit in the region).
@@ -127,7 +127,8 @@ impl<E: std::fmt::Display> From<E> for Failure {
     }
 }
 
-pub fn parse_size(text: &str) -> Result<usize, String> {
+/// A size in bytes, as `u64` like every length in ferry's API.
+pub fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let (digits, shift) = match text.char_indices().last() {
         Some((i, 'K' | 'k')) => (&text[..i], 10),
@@ -135,7 +136,7 @@ pub fn parse_size(text: &str) -> Result<usize, String> {
         Some((i, 'G' | 'g')) => (&text[..i], 30),
         _ => (text, 0),
     };
-    let n: usize = digits
+    let n: u64 = digits
         .parse()
         .map_err(|_| format!("'{text}' is not a size (e.g. 4096, 64K, 1M)"))?;
     let bytes = n
@@ -243,7 +244,7 @@ pub struct Row {
     pub transport: &'static str,
     /// TCP connections per peer (`--streams`).
     pub streams: usize,
-    pub block: usize,
+    pub block: u64,
     pub batch: usize,
     pub submits: usize,
     pub bytes: u64,
@@ -279,10 +280,10 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// Pieces in which regions are filled and compared, so the bench never holds
 /// a copy of the payload (which would distort its memory figures).
-const PIECE: usize = 1 << 20;
+const PIECE: u64 = 1 << 20;
 
 /// The bytes `at..at + len` of the test pattern for `seed`.
-fn pattern(at: usize, len: usize, seed: u8) -> Vec<u8> {
+fn pattern(at: u64, len: u64, seed: u8) -> Vec<u8> {
     (at..at + len)
         .map(|i| {
             (i as u8)
@@ -293,12 +294,12 @@ fn pattern(at: usize, len: usize, seed: u8) -> Vec<u8> {
 }
 
 /// Writes the pattern (or zeros) into `region[..len]`, a piece at a time.
-fn fill(region: &Region, len: usize, seed: Option<u8>) -> Result<(), Failure> {
-    for at in (0..len).step_by(PIECE) {
+fn fill(region: &Region, len: u64, seed: Option<u8>) -> Result<(), Failure> {
+    for at in (0..len).step_by(PIECE as usize) {
         let n = PIECE.min(len - at);
         let bytes = match seed {
             Some(seed) => pattern(at, n, seed),
-            None => vec![0; n],
+            None => vec![0; n as usize],
         };
         region.write_at(at, &bytes)?;
     }
@@ -306,17 +307,17 @@ fn fill(region: &Region, len: usize, seed: Option<u8>) -> Result<(), Failure> {
 }
 
 /// The first offset where `region[..len]` differs from the pattern.
-fn first_difference(region: &Region, len: usize, seed: u8) -> Result<Option<usize>, Failure> {
-    let mut got = vec![0; PIECE.min(len)];
-    for at in (0..len).step_by(PIECE) {
-        let n = PIECE.min(len - at);
+fn first_difference(region: &Region, len: u64, seed: u8) -> Result<Option<u64>, Failure> {
+    let mut got = vec![0; PIECE.min(len) as usize];
+    for at in (0..len).step_by(PIECE as usize) {
+        let n = PIECE.min(len - at) as usize;
         region.read_at(at, &mut got[..n])?;
         if let Some(i) = got[..n]
             .iter()
-            .zip(pattern(at, n, seed))
+            .zip(pattern(at, n as u64, seed))
             .position(|(a, b)| *a != b)
         {
-            return Ok(Some(at + i));
+            return Ok(Some(at + i as u64));
         }
     }
     Ok(None)
@@ -344,7 +345,7 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
         .ibverbs(args.transport != Transport::Tcp)
         .spawn()
         .await?;
-    let size = remote.len() as usize;
+    let size = remote.len();
     let local = node.alloc(size, Access::ReadWrite).await?;
     let probe = RdmaOp::write(local.slice(0..1)?, remote.slice(0..1)?);
     let level = node
@@ -372,16 +373,19 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
                 "block {block} B is larger than the {size}-byte target region"
             )));
         }
-        let blocks = size / block;
+        // Fits usize: at most the length of `local`, which this process holds.
+        let blocks = (size / block) as usize;
         let batch = args.batch.unwrap_or(blocks).clamp(1, blocks);
         let seed = block as u8;
-        fill(&local, batch * block, Some(seed))?;
+        // Bytes one submit covers.
+        let span = batch as u64 * block;
+        fill(&local, span, Some(seed))?;
         let ops = |kind: Op| -> Result<Vec<RdmaOp>, Failure> {
             (0..batch)
                 .map(|i| {
-                    let at = i * block;
+                    let at = i as u64 * block;
                     let l = local.slice(at..at + block)?;
-                    let r = remote.slice(at as u64..(at + block) as u64)?;
+                    let r = remote.slice(at..at + block)?;
                     Ok(match kind {
                         Op::Write => RdmaOp::write(l, r),
                         Op::Read => RdmaOp::read(l, r),
@@ -392,7 +396,7 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
         if args.op == Op::Read && args.verify {
             // Put known bytes there first, so the reads have something to check.
             node.submit(ops(Op::Write)?, SUBMIT_TIMEOUT).await?;
-            fill(&local, batch * block, None)?;
+            fill(&local, span, None)?;
         }
         for _ in 0..args.warmup {
             node.submit(ops(args.op)?, SUBMIT_TIMEOUT).await?;
@@ -417,7 +421,7 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
         let verified =
             args.verify && verify(&node, &local, &remote, seed, args.op, batch, block).await?;
         let submits = latencies.len();
-        let bytes = (submits * batch * block) as u64;
+        let bytes = submits as u64 * span;
         latencies.sort_by(f64::total_cmp);
         rows.push(Row {
             op: args.op,
@@ -436,12 +440,12 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             verified,
             peak_rss: peak_rss(),
             // The local region, plus the read-back region of a verified write.
-            registered: (size
+            registered: size
                 + if verified && args.op == Op::Write {
-                    batch * block
+                    span
                 } else {
                     0
-                }) as u64,
+                },
         });
     }
     progress.finish_and_clear();
@@ -478,14 +482,14 @@ async fn verify(
     seed: u8,
     op: Op,
     batch: usize,
-    block: usize,
+    block: u64,
 ) -> Result<bool, Failure> {
-    let len = batch * block;
+    let len = batch as u64 * block;
     let difference = match op {
         Op::Read => first_difference(local, len, seed)?,
         Op::Write => {
             let back = node.alloc(len, Access::ReadWrite).await?;
-            let read = RdmaOp::read(back.whole(), remote.slice(0..len as u64)?);
+            let read = RdmaOp::read(back.whole(), remote.slice(0..len)?);
             node.submit(vec![read], SUBMIT_TIMEOUT).await?;
             first_difference(&back, len, seed)?
         }

@@ -29,6 +29,13 @@ pub trait RdmaBackend: Clone + Send + Sync + 'static {
     /// Runs every op of the batch. Resolves `Ok` once the last byte of every op
     /// is acknowledged by its remote side; `Err(Timeout)` when `timeout`
     /// passes first; `Err(Op { index, .. })` naming the first failing op.
+    ///
+    /// The ops have no order among themselves: they run concurrently, so two
+    /// ops of one batch whose byte ranges overlap leave those bytes
+    /// unspecified, as on RDMA. A zero-length op is checked locally (lengths,
+    /// access, address range, a transport that reaches it) and then succeeds
+    /// at once without contacting the remote side, so its success does not
+    /// prove the remote region exists. See [`RdmaOp`].
     fn submit(
         &self,
         ops: Vec<RdmaOp>,

@@ -10,8 +10,21 @@ use crate::{Generation, NodeId};
 /// so callers match on one type whatever caught the problem.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum OpError {
+    /// `offset..offset + len` (bytes) reaches past the end of a buffer of
+    /// `bound` bytes.
     #[error("range {offset}+{len} lies outside the {bound}-byte buffer")]
     OutOfBounds { offset: u64, len: u64, bound: u64 },
+    /// A slice was asked for with `end < start`: a caller bug, reported with
+    /// the range as given rather than as an empty range out of bounds.
+    #[error("range {start}..{end} is inverted: its end comes before its start")]
+    InvertedRange { start: u64, end: u64 },
+    /// A handle's `addr + len` wraps past the end of the 64-bit address space.
+    /// No region the owner registered can look like that, so the handle was
+    /// forged or corrupted on its way here.
+    #[error(
+        "handle range {addr:#x}+{len} wraps around the address space: forged or corrupt handle"
+    )]
+    AddressOverflow { addr: u64, len: u64 },
     #[error("local slice is {local} bytes but remote slice is {remote} bytes")]
     LengthMismatch { local: u64, remote: u64 },
     #[error("remote buffer is read-only")]
@@ -63,19 +76,17 @@ pub enum SubmitError {
     BackendStopped,
 }
 
-impl SubmitError {
-    pub fn op(index: usize, error: OpError) -> Self {
-        SubmitError::Op { index, error }
-    }
-}
-
 /// Why memory could not be registered.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RegisterError {
     #[error("a region must be at least one byte long")]
     ZeroLength,
     #[error("could not allocate {0} bytes")]
-    OutOfMemory(usize),
+    OutOfMemory(u64),
+    /// More bytes than any memory range of this host can hold (over
+    /// `isize::MAX`): no allocation or valid pointer range is that long.
+    #[error("a region of {0} bytes does not fit in this host's address space")]
+    TooLarge(u64),
     #[error("transport backend is not running")]
     BackendStopped,
     #[error("region id {0:?} is already registered with this backend")]

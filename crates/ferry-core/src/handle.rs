@@ -101,6 +101,7 @@ impl RemoteBuffer {
     pub fn addr(&self) -> u64 {
         self.addr
     }
+    /// Length of this view in bytes.
     pub fn len(&self) -> u64 {
         self.len
     }
@@ -120,24 +121,29 @@ impl RemoteBuffer {
     pub fn check_address_range(&self) -> Result<(), OpError> {
         match self.addr.checked_add(self.len) {
             Some(_) => Ok(()),
-            None => Err(OpError::OutOfBounds {
-                offset: 0,
+            None => Err(OpError::AddressOverflow {
+                addr: self.addr,
                 len: self.len,
-                bound: u64::MAX - self.addr,
             }),
         }
     }
 
-    /// A narrower view: `range` is relative to this view and must lie inside it.
+    /// A narrower view: `range` (byte offsets, `u64`) is relative to this view
+    /// and must lie inside it.
     pub fn slice(&self, range: Range<u64>) -> Result<RemoteBuffer, OpError> {
         self.check_address_range()?;
-        let out_of_bounds = || OpError::OutOfBounds {
-            offset: range.start,
-            len: range.end.saturating_sub(range.start),
-            bound: self.len,
-        };
-        if range.start > range.end || range.end > self.len {
-            return Err(out_of_bounds());
+        if range.start > range.end {
+            return Err(OpError::InvertedRange {
+                start: range.start,
+                end: range.end,
+            });
+        }
+        if range.end > self.len {
+            return Err(OpError::OutOfBounds {
+                offset: range.start,
+                len: range.end - range.start,
+                bound: self.len,
+            });
         }
         Ok(RemoteBuffer {
             addr: self.addr + range.start,
@@ -191,8 +197,68 @@ mod tests {
         ));
         #[allow(clippy::reversed_empty_ranges)]
         let reversed = s.slice(5..4);
-        assert!(matches!(reversed, Err(OpError::OutOfBounds { .. })));
+        assert_eq!(reversed, Err(OpError::InvertedRange { start: 5, end: 4 }));
         assert_eq!(h.read_only().access(), Access::ReadOnly);
+    }
+
+    #[test]
+    fn bad_ranges_get_errors_that_say_what_is_wrong() {
+        #[allow(clippy::reversed_empty_ranges)]
+        let inverted = handle().slice(10..5).unwrap_err();
+        assert_eq!(inverted, OpError::InvertedRange { start: 10, end: 5 });
+        assert_eq!(
+            inverted.to_string(),
+            "range 10..5 is inverted: its end comes before its start"
+        );
+        // A real out-of-bounds range keeps its own error.
+        assert_eq!(
+            handle().slice(90..110),
+            Err(OpError::OutOfBounds {
+                offset: 90,
+                len: 20,
+                bound: 100
+            })
+        );
+    }
+
+    #[test]
+    fn forged_handles_that_wrap_the_address_space_are_refused() {
+        let forged = |addr: u64, len: u64| {
+            let mut json = serde_json::to_value(handle()).unwrap();
+            json["addr"] = addr.into();
+            json["len"] = len.into();
+            serde_json::from_value::<RemoteBuffer>(json).unwrap()
+        };
+        let huge = forged(0x1000, u64::MAX);
+        let expected = OpError::AddressOverflow {
+            addr: 0x1000,
+            len: u64::MAX,
+        };
+        assert_eq!(huge.check_address_range(), Err(expected.clone()));
+        // Slicing it refuses before looking at the range, even one that
+        // lies inside the forged length.
+        assert_eq!(huge.slice(0..10), Err(expected.clone()));
+        // Errors a peer reports travel as serde; the forged values survive.
+        let json = serde_json::to_string(&expected).unwrap();
+        assert_eq!(serde_json::from_str::<OpError>(&json).unwrap(), expected);
+        assert_eq!(
+            expected.to_string(),
+            "handle range 0x1000+18446744073709551615 wraps around the address space: \
+             forged or corrupt handle"
+        );
+
+        let near_end = forged(u64::MAX - 10, 100);
+        assert_eq!(
+            near_end.slice(20..30),
+            Err(OpError::AddressOverflow {
+                addr: u64::MAX - 10,
+                len: 100
+            })
+        );
+        // Ending exactly at the top of the address space does not wrap.
+        let at_end = forged(u64::MAX - 100, 100);
+        assert_eq!(at_end.check_address_range(), Ok(()));
+        assert_eq!(at_end.slice(90..100).unwrap().addr(), u64::MAX - 10);
     }
 
     #[test]

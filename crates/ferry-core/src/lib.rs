@@ -2,8 +2,12 @@
 //! memory, serializable remote handles, one-sided operations, the backend trait
 //! and the typed errors every backend reports.
 //!
-//! Nothing here moves bytes. Backends (`ferry-tcp`, later `ferry-ibverbs`) do,
-//! and the `ferry` facade routes operations between them.
+//! Nothing here moves bytes. Backends (`ferry-tcp`, `ferry-ibverbs`) do, and
+//! the `ferry` facade routes operations between them.
+//!
+//! Every length and offset in this API is a count of bytes, as `u64`,
+//! whether it describes local memory ([`Region`], [`LocalSlice`]) or a remote
+//! handle ([`RemoteBuffer`]).
 
 mod backend;
 mod error;

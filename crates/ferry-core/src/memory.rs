@@ -42,8 +42,14 @@ const HUGE_PAGE: usize = 2 << 20;
 
 /// A contiguous range of host memory that transports may access through raw
 /// pointers from any thread.
+///
+/// Lengths and offsets in its API are bytes, as `u64`, like every length in
+/// ferry's public API. Inside, `len` is kept as the `usize` pointer arithmetic
+/// needs; construction refuses a length that does not fit.
 pub struct MemoryBlock {
     ptr: NonNull<u8>,
+    /// At most `isize::MAX` (checked by `host_len`), so `as u64` is lossless
+    /// and any offset up to it converts back with `as usize`.
     len: usize,
     owner: BlockOwner,
 }
@@ -66,20 +72,33 @@ unsafe impl Send for MemoryBlock {}
 // SAFETY: see `Send`; every access path goes through raw pointers.
 unsafe impl Sync for MemoryBlock {}
 
+/// `len` as the `usize` pointer arithmetic uses, if a memory range that long
+/// can exist at all: Rust (`ptr::add`, `Layout`) and the kernel never give
+/// out one longer than `isize::MAX` bytes.
+fn host_len(len: u64) -> Result<usize, RegisterError> {
+    if len == 0 {
+        return Err(RegisterError::ZeroLength);
+    }
+    match isize::try_from(len) {
+        // Positive and at most `isize::MAX`, so it fits `usize` too.
+        Ok(fits) => Ok(fits as usize),
+        Err(_) => Err(RegisterError::TooLarge(len)),
+    }
+}
+
 impl MemoryBlock {
     /// Allocates `len` zeroed bytes, page aligned.
-    pub fn alloc(len: usize) -> Result<Self, RegisterError> {
-        if len == 0 {
-            return Err(RegisterError::ZeroLength);
-        }
+    pub fn alloc(len: u64) -> Result<Self, RegisterError> {
+        let len = host_len(len)?;
         if len >= HUGE_PAGE {
             return Self::map_huge(len);
         }
+        let out_of_memory = || RegisterError::OutOfMemory(len as u64);
         let layout = Layout::from_size_align(len.next_multiple_of(PAGE_SIZE), PAGE_SIZE)
-            .map_err(|_| RegisterError::OutOfMemory(len))?;
+            .map_err(|_| out_of_memory())?;
         // SAFETY: the layout has a non-zero size (len >= 1 rounded up to a page).
         let ptr = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).ok_or(RegisterError::OutOfMemory(len))?;
+        let ptr = NonNull::new(ptr).ok_or_else(out_of_memory)?;
         Ok(MemoryBlock {
             ptr,
             len,
@@ -91,10 +110,11 @@ impl MemoryBlock {
     /// and advises huge pages before the first touch. Where THP is disabled the
     /// advice is ignored and the block is plain 4 KiB pages.
     fn map_huge(len: usize) -> Result<Self, RegisterError> {
+        let out_of_memory = || RegisterError::OutOfMemory(len as u64);
         let mapped = len
             .checked_next_multiple_of(HUGE_PAGE)
             .and_then(|l| l.checked_add(HUGE_PAGE))
-            .ok_or(RegisterError::OutOfMemory(len))?;
+            .ok_or_else(out_of_memory)?;
         // SAFETY: an anonymous private mapping with no address hint has no
         // preconditions; failure is reported as MAP_FAILED.
         let base = unsafe {
@@ -108,7 +128,7 @@ impl MemoryBlock {
             )
         };
         if base == libc::MAP_FAILED {
-            return Err(RegisterError::OutOfMemory(len));
+            return Err(out_of_memory());
         }
         let start = (base as usize).next_multiple_of(HUGE_PAGE);
         // SAFETY: `start..start + len` lies inside the mapping just created
@@ -128,7 +148,11 @@ impl MemoryBlock {
         })
     }
 
-    /// Wraps memory the caller owns.
+    /// Wraps memory the caller owns: `len` bytes at `ptr`.
+    ///
+    /// Refuses a zero `len` ([`RegisterError::ZeroLength`]) and one longer
+    /// than any memory range can be, over `isize::MAX` bytes
+    /// ([`RegisterError::TooLarge`]).
     ///
     /// # Safety
     ///
@@ -138,12 +162,10 @@ impl MemoryBlock {
     /// transfer touching the block has finished.
     pub unsafe fn from_raw(
         ptr: NonNull<u8>,
-        len: usize,
+        len: u64,
         keep_alive: Box<dyn Any + Send + Sync>,
     ) -> Result<Self, RegisterError> {
-        if len == 0 {
-            return Err(RegisterError::ZeroLength);
-        }
+        let len = host_len(len)?;
         Ok(MemoryBlock {
             ptr,
             len,
@@ -155,8 +177,10 @@ impl MemoryBlock {
         self.ptr.as_ptr()
     }
 
-    pub fn len(&self) -> usize {
-        self.len
+    /// Length in bytes. It always fits `usize` (construction checks), so a
+    /// backend handing it to a C API may convert it with `as usize`.
+    pub fn len(&self) -> u64 {
+        self.len as u64
     }
 
     pub fn is_empty(&self) -> bool {
@@ -168,40 +192,51 @@ impl MemoryBlock {
         self.ptr.as_ptr() as u64
     }
 
-    fn check(&self, offset: usize, len: usize) -> Result<(), OpError> {
+    /// Fails unless `offset..offset + len` (bytes) lies inside the block.
+    fn check(&self, offset: u64, len: u64) -> Result<(), OpError> {
         match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(()),
+            Some(end) if end <= self.len() => Ok(()),
             _ => Err(OpError::OutOfBounds {
-                offset: offset as u64,
-                len: len as u64,
-                bound: self.len as u64,
+                offset,
+                len,
+                bound: self.len(),
             }),
         }
     }
 
-    /// Copies `src` into the block at `offset`.
+    /// Copies `src` into the block at byte `offset`.
     ///
     /// A transfer running concurrently on the same bytes leaves them
     /// unspecified, exactly as a NIC's DMA would; order such accesses with the
     /// completion of the transfer.
-    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<(), OpError> {
-        self.check(offset, src.len())?;
-        // SAFETY: bounds checked above; `src` is a distinct Rust allocation so
-        // it cannot overlap memory owned by this block.
+    pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), OpError> {
+        self.check(offset, src.len() as u64)?;
+        // SAFETY: bounds checked above, so `offset <= self.len` fits usize and
+        // `offset + src.len()` stays inside the allocation; `src` is a distinct
+        // Rust allocation so it cannot overlap memory owned by this block.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len())
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                self.as_ptr().add(offset as usize),
+                src.len(),
+            )
         };
         Ok(())
     }
 
-    /// Copies bytes at `offset` out into `dst`. Same concurrency rule as
+    /// Copies bytes at byte `offset` out into `dst`. Same concurrency rule as
     /// [`MemoryBlock::write_at`].
-    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), OpError> {
-        self.check(offset, dst.len())?;
-        // SAFETY: bounds checked above; `dst` is an exclusive Rust borrow, so it
-        // cannot overlap this block's memory.
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), OpError> {
+        self.check(offset, dst.len() as u64)?;
+        // SAFETY: bounds checked above, so `offset <= self.len` fits usize and
+        // `offset + dst.len()` stays inside the allocation; `dst` is an
+        // exclusive Rust borrow, so it cannot overlap this block's memory.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), dst.as_mut_ptr(), dst.len())
+            std::ptr::copy_nonoverlapping(
+                self.as_ptr().add(offset as usize),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
         };
         Ok(())
     }
@@ -297,6 +332,12 @@ impl Drop for RegionSlot {
 
 /// Everything a node gathers to make a [`Region`]: its slot, its bytes, and
 /// what each backend returned when registering them.
+///
+/// For code that assembles a node (the `ferry` facade, backend tests): a
+/// region made from parts that do not belong together (registrations of other
+/// memory, a slot of another node) would hand out handles that lie. The
+/// `ferry` facade does not re-export this type, so its users get regions only
+/// from `Node::alloc` and `Node::register`.
 pub struct RegionParts {
     pub slot: RegionSlot,
     pub memory: Arc<MemoryBlock>,
@@ -326,25 +367,31 @@ struct RegionInner {
     transports: RemoteTransports,
 }
 
-impl Region {
-    pub fn new(parts: RegionParts) -> Self {
+impl RegionParts {
+    /// The region these parts make up. A method here rather than a `Region`
+    /// constructor, so that only code that can name `RegionParts` (not users
+    /// of the `ferry` facade) can make a `Region`.
+    pub fn into_region(self) -> Region {
         Region(Arc::new(RegionInner {
-            registrations: parts.registrations,
-            slot: parts.slot,
-            memory: parts.memory,
-            access: parts.access,
-            owner: parts.owner,
-            transports: parts.transports,
+            registrations: self.registrations,
+            slot: self.slot,
+            memory: self.memory,
+            access: self.access,
+            owner: self.owner,
+            transports: self.transports,
         }))
     }
+}
 
+impl Region {
     pub fn id(&self) -> RegionId {
         self.0.slot.id
     }
     pub fn generation(&self) -> Generation {
         self.0.slot.generation
     }
-    pub fn len(&self) -> usize {
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
         self.0.memory.len()
     }
     pub fn is_empty(&self) -> bool {
@@ -368,22 +415,22 @@ impl Region {
             self.id(),
             self.generation(),
             self.0.memory.addr(),
-            self.len() as u64,
+            self.len(),
             self.0.access,
             self.0.transports.clone(),
         )
     }
 
-    /// A local slice for use in an [`crate::RdmaOp`].
-    pub fn slice(&self, range: Range<usize>) -> Result<LocalSlice, OpError> {
-        let len = range
-            .end
-            .checked_sub(range.start)
-            .ok_or(OpError::OutOfBounds {
-                offset: range.start as u64,
-                len: 0,
-                bound: self.len() as u64,
-            })?;
+    /// A local slice for use in an [`crate::RdmaOp`]: `range` is byte
+    /// offsets (`u64`) into the region and must lie inside it.
+    pub fn slice(&self, range: Range<u64>) -> Result<LocalSlice, OpError> {
+        if range.start > range.end {
+            return Err(OpError::InvertedRange {
+                start: range.start,
+                end: range.end,
+            });
+        }
+        let len = range.end - range.start;
         self.0.memory.check(range.start, len)?;
         Ok(LocalSlice::new(self.clone(), range.start, len))
     }
@@ -393,10 +440,14 @@ impl Region {
         LocalSlice::new(self.clone(), 0, self.len())
     }
 
-    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<(), OpError> {
+    /// Copies `src` into the region at byte `offset`; see
+    /// [`MemoryBlock::write_at`].
+    pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), OpError> {
         self.0.memory.write_at(offset, src)
     }
-    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), OpError> {
+    /// Copies bytes at byte `offset` out into `dst`; see
+    /// [`MemoryBlock::read_at`].
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), OpError> {
         self.0.memory.read_at(offset, dst)
     }
     pub fn to_vec(&self) -> Vec<u8> {
@@ -416,7 +467,7 @@ impl fmt::Debug for Region {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -476,5 +527,77 @@ mod tests {
         assert_eq!(block.to_vec(), vec![7u8; 64]);
         drop(block);
         assert_eq!(Arc::strong_count(&backing), 1);
+    }
+
+    #[test]
+    fn lengths_no_memory_range_can_have_are_refused() {
+        let too_large = isize::MAX as u64 + 1;
+        assert_eq!(
+            MemoryBlock::alloc(too_large).unwrap_err(),
+            RegisterError::TooLarge(too_large)
+        );
+        let mut byte = 0u8;
+        let ptr = NonNull::from(&mut byte);
+        for len in [too_large, u64::MAX] {
+            // SAFETY: refused before the block exists, so the pointer is never used.
+            let refused = unsafe { MemoryBlock::from_raw(ptr, len, Box::new(())) };
+            assert_eq!(refused.unwrap_err(), RegisterError::TooLarge(len));
+        }
+        // SAFETY: as above.
+        let empty = unsafe { MemoryBlock::from_raw(ptr, 0, Box::new(())) };
+        assert_eq!(empty.unwrap_err(), RegisterError::ZeroLength);
+    }
+
+    /// A region of `len` bytes registered with no backend.
+    pub(crate) fn region(len: u64) -> Region {
+        RegionParts {
+            slot: RegionIds::new().allocate(),
+            memory: Arc::new(MemoryBlock::alloc(len).unwrap()),
+            access: Access::ReadWrite,
+            owner: NodeAddr {
+                id: crate::NodeId(1),
+                endpoint: "127.0.0.1:1".parse().unwrap(),
+            },
+            transports: RemoteTransports::default(),
+            registrations: vec![],
+        }
+        .into_region()
+    }
+
+    #[test]
+    fn region_slices_are_bounds_checked_with_clear_errors() {
+        let region = region(100);
+        assert_eq!(region.len(), 100);
+        let slice = region.slice(10..30).unwrap();
+        assert_eq!((slice.offset(), slice.len()), (10, 20));
+        assert_eq!(region.slice(100..100).unwrap().len(), 0);
+        assert_eq!(
+            region.slice(90..101).unwrap_err(),
+            OpError::OutOfBounds {
+                offset: 90,
+                len: 11,
+                bound: 100
+            }
+        );
+        #[allow(clippy::reversed_empty_ranges)]
+        let inverted = region.slice(10..5).unwrap_err();
+        assert_eq!(inverted, OpError::InvertedRange { start: 10, end: 5 });
+        assert_eq!(
+            inverted.to_string(),
+            "range 10..5 is inverted: its end comes before its start"
+        );
+        // Offsets past what any address could be are out of bounds, not wrapped.
+        assert_eq!(
+            region.write_at(u64::MAX, &[1]),
+            Err(OpError::OutOfBounds {
+                offset: u64::MAX,
+                len: 1,
+                bound: 100
+            })
+        );
+        region.write_at(99, &[7]).unwrap();
+        let mut out = [0];
+        region.read_at(99, &mut out).unwrap();
+        assert_eq!(out, [7]);
     }
 }

@@ -10,6 +10,11 @@ use crate::{Access, Generation, MemoryBlock, RdmaOp, RegionId};
 /// Run a batch of one-sided ops. Answered when every op has completed, one
 /// has failed, or `timeout` passes; the manager keeps serving other messages
 /// meanwhile.
+///
+/// The ops have no order among themselves: they run concurrently, and ops
+/// whose byte ranges overlap leave those bytes unspecified, as on RDMA. A
+/// zero-length op is only checked locally and succeeds without contacting
+/// its remote side. See [`RdmaOp`].
 #[derive(Debug)]
 pub struct Submit {
     pub ops: Vec<RdmaOp>,

@@ -90,7 +90,10 @@ impl BatchProgress {
         }
         let error = self.error.lock().unwrap_or_else(|e| e.into_inner());
         match error.as_ref() {
-            Some((index, e)) => Err(SubmitError::op(*index, e.clone())),
+            Some((index, e)) => Err(SubmitError::Op {
+                index: *index,
+                error: e.clone(),
+            }),
             None => Ok(()),
         }
     }
@@ -123,11 +126,20 @@ mod tests {
         p.piece_done(0, Ok(()));
         assert_eq!(
             p.timed_out(Duration::from_secs(1)),
-            SubmitError::op(2, OpError::AccessDenied)
+            SubmitError::Op {
+                index: 2,
+                error: OpError::AccessDenied
+            }
         );
         assert!(p.is_abandoned());
         p.piece_done(1, Err(OpError::UnknownRegion));
-        assert_eq!(p.outcome(), Err(SubmitError::op(1, OpError::UnknownRegion)));
+        assert_eq!(
+            p.outcome(),
+            Err(SubmitError::Op {
+                index: 1,
+                error: OpError::UnknownRegion
+            })
+        );
 
         let q = BatchProgress::new([1, 2]);
         q.piece_done(1, Ok(()));

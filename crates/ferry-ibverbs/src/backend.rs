@@ -139,7 +139,7 @@ impl Shared {
             transport = "ibverbs",
             peer = ?ops.first().map(|op| op.remote.owner().endpoint),
             ops = ops.len(),
-            bytes = ops.iter().map(RdmaOp::len).sum::<usize>()
+            bytes = ops.iter().map(RdmaOp::len).sum::<u64>()
         );
         let result = self.run(ops, timeout).instrument(span.clone()).await;
         debug!(parent: &span, ?result, "submit finished");
@@ -150,7 +150,7 @@ impl Shared {
         let started = Instant::now();
         let deadline = started + timeout;
         let mut groups = self.prepare(&ops)?;
-        let max_msg = self.device.max_msg as usize;
+        let max_msg = u64::from(self.device.max_msg);
         let progress = Arc::new(BatchProgress::new(
             ops.iter().map(|op| op.len().div_ceil(max_msg) as u32),
         ));
@@ -274,13 +274,17 @@ impl Shared {
         let mut groups: Vec<PeerGroup> = Vec::with_capacity(1);
         let registry = self.registry.lock();
         for (index, op) in ops.iter().enumerate() {
-            op.validate().map_err(|e| SubmitError::op(index, e))?;
+            op.validate()
+                .map_err(|error| SubmitError::Op { index, error })?;
             let region = op.local.region();
             let (Some(remote), Some(&(lkey, _))) = (
                 op.remote.transports().ibverbs,
                 registry.get(&(region.id(), region.generation())),
             ) else {
-                return Err(SubmitError::op(index, OpError::NoSharedTransport));
+                return Err(SubmitError::Op {
+                    index,
+                    error: OpError::NoSharedTransport,
+                });
             };
             let peer = op.remote.owner();
             let group = match groups.iter().position(|g| g.peer == peer) {
@@ -299,7 +303,8 @@ impl Shared {
                 OpKind::Read => RdmaOpcode::Read,
                 OpKind::Write => RdmaOpcode::Write,
             };
-            for (at, len) in pieces_of(op.len(), max_msg) {
+            // An op's length is its local slice's, which fits usize.
+            for (at, len) in pieces_of(op.len() as usize, max_msg) {
                 group.pieces.push(Piece {
                     op: index,
                     wr: WorkRequest {

@@ -761,14 +761,15 @@ mod tests {
         for (op, &wr_id) in ids.iter().enumerate() {
             let flag = Arc::new(AtomicBool::new(false));
             released.push(flag.clone());
-            let pin = Region::new(RegionParts {
+            let pin = RegionParts {
                 slot: slots.allocate(),
                 memory: Arc::new(MemoryBlock::alloc(64).unwrap()),
                 access: Access::ReadWrite,
                 owner,
                 transports: RemoteTransports::default(),
                 registrations: vec![Box::new(Registration(flag))],
-            });
+            }
+            .into_region();
             inflight.records.push_back(Posted {
                 wr_id,
                 op,
@@ -838,6 +839,12 @@ mod tests {
         assert!(batch.is_done());
         assert_eq!(is_released(&pins), [true; 5]);
         // Op 0 succeeded; the lowest failure is op 1's own error.
-        assert_eq!(batch.outcome(), Err(SubmitError::op(1, denied)));
+        assert_eq!(
+            batch.outcome(),
+            Err(SubmitError::Op {
+                index: 1,
+                error: denied
+            })
+        );
     }
 }

@@ -316,7 +316,8 @@ impl MemoryRegion {
             ibv_reg_mr(
                 pd.raw.as_ptr(),
                 memory.as_ptr().cast(),
-                memory.len(),
+                // A block's length always fits usize (MemoryBlock checks).
+                memory.len() as usize,
                 flags.0 as i32,
             )
         };

@@ -95,7 +95,7 @@ fn connected_pair(ctx: &Arc<Context>) -> Pair {
 }
 
 fn region(pd: &Arc<ProtectionDomain>, len: usize, access: Access, fill: u8) -> MemoryRegion {
-    let block = Arc::new(MemoryBlock::alloc(len).unwrap());
+    let block = Arc::new(MemoryBlock::alloc(len as u64).unwrap());
     block.write_at(0, &vec![fill; len]).unwrap();
     MemoryRegion::register(pd, block, access).unwrap()
 }

@@ -137,7 +137,7 @@ impl Peers {
 
     /// Runs one batch to completion or deadline.
     pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
-        let bytes: usize = ops.iter().map(RdmaOp::len).sum();
+        let bytes: u64 = ops.iter().map(RdmaOp::len).sum();
         // A batch usually goes to one peer; name the first.
         let peer = ops.first().map(|op| op.remote.owner().endpoint);
         let span = debug_span!(
@@ -159,12 +159,16 @@ impl Peers {
         // Every op is checked before any byte moves: a bad op fails the whole
         // batch untouched.
         for (index, op) in ops.iter().enumerate() {
-            op.validate().map_err(|e| SubmitError::op(index, e))?;
+            op.validate()
+                .map_err(|error| SubmitError::Op { index, error })?;
             if op.remote.transports().tcp.is_none() {
-                return Err(SubmitError::op(index, OpError::NoSharedTransport));
+                return Err(SubmitError::Op {
+                    index,
+                    error: OpError::NoSharedTransport,
+                });
             }
         }
-        let chunk_size = self.config.chunk_size.max(1);
+        let chunk_size = self.config.chunk_size.max(1) as u64;
         let state = Arc::new(BatchProgress::new(
             ops.iter().map(|op| op.len().div_ceil(chunk_size) as u32),
         ));
@@ -189,14 +193,16 @@ impl Peers {
                         op: index,
                         kind: op.kind,
                         region: op.local.region().clone(),
-                        offset: op.local.offset() + queued,
+                        // Inside the local slice, so below the region's
+                        // length, which fits usize.
+                        offset: (op.local.offset() + queued) as usize,
                         request: Request {
                             kind,
                             id: 0,
                             region: op.remote.region(),
                             generation: op.remote.generation(),
-                            addr: op.remote.addr() + queued as u64,
-                            len: len as u64,
+                            addr: op.remote.addr() + queued,
+                            len,
                             token: tcp.token,
                         },
                         submit: Some(state.clone()),

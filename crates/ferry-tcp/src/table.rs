@@ -48,7 +48,7 @@ impl RegionTable {
             access,
             memory: Arc::downgrade(memory),
             base: memory.addr(),
-            len: memory.len() as u64,
+            len: memory.len(),
         };
         let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
         match entries.entry(id) {
