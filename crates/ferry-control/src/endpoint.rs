@@ -1,0 +1,390 @@
+//! The node's endpoint: one listener for everything peers open to this node.
+//!
+//! Each accepted connection is admitted under the [`ConnectionLimits`],
+//! says hello within their deadline, and is then either a control session
+//! (served here) or handed, as it is, to the data plane that registered for
+//! its [`Channel`]. The endpoint knows nothing of what the data planes do.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_core::{NodeAddr, NodeId};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::limits::{Admission, ConnectionLimits};
+use crate::session::{self, ServiceFuture, ServiceHandler};
+use crate::{
+    Channel, ControlError, DEFAULT_MAX_FRAME, EndpointError, Request, Service, ServiceError,
+    Session,
+};
+
+/// Tuning of the endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EndpointConfig {
+    /// Bounds on accepted connections.
+    pub limits: ConnectionLimits,
+    /// Longest control frame accepted (header and body), in bytes.
+    pub max_frame: usize,
+    /// Requests of one session that may run here at once; more are answered
+    /// `Busy`.
+    pub max_requests_in_flight: usize,
+}
+
+impl Default for EndpointConfig {
+    fn default() -> Self {
+        EndpointConfig {
+            limits: ConnectionLimits::default(),
+            max_frame: DEFAULT_MAX_FRAME,
+            max_requests_in_flight: 64,
+        }
+    }
+}
+
+/// A connection for a data plane, after its hello.
+#[derive(Debug)]
+pub struct Connection {
+    /// The stream, positioned at the channel's first byte.
+    pub stream: TcpStream,
+    /// The node the client said it is in its hello (unauthenticated).
+    pub node: NodeId,
+    /// Where the connection comes from.
+    pub remote: SocketAddr,
+}
+
+type ChannelHandler =
+    Arc<dyn Fn(Connection) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+/// This node's endpoint. Cheap to clone; the listener, and every session
+/// and connection it serves, stop when the last clone is dropped or
+/// [`Endpoint::shutdown`] is called.
+#[derive(Clone)]
+pub struct Endpoint(Arc<Owner>);
+
+/// Held only by `Endpoint` handles: its drop is the endpoint's end.
+struct Owner {
+    shared: Arc<Shared>,
+    listener: Mutex<Option<TcpListener>>,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.shared.shutdown.cancel();
+    }
+}
+
+/// What the endpoint's tasks share. Tasks hold this, never an `Endpoint`,
+/// so that dropping the last `Endpoint` ends them.
+pub(crate) struct Shared {
+    pub local: NodeAddr,
+    pub config: EndpointConfig,
+    pub shutdown: CancellationToken,
+    admission: Arc<Admission>,
+    channels: RwLock<HashMap<Channel, ChannelHandler>>,
+    services: RwLock<HashMap<Service, ServiceHandler>>,
+    /// Sessions this node opened, by peer.
+    sessions: Mutex<BTreeMap<NodeAddr, SessionSlot>>,
+    next_session: AtomicU64,
+}
+
+/// The session to one peer, and a lock that makes concurrent first
+/// requests share one connection attempt.
+#[derive(Default)]
+struct SessionSlot {
+    session: Option<Session>,
+    opening: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Shared {
+    pub fn next_session_id(&self) -> u64 {
+        self.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub fn service(&self, service: Service) -> Option<ServiceHandler> {
+        let services = self.services.read().unwrap_or_else(|e| e.into_inner());
+        services.get(&service).cloned()
+    }
+
+    fn channel(&self, channel: Channel) -> Option<ChannelHandler> {
+        let channels = self.channels.read().unwrap_or_else(|e| e.into_inner());
+        channels.get(&channel).cloned()
+    }
+
+    fn lock_sessions(&self) -> std::sync::MutexGuard<'_, BTreeMap<NodeAddr, SessionSlot>> {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Drops a closed session from the table, if it is still the one there.
+    pub fn forget_session(&self, session: &Session) {
+        let mut sessions = self.lock_sessions();
+        if let Some(slot) = sessions.get_mut(&session.peer())
+            && slot
+                .session
+                .as_ref()
+                .is_some_and(|s| s.id() == session.id())
+        {
+            slot.session = None;
+        }
+    }
+
+    fn live_session(&self, peer: NodeAddr) -> Option<Session> {
+        let sessions = self.lock_sessions();
+        let session = sessions.get(&peer)?.session.clone()?;
+        (!session.is_closed()).then_some(session)
+    }
+}
+
+impl Endpoint {
+    /// Binds `listen` for node `node`. Peers are told `advertise` (its port
+    /// 0 meaning the bound port) or, without one, the bound address, which
+    /// must then not be unspecified (`0.0.0.0`, `::`). Nothing is accepted
+    /// until [`Endpoint::start`].
+    pub async fn bind(
+        listen: SocketAddr,
+        advertise: Option<SocketAddr>,
+        node: NodeId,
+        config: EndpointConfig,
+    ) -> Result<Endpoint, EndpointError> {
+        if let Some(advertise) = advertise
+            && advertise.ip().is_unspecified()
+        {
+            return Err(EndpointError::UnspecifiedAdvertise { advertise });
+        }
+        if advertise.is_none() && listen.ip().is_unspecified() {
+            return Err(EndpointError::Unadvertised { listen });
+        }
+        let bind = |source| EndpointError::Bind {
+            addr: listen,
+            source,
+        };
+        let listener = TcpListener::bind(listen).await.map_err(bind)?;
+        let bound = listener.local_addr().map_err(bind)?;
+        let endpoint = match advertise {
+            Some(a) if a.port() == 0 => SocketAddr::new(a.ip(), bound.port()),
+            Some(a) => a,
+            None => bound,
+        };
+        let local = NodeAddr { id: node, endpoint };
+        let shared = Arc::new(Shared {
+            local,
+            config,
+            shutdown: CancellationToken::new(),
+            admission: Admission::new(config.limits, bound),
+            channels: RwLock::default(),
+            services: RwLock::default(),
+            sessions: Mutex::default(),
+            next_session: AtomicU64::new(1),
+        });
+        Ok(Endpoint(Arc::new(Owner {
+            shared,
+            listener: Mutex::new(Some(listener)),
+        })))
+    }
+
+    /// This node as peers reach it: its id and advertised endpoint.
+    pub fn local(&self) -> NodeAddr {
+        self.0.shared.local
+    }
+
+    /// The endpoint's configuration.
+    pub fn config(&self) -> EndpointConfig {
+        self.0.shared.config
+    }
+
+    /// Starts accepting connections (once; later calls do nothing).
+    pub fn start(&self) {
+        let listener = self
+            .0
+            .listener
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(listener) = listener {
+            let bound = listener.local_addr().ok();
+            info!(listen = ?bound, advertised = %self.local().endpoint, limits = ?self.config().limits, "endpoint accepting connections");
+            tokio::spawn(accept_loop(self.0.shared.clone(), listener));
+        }
+    }
+
+    /// Serves `channel` with `handler`: it gets each connection for the
+    /// channel after its hello, and must serve it to its end (the connection
+    /// counts against the limits until the returned future finishes).
+    pub fn handle<F, Fut>(&self, channel: Channel, handler: F) -> Result<(), EndpointError>
+    where
+        F: Fn(Connection) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        if channel == Channel::CONTROL {
+            return Err(EndpointError::ChannelTaken(channel));
+        }
+        let mut channels = self
+            .0
+            .shared
+            .channels
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        if channels.contains_key(&channel) {
+            return Err(EndpointError::ChannelTaken(channel));
+        }
+        channels.insert(channel, Arc::new(move |c| Box::pin(handler(c))));
+        Ok(())
+    }
+
+    /// Answers requests for `service`, on every session, with `handler`.
+    pub fn serve<F, Fut>(&self, service: Service, handler: F) -> Result<(), EndpointError>
+    where
+        F: Fn(Request) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Bytes, ServiceError>> + Send + 'static,
+    {
+        let mut services = self
+            .0
+            .shared
+            .services
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        if services.contains_key(&service) {
+            return Err(EndpointError::ServiceTaken(service));
+        }
+        let handler: ServiceHandler = Arc::new(move |r| -> ServiceFuture { Box::pin(handler(r)) });
+        services.insert(service, handler);
+        Ok(())
+    }
+
+    /// This node's session to `peer`: the open one, or a new one (opened
+    /// within `timeout`). Concurrent callers share one attempt.
+    pub async fn session(
+        &self,
+        peer: NodeAddr,
+        timeout: Duration,
+    ) -> Result<Session, ControlError> {
+        let shared = &self.0.shared;
+        if let Some(session) = shared.live_session(peer) {
+            return Ok(session);
+        }
+        let deadline = Instant::now() + timeout;
+        let timed_out = || ControlError::Unreachable {
+            endpoint: peer.endpoint,
+            reason: format!("no control session within {timeout:?}"),
+        };
+        let opening = shared
+            .lock_sessions()
+            .entry(peer)
+            .or_default()
+            .opening
+            .clone();
+        let _turn = tokio::time::timeout_at(deadline, opening.lock())
+            .await
+            .map_err(|_| timed_out())?;
+        // Another caller may have opened it while this one waited.
+        if let Some(session) = shared.live_session(peer) {
+            return Ok(session);
+        }
+        let open = async {
+            let stream = crate::hello::connect(peer, shared.local.id, Channel::CONTROL).await?;
+            session::start(shared, stream, Some(peer)).await
+        };
+        let (session, _task) = tokio::select! {
+            opened = tokio::time::timeout_at(deadline, open) => opened.map_err(|_| timed_out())??,
+            _ = shared.shutdown.cancelled() => {
+                return Err(ControlError::SessionClosed { endpoint: peer.endpoint });
+            }
+        };
+        shared.lock_sessions().entry(peer).or_default().session = Some(session.clone());
+        Ok(session)
+    }
+
+    /// Stops accepting, and ends every session and connection.
+    pub fn shutdown(&self) {
+        self.0.shared.shutdown.cancel();
+    }
+}
+
+/// Accepts until shutdown; each admitted connection runs in a task of the
+/// loop's set, so that shutdown ends them all.
+async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
+    let mut connections = JoinSet::new();
+    let mut last_accept_error: Option<Instant> = None;
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = shared.shutdown.cancelled() => break,
+        };
+        // Reap finished connection tasks so the set does not grow forever.
+        while connections.try_join_next().is_some() {}
+        match accepted {
+            Ok((stream, remote)) => {
+                // Over a bound: closed before it costs a task or a buffer.
+                let Some(permit) = shared.admission.admit(remote.ip()) else {
+                    continue;
+                };
+                let shared = shared.clone();
+                connections.spawn(async move {
+                    serve_connection(&shared, stream, remote).await;
+                    drop(permit);
+                });
+            }
+            // Out of descriptors, most likely: transient. Back off instead of
+            // spinning, and say so at most every few seconds.
+            Err(e) => {
+                if last_accept_error.is_none_or(|at| at.elapsed() > Duration::from_secs(10)) {
+                    warn!(endpoint = %shared.local.endpoint, error = %e, "accept failed; retrying");
+                    last_accept_error = Some(Instant::now());
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    connections.shutdown().await;
+}
+
+/// The hello, then the channel: a control session served here, or the
+/// registered data plane's handler.
+async fn serve_connection(shared: &Arc<Shared>, mut stream: TcpStream, remote: SocketAddr) {
+    if let Err(e) = crate::socket::configure(&stream) {
+        debug!(%remote, error = %e, "cannot configure an accepted connection");
+        return;
+    }
+    let me = shared.local.id;
+    let serves = |channel| channel == Channel::CONTROL || shared.channel(channel).is_some();
+    let hello = tokio::time::timeout(
+        shared.config.limits.hello_timeout,
+        crate::hello::accept(&mut stream, me, serves),
+    )
+    .await;
+    let hello = match hello {
+        Ok(Ok(hello)) => hello,
+        Ok(Err(e)) => return debug!(%remote, error = %e, "hello failed"),
+        Err(_) => return debug!(%remote, "no hello within the deadline; disconnected"),
+    };
+    if hello.channel == Channel::CONTROL {
+        let opened = tokio::time::timeout(
+            shared.config.limits.hello_timeout,
+            session::start(shared, stream, None),
+        )
+        .await;
+        match opened {
+            // The connection (and its permit) lasts as long as the session.
+            Ok(Ok((_, task))) => drop(task.await),
+            Ok(Err(e)) => warn!(%remote, node = %hello.node, "control session refused: {e}"),
+            Err(_) => debug!(%remote, "no session Open within the deadline; disconnected"),
+        }
+        return;
+    }
+    let Some(handler) = shared.channel(hello.channel) else {
+        return;
+    };
+    handler(Connection {
+        stream,
+        node: hello.node,
+        remote,
+    })
+    .await;
+}

@@ -1,0 +1,445 @@
+//! Frames of a control session and their codec: where a control frame is
+//! parsed.
+//!
+//! Every frame is length-prefixed (tokio-util's `LengthDelimitedCodec`: a
+//! 4-byte big-endian length), then a 16-byte little-endian header, then the
+//! body:
+//!
+//! ```text
+//! kind u8 | status u8 | service u16 | deadline_ms u32 | id u64 | body ...
+//! ```
+//!
+//! - `Open` (kind 1) is each side's first frame: the protocol versions it
+//!   speaks and the node it is (id and advertised endpoint).
+//! - `Request` (kind 2) asks the peer's handler for `service`, with the time
+//!   the sender will wait for an answer; `id` is the sender's, unique among
+//!   its requests in flight on the session.
+//! - `Response` (kind 3) answers the request with the same `id`.
+//!
+//! New uses (notifications, messages, RPC, metadata) are new services or new
+//! kinds; a peer that receives a kind it does not know ends the session,
+//! which the version exchange in `Open` prevents between compatible nodes.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use ferry_core::{NodeAddr, NodeId};
+use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
+
+use crate::wire::{u16_at, u32_at, u64_at, u128_at};
+
+/// Oldest and newest session protocol versions this build speaks.
+pub const SESSION_VERSIONS: (u16, u16) = (1, 1);
+/// Bytes before a frame's body.
+pub const HEADER_LEN: usize = 16;
+/// Default bound on a frame's length (header and body); a longer one ends
+/// the session as a protocol error rather than allocate what a peer asks.
+pub const DEFAULT_MAX_FRAME: usize = 1 << 20;
+const OPEN_LEN: usize = 4 + NODE_ADDR_LEN;
+const NODE_ADDR_LEN: usize = 16 + 1 + 16 + 2;
+
+/// A request's target on the peer: a handler registered with
+/// [`crate::Endpoint::serve`]. Numbers are listed here so that no two users
+/// pick the same one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Service(pub u16);
+
+impl Service {
+    /// ibverbs queue-pair exchange (`ferry-ibverbs`).
+    pub const IBVERBS_CONNECT: Service = Service(1);
+}
+
+impl std::fmt::Display for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Service::IBVERBS_CONNECT => f.write_str("ibverbs-connect"),
+            Service(n) => write!(f, "service {n}"),
+        }
+    }
+}
+
+/// How a request ended, as its response says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    /// The handler answered; the body is its answer.
+    Ok,
+    /// No handler for the service; the body is empty.
+    NoSuchService,
+    /// The handler failed; the body is its message (UTF-8).
+    Failed,
+    /// Too many requests of this session in flight at the peer; retry later.
+    Busy,
+    /// The handler did not finish within the request's deadline.
+    DeadlineExceeded,
+}
+
+impl Status {
+    fn code(self) -> u8 {
+        match self {
+            Status::Ok => 0,
+            Status::NoSuchService => 1,
+            Status::Failed => 2,
+            Status::Busy => 3,
+            Status::DeadlineExceeded => 4,
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            0 => Status::Ok,
+            1 => Status::NoSuchService,
+            2 => Status::Failed,
+            3 => Status::Busy,
+            4 => Status::DeadlineExceeded,
+            _ => return None,
+        })
+    }
+}
+
+/// One frame of a control session.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// Each side's first frame.
+    Open {
+        /// Oldest session version the sender speaks.
+        min_version: u16,
+        /// Newest session version the sender speaks.
+        max_version: u16,
+        /// The sender: its id and the endpoint it advertises.
+        node: NodeAddr,
+    },
+    /// A call of the peer's handler for `service`.
+    Request {
+        /// The sender's id for the call, echoed by the response.
+        id: u64,
+        /// The handler called.
+        service: Service,
+        /// How long the sender waits for the answer (whole milliseconds,
+        /// rounded up; relative, since the two hosts' clocks differ).
+        deadline: Duration,
+        /// The handler's input.
+        body: Bytes,
+    },
+    /// The answer to request `id`.
+    Response {
+        /// The request's id.
+        id: u64,
+        /// How it ended.
+        status: Status,
+        /// The answer, or the failure's message.
+        body: Bytes,
+    },
+}
+
+/// A frame that does not parse. The session it arrived on ends: framing can
+/// no longer be trusted.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The connection failed (or the length prefix was over the bound).
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// Shorter than its kind requires.
+    #[error("{kind} frame of {len} bytes is truncated")]
+    Truncated {
+        /// The frame's kind byte.
+        kind: u8,
+        /// Its length.
+        len: usize,
+    },
+    /// A kind this version does not know.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// A response status this version does not know.
+    #[error("unknown response status {0}")]
+    UnknownStatus(u8),
+    /// An address family other than IPv4 (4) and IPv6 (6).
+    #[error("unknown address family {0}")]
+    BadAddress(u8),
+}
+
+/// Length-prefixed control frames.
+#[derive(Debug)]
+pub struct ControlCodec {
+    frames: LengthDelimitedCodec,
+}
+
+impl ControlCodec {
+    /// A codec refusing frames longer than `max_frame` bytes.
+    pub fn new(max_frame: usize) -> Self {
+        ControlCodec {
+            frames: LengthDelimitedCodec::builder()
+                .max_frame_length(max_frame)
+                .new_codec(),
+        }
+    }
+}
+
+impl Default for ControlCodec {
+    fn default() -> Self {
+        ControlCodec::new(DEFAULT_MAX_FRAME)
+    }
+}
+
+impl Decoder for ControlCodec {
+    type Item = Frame;
+    type Error = FrameError;
+
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
+        match self.frames.decode(src)? {
+            Some(bytes) => parse(bytes.freeze()).map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
+impl Encoder<Frame> for ControlCodec {
+    type Error = FrameError;
+
+    fn encode(&mut self, frame: Frame, dst: &mut BytesMut) -> Result<(), FrameError> {
+        let bytes = serialize(&frame);
+        self.frames.encode(bytes, dst)?;
+        Ok(())
+    }
+}
+
+/// The frame's bytes, without the length prefix.
+pub fn serialize(frame: &Frame) -> Bytes {
+    let header =
+        |out: &mut BytesMut, kind: u8, status: u8, service: u16, deadline: u32, id: u64| {
+            out.put_u8(kind);
+            out.put_u8(status);
+            out.put_u16_le(service);
+            out.put_u32_le(deadline);
+            out.put_u64_le(id);
+        };
+    match frame {
+        Frame::Open {
+            min_version,
+            max_version,
+            node,
+        } => {
+            let mut out = BytesMut::with_capacity(HEADER_LEN + OPEN_LEN);
+            header(&mut out, 1, 0, 0, 0, 0);
+            out.put_u16_le(*min_version);
+            out.put_u16_le(*max_version);
+            put_node_addr(&mut out, node);
+            out.freeze()
+        }
+        Frame::Request {
+            id,
+            service,
+            deadline,
+            body,
+        } => {
+            let mut out = BytesMut::with_capacity(HEADER_LEN + body.len());
+            let millis = deadline.as_nanos().div_ceil(1_000_000);
+            header(
+                &mut out,
+                2,
+                0,
+                service.0,
+                millis.try_into().unwrap_or(u32::MAX),
+                *id,
+            );
+            out.put_slice(body);
+            out.freeze()
+        }
+        Frame::Response { id, status, body } => {
+            let mut out = BytesMut::with_capacity(HEADER_LEN + body.len());
+            header(&mut out, 3, status.code(), 0, 0, *id);
+            out.put_slice(body);
+            out.freeze()
+        }
+    }
+}
+
+/// Parses one frame (without its length prefix).
+pub fn parse(bytes: Bytes) -> Result<Frame, FrameError> {
+    let kind = *bytes
+        .first()
+        .ok_or(FrameError::Truncated { kind: 0, len: 0 })?;
+    let truncated = FrameError::Truncated {
+        kind,
+        len: bytes.len(),
+    };
+    if bytes.len() < HEADER_LEN {
+        return Err(truncated);
+    }
+    let id = u64_at(&bytes, 8);
+    match kind {
+        1 => {
+            if bytes.len() < HEADER_LEN + OPEN_LEN {
+                return Err(truncated);
+            }
+            let b = &bytes[HEADER_LEN..];
+            Ok(Frame::Open {
+                min_version: u16_at(b, 0),
+                max_version: u16_at(b, 2),
+                node: node_addr_at(&b[4..])?,
+            })
+        }
+        2 => Ok(Frame::Request {
+            id,
+            service: Service(u16_at(&bytes, 2)),
+            deadline: Duration::from_millis(u32_at(&bytes, 4).into()),
+            body: bytes.slice(HEADER_LEN..),
+        }),
+        3 => Ok(Frame::Response {
+            id,
+            status: Status::from_code(bytes[1]).ok_or(FrameError::UnknownStatus(bytes[1]))?,
+            body: bytes.slice(HEADER_LEN..),
+        }),
+        other => Err(FrameError::UnknownKind(other)),
+    }
+}
+
+fn put_node_addr(out: &mut BytesMut, node: &NodeAddr) {
+    out.put_u128_le(node.id.0);
+    let mut ip = [0u8; 16];
+    let family = match node.endpoint.ip() {
+        IpAddr::V4(v4) => {
+            ip[..4].copy_from_slice(&v4.octets());
+            4
+        }
+        IpAddr::V6(v6) => {
+            ip = v6.octets();
+            6
+        }
+    };
+    out.put_u8(family);
+    out.put_slice(&ip);
+    out.put_u16_le(node.endpoint.port());
+}
+
+fn node_addr_at(b: &[u8]) -> Result<NodeAddr, FrameError> {
+    let id = NodeId(u128_at(b, 0));
+    let octets: [u8; 16] = b[17..33].try_into().expect("16-byte slice");
+    let ip = match b[16] {
+        4 => IpAddr::V4(Ipv4Addr::new(octets[0], octets[1], octets[2], octets[3])),
+        6 => IpAddr::V6(Ipv6Addr::from(octets)),
+        other => return Err(FrameError::BadAddress(other)),
+    };
+    Ok(NodeAddr {
+        id,
+        endpoint: SocketAddr::new(ip, u16_at(b, 33)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip(frame: Frame) {
+        let mut codec = ControlCodec::default();
+        let mut buf = BytesMut::new();
+        codec.encode(frame.clone(), &mut buf).unwrap();
+        // A frame split across reads decodes only once it is whole.
+        let mut partial = buf.split_to(buf.len() - 1);
+        assert!(codec.decode(&mut partial).unwrap().is_none());
+        partial.unsplit(buf);
+        assert_eq!(codec.decode(&mut partial).unwrap(), Some(frame));
+        assert!(partial.is_empty());
+    }
+
+    #[test]
+    fn every_kind_round_trips() {
+        for endpoint in ["10.1.2.3:7000", "[fd00::1:2]:65535"] {
+            round_trip(Frame::Open {
+                min_version: 1,
+                max_version: 3,
+                node: NodeAddr {
+                    id: NodeId(u128::MAX - 1),
+                    endpoint: endpoint.parse().unwrap(),
+                },
+            });
+        }
+        round_trip(Frame::Request {
+            id: u64::MAX,
+            service: Service::IBVERBS_CONNECT,
+            deadline: Duration::from_millis(2500),
+            body: Bytes::from_static(b"qp details"),
+        });
+        for status in [
+            Status::Ok,
+            Status::NoSuchService,
+            Status::Failed,
+            Status::Busy,
+            Status::DeadlineExceeded,
+        ] {
+            round_trip(Frame::Response {
+                id: 7,
+                status,
+                body: Bytes::from_static(b"answer"),
+            });
+        }
+    }
+
+    #[test]
+    fn deadlines_round_up_to_whole_milliseconds_and_saturate() {
+        let bytes = serialize(&Frame::Request {
+            id: 1,
+            service: Service(9),
+            deadline: Duration::from_micros(1500),
+            body: Bytes::new(),
+        });
+        assert!(
+            matches!(parse(bytes), Ok(Frame::Request { deadline, .. }) if deadline == Duration::from_millis(2))
+        );
+        let bytes = serialize(&Frame::Request {
+            id: 1,
+            service: Service(9),
+            deadline: Duration::MAX,
+            body: Bytes::new(),
+        });
+        assert!(
+            matches!(parse(bytes), Ok(Frame::Request { deadline, .. }) if deadline == Duration::from_millis(u32::MAX.into()))
+        );
+    }
+
+    #[test]
+    fn malformed_frames_are_typed_errors() {
+        assert!(matches!(
+            parse(Bytes::new()),
+            Err(FrameError::Truncated { .. })
+        ));
+        assert!(matches!(
+            parse(Bytes::from_static(&[2; 5])),
+            Err(FrameError::Truncated { kind: 2, len: 5 })
+        ));
+        assert!(matches!(
+            parse(Bytes::from(vec![9; HEADER_LEN])),
+            Err(FrameError::UnknownKind(9))
+        ));
+        let mut response = vec![0; HEADER_LEN];
+        response[0] = 3;
+        response[1] = 200;
+        assert!(matches!(
+            parse(Bytes::from(response)),
+            Err(FrameError::UnknownStatus(200))
+        ));
+        let mut open = serialize(&Frame::Open {
+            min_version: 1,
+            max_version: 1,
+            node: NodeAddr {
+                id: NodeId(1),
+                endpoint: "127.0.0.1:1".parse().unwrap(),
+            },
+        })
+        .to_vec();
+        open[HEADER_LEN + 4 + 16] = 5;
+        assert!(matches!(
+            parse(Bytes::from(open.clone())),
+            Err(FrameError::BadAddress(5))
+        ));
+        open.truncate(HEADER_LEN + 3);
+        assert!(matches!(
+            parse(Bytes::from(open)),
+            Err(FrameError::Truncated { kind: 1, .. })
+        ));
+        // A length prefix over the bound is refused before anything is buffered.
+        let mut codec = ControlCodec::new(64);
+        let mut huge = BytesMut::from(&(1u32 << 30).to_be_bytes()[..]);
+        assert!(matches!(codec.decode(&mut huge), Err(FrameError::Io(_))));
+    }
+}

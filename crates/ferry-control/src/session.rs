@@ -1,0 +1,445 @@
+//! A control session: one framed connection between two nodes, carrying
+//! requests to named services and their responses, multiplexed by request id.
+//!
+//! Each node opens its own session to a peer the first time it needs one
+//! (see [`crate::Endpoint::session`]) and sends its requests on it; it serves
+//! the requests that arrive on any session, its own or one the peer opened.
+//! Every request has a deadline: the caller stops waiting at it, and the
+//! peer's handler is given the same budget.
+//!
+//! A frame that does not parse, or one that breaks the protocol, ends the
+//! session with one logged protocol error. Requests waiting on it fail with
+//! `SessionClosed`; nothing else of the node is affected.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_core::NodeAddr;
+use futures_util::{SinkExt, StreamExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_util::codec::{FramedRead, FramedWrite};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::endpoint::Shared;
+use crate::frame::{ControlCodec, Frame, SESSION_VERSIONS, Service, Status};
+use crate::{ControlError, ServiceError};
+
+/// Frames waiting for the session's writer; senders wait (within their
+/// deadline) when it is full.
+const OUTGOING_QUEUE: usize = 256;
+
+/// What a service handler returns.
+pub type ServiceFuture = Pin<Box<dyn Future<Output = Result<Bytes, ServiceError>> + Send>>;
+/// A registered service handler.
+pub(crate) type ServiceHandler = Arc<dyn Fn(Request) -> ServiceFuture + Send + Sync>;
+
+/// A request as its service handler receives it.
+pub struct Request {
+    /// The session it arrived on: the handler may tie state to it (and watch
+    /// [`Session::closed`] to drop that state).
+    pub session: Session,
+    /// The caller's input.
+    pub body: Bytes,
+    /// When the caller stops waiting; the handler is cancelled then.
+    pub deadline: Instant,
+}
+
+/// One end of a control session. Cheap to clone.
+#[derive(Clone)]
+pub struct Session(Arc<Inner>);
+
+struct Inner {
+    /// Unique in this process.
+    id: u64,
+    /// The peer as its `Open` frame describes it. For a session this node
+    /// opened, the hello proved the id; for one the peer opened, it is the
+    /// peer's unauthenticated claim.
+    peer: NodeAddr,
+    version: u16,
+    outgoing: mpsc::Sender<Frame>,
+    /// Requests of ours awaiting their response, by id.
+    pending: Mutex<HashMap<u64, oneshot::Sender<(Status, Bytes)>>>,
+    next_request: AtomicU64,
+    closed: CancellationToken,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("id", &self.0.id)
+            .field("peer", &self.0.peer)
+            .field("version", &self.0.version)
+            .field("closed", &self.is_closed())
+            .finish()
+    }
+}
+
+impl Session {
+    /// Unique among this process's sessions.
+    pub fn id(&self) -> u64 {
+        self.0.id
+    }
+
+    /// The node at the other end (see [`Request::session`] on trust).
+    pub fn peer(&self) -> NodeAddr {
+        self.0.peer
+    }
+
+    /// The session protocol version both ends agreed on.
+    pub fn version(&self) -> u16 {
+        self.0.version
+    }
+
+    /// Whether the session has ended.
+    pub fn is_closed(&self) -> bool {
+        self.0.closed.is_cancelled()
+    }
+
+    /// Resolves when the session has ended, for whatever reason.
+    pub async fn closed(&self) {
+        self.0.closed.cancelled().await
+    }
+
+    /// Ends the session now; requests in flight fail with `SessionClosed`.
+    pub fn close(&self) {
+        self.0.closed.cancel();
+    }
+
+    /// Calls the peer's handler for `service` with `body` and returns its
+    /// answer, or fails once `timeout` has passed (the peer's handler is
+    /// given the same budget).
+    pub async fn request(
+        &self,
+        service: Service,
+        body: impl Into<Bytes>,
+        timeout: Duration,
+    ) -> Result<Bytes, ControlError> {
+        let inner = &self.0;
+        let endpoint = inner.peer.endpoint;
+        let deadline = Instant::now() + timeout;
+        let timed_out = ControlError::Timeout {
+            endpoint,
+            service,
+            after: timeout,
+        };
+        let closed = ControlError::SessionClosed { endpoint };
+        let id = inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        inner.lock_pending().insert(id, tx);
+        // Removes the entry however this call ends (answered, timed out, or
+        // dropped by its caller), so the map never keeps dead requests.
+        let _pending = PendingGuard { inner, id };
+        // Checked after inserting: the reader drains the map only after it
+        // marks the session closed, so no request can be left behind.
+        if self.is_closed() {
+            return Err(closed);
+        }
+        let frame = Frame::Request {
+            id,
+            service,
+            deadline: timeout,
+            body: body.into(),
+        };
+        match tokio::time::timeout_at(deadline, inner.outgoing.send(frame)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(closed),
+            Err(_) => return Err(timed_out),
+        }
+        let (status, body) = match tokio::time::timeout_at(deadline, rx).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => return Err(closed),
+            Err(_) => return Err(timed_out),
+        };
+        match status {
+            Status::Ok => Ok(body),
+            Status::NoSuchService => Err(ControlError::NoSuchService { endpoint, service }),
+            Status::Busy => Err(ControlError::Busy { endpoint, service }),
+            Status::DeadlineExceeded => Err(timed_out),
+            Status::Failed => Err(ControlError::Failed {
+                endpoint,
+                service,
+                message: String::from_utf8_lossy(&body).into_owned(),
+            }),
+        }
+    }
+}
+
+struct PendingGuard<'a> {
+    inner: &'a Inner,
+    id: u64,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        self.inner.lock_pending().remove(&self.id);
+    }
+}
+
+impl Inner {
+    fn lock_pending(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<u64, oneshot::Sender<(Status, Bytes)>>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Sends our `Open`, reads the peer's, and agrees on a version. The opener
+/// speaks first; `expected` (ours to open) is the node the hello proved.
+async fn handshake(
+    read: &mut FramedRead<OwnedReadHalf, ControlCodec>,
+    write: &mut FramedWrite<OwnedWriteHalf, ControlCodec>,
+    me: NodeAddr,
+    remote: std::net::SocketAddr,
+    expected: Option<NodeAddr>,
+) -> Result<(NodeAddr, u16), ControlError> {
+    let protocol = |reason: String| ControlError::Protocol {
+        endpoint: remote,
+        reason,
+    };
+    let lost = |e: std::io::Error| ControlError::Unreachable {
+        endpoint: remote,
+        reason: e.to_string(),
+    };
+    let open = Frame::Open {
+        min_version: SESSION_VERSIONS.0,
+        max_version: SESSION_VERSIONS.1,
+        node: me,
+    };
+    if expected.is_some() {
+        write
+            .send(open.clone())
+            .await
+            .map_err(|e| protocol(e.to_string()))?;
+    }
+    let theirs = match read.next().await {
+        Some(Ok(frame)) => frame,
+        Some(Err(e)) => return Err(protocol(e.to_string())),
+        None => return Err(lost(std::io::ErrorKind::UnexpectedEof.into())),
+    };
+    if expected.is_none() {
+        // Answered even when the versions will not match, so that the opener
+        // can say why.
+        write
+            .send(open)
+            .await
+            .map_err(|e| protocol(e.to_string()))?;
+    }
+    let Frame::Open {
+        min_version,
+        max_version,
+        node,
+    } = theirs
+    else {
+        return Err(protocol(format!("expected an Open frame, got {theirs:?}")));
+    };
+    if let Some(expected) = expected
+        && node.id != expected.id
+    {
+        return Err(protocol(format!(
+            "the session opened as node {} but the hello was answered by {}",
+            node.id, expected.id
+        )));
+    }
+    let version = SESSION_VERSIONS.1.min(max_version);
+    if version < SESSION_VERSIONS.0.max(min_version) {
+        return Err(protocol(format!(
+            "no common session version: this node speaks {}..={}, the peer {min_version}..={max_version}",
+            SESSION_VERSIONS.0, SESSION_VERSIONS.1
+        )));
+    }
+    Ok((node, version))
+}
+
+/// Opens a session on `stream` (after a successful control hello) and runs
+/// it in a task of its own. `expected` is the peer for a session this node
+/// opens; `None` for one the peer opened. Returns the session and the task.
+pub(crate) async fn start(
+    shared: &Arc<Shared>,
+    stream: TcpStream,
+    expected: Option<NodeAddr>,
+) -> Result<(Session, tokio::task::JoinHandle<()>), ControlError> {
+    let remote = stream
+        .peer_addr()
+        .unwrap_or_else(|_| expected.map_or(shared.local.endpoint, |p| p.endpoint));
+    let (read, write) = stream.into_split();
+    let max_frame = shared.config.max_frame;
+    let mut read = FramedRead::new(read, ControlCodec::new(max_frame));
+    let mut write = FramedWrite::new(write, ControlCodec::new(max_frame));
+    let (peer, version) = handshake(&mut read, &mut write, shared.local, remote, expected).await?;
+    let (outgoing, queue) = mpsc::channel(OUTGOING_QUEUE);
+    let inner = Arc::new(Inner {
+        id: shared.next_session_id(),
+        peer,
+        version,
+        outgoing,
+        pending: Mutex::default(),
+        next_request: AtomicU64::new(1),
+        closed: shared.shutdown.child_token(),
+    });
+    let session = Session(inner.clone());
+    debug!(peer = %peer.endpoint, node = %peer.id, id = inner.id, version, "control session open");
+    let task = tokio::spawn(run(shared.clone(), inner, read, write, queue));
+    Ok((session, task))
+}
+
+/// Drives the session until it closes: a writer draining the outgoing queue
+/// and a reader dispatching what arrives.
+async fn run(
+    shared: Arc<Shared>,
+    inner: Arc<Inner>,
+    read: FramedRead<OwnedReadHalf, ControlCodec>,
+    write: FramedWrite<OwnedWriteHalf, ControlCodec>,
+    queue: mpsc::Receiver<Frame>,
+) {
+    let closed = inner.closed.clone();
+    let writing = async {
+        if let Err(e) = write_loop(write, queue, &closed).await {
+            debug!(peer = %inner.peer.endpoint, error = %e, "control session: write failed");
+        }
+        closed.cancel();
+    };
+    let reading = async {
+        if let Err(reason) = read_loop(&shared, &inner, read).await {
+            warn!(peer = %inner.peer.endpoint, node = %inner.peer.id, "control session closed: {reason}");
+        }
+        closed.cancel();
+    };
+    tokio::join!(writing, reading);
+    // Fail what still waits for an answer: dropping a sender wakes its
+    // request with `SessionClosed`.
+    let waiting: Vec<_> = inner.lock_pending().drain().collect();
+    drop(waiting);
+    shared.forget_session(&Session(inner.clone()));
+    debug!(peer = %inner.peer.endpoint, id = inner.id, "control session closed");
+}
+
+async fn write_loop(
+    mut write: FramedWrite<OwnedWriteHalf, ControlCodec>,
+    mut queue: mpsc::Receiver<Frame>,
+    closed: &CancellationToken,
+) -> Result<(), crate::frame::FrameError> {
+    loop {
+        let frame = tokio::select! {
+            biased;
+            _ = closed.cancelled() => return Ok(()),
+            frame = queue.recv() => match frame {
+                Some(frame) => frame,
+                None => return Ok(()),
+            },
+        };
+        // Everything queued goes out with one flush.
+        write.feed(frame).await?;
+        while let Ok(frame) = queue.try_recv() {
+            write.feed(frame).await?;
+        }
+        tokio::select! {
+            biased;
+            _ = closed.cancelled() => return Ok(()),
+            flushed = write.flush() => flushed?,
+        }
+    }
+}
+
+/// Reads frames until the session ends. An error return is a protocol
+/// violation or a broken connection, described for the log.
+async fn read_loop(
+    shared: &Arc<Shared>,
+    inner: &Arc<Inner>,
+    mut read: FramedRead<OwnedReadHalf, ControlCodec>,
+) -> Result<(), String> {
+    // Bounds the peer's requests running here at once.
+    let running = Arc::new(Semaphore::new(shared.config.max_requests_in_flight));
+    loop {
+        let frame = tokio::select! {
+            biased;
+            _ = inner.closed.cancelled() => return Ok(()),
+            frame = read.next() => frame,
+        };
+        let frame = match frame {
+            None => return Ok(()),
+            Some(Ok(frame)) => frame,
+            Some(Err(crate::frame::FrameError::Io(e)))
+                if e.kind() != std::io::ErrorKind::InvalidData =>
+            {
+                debug!(peer = %inner.peer.endpoint, error = %e, "control session: connection lost");
+                return Ok(());
+            }
+            Some(Err(e)) => return Err(format!("protocol error: {e}")),
+        };
+        match frame {
+            Frame::Response { id, status, body } => match inner.lock_pending().remove(&id) {
+                // The requester may have given up meanwhile; then nobody waits.
+                Some(waiter) => drop(waiter.send((status, body))),
+                None => {
+                    debug!(peer = %inner.peer.endpoint, id, "late response to a request that timed out")
+                }
+            },
+            Frame::Request {
+                id,
+                service,
+                deadline,
+                body,
+            } => dispatch(shared, inner, &running, id, service, deadline, body).await,
+            Frame::Open { .. } => return Err("protocol error: a second Open frame".into()),
+        }
+    }
+}
+
+/// Runs the handler for one request in a task of its own and sends its
+/// answer; refusals (no such service, too busy) are answered at once.
+async fn dispatch(
+    shared: &Arc<Shared>,
+    inner: &Arc<Inner>,
+    running: &Arc<Semaphore>,
+    id: u64,
+    service: Service,
+    deadline: Duration,
+    body: Bytes,
+) {
+    let refuse = |status| Frame::Response {
+        id,
+        status,
+        body: Bytes::new(),
+    };
+    let Some(handler) = shared.service(service) else {
+        debug!(peer = %inner.peer.endpoint, %service, "request for a service with no handler");
+        let _ = inner.outgoing.send(refuse(Status::NoSuchService)).await;
+        return;
+    };
+    let Ok(permit) = running.clone().try_acquire_owned() else {
+        let _ = inner.outgoing.send(refuse(Status::Busy)).await;
+        return;
+    };
+    let inner = inner.clone();
+    tokio::spawn(async move {
+        let deadline = Instant::now() + deadline;
+        let request = Request {
+            session: Session(inner.clone()),
+            body,
+            deadline,
+        };
+        let (status, body) = tokio::select! {
+            answer = handler(request) => match answer {
+                Ok(body) => (Status::Ok, body),
+                Err(e) => (Status::Failed, Bytes::from(e.0)),
+            },
+            _ = tokio::time::sleep_until(deadline) => (Status::DeadlineExceeded, Bytes::new()),
+            // Nobody is left to answer.
+            _ = inner.closed.cancelled() => return,
+        };
+        drop(permit);
+        let _ = inner
+            .outgoing
+            .send(Frame::Response { id, status, body })
+            .await;
+    });
+}
