@@ -1,5 +1,5 @@
 //! Start here: two ferry nodes in one process and four worker actors moving
-//! bytes between them through the TCP manager actor.
+//! bytes between them through node A's manager actor.
 //!
 //! ```text
 //! cargo run --example workers
@@ -9,13 +9,14 @@
 //! plain serializable data (here it goes through JSON, as it would through any
 //! control channel between two processes). On node A, each worker writes its
 //! own slice of B's region and reads it back, by sending `Submit` messages to
-//! A's `TcpManagerActor`.
+//! A's `NodeActor`, which routes every op over the fastest transport both
+//! nodes share (RDMA where both have a NIC, TCP otherwise).
 
 use std::process::ExitCode;
 use std::time::Duration;
 
+use ferry::Transports;
 use ferry::prelude::*;
-use ferry::tcp::{Submit, submit_outcome};
 use kameo::Actor;
 use kameo::actor::{ActorRef, Spawn};
 use kameo::message::{Context, Message};
@@ -26,10 +27,10 @@ const SLICE: u64 = 1 << 20;
 /// Every transfer gives up after this long instead of hanging.
 const TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Holds its own handle to the TCP manager actor and its own local memory.
+/// Holds its own handle to the node's manager actor and its own local memory.
 #[derive(Actor)]
 struct Worker {
-    tcp: ActorRef<TcpManagerActor>,
+    node: ActorRef<NodeActor>,
     src: Region,
     back: Region,
 }
@@ -41,13 +42,15 @@ struct RoundTrip {
 }
 
 impl Worker {
-    async fn submit(&self, op: RdmaOp) -> Result<(), String> {
+    async fn submit(&self, op: RdmaOp) -> Result<(), SubmitError> {
         let submit = Submit {
             ops: vec![op],
             timeout: TIMEOUT,
         };
-        // One error type, whether the transfer failed or the manager is gone.
-        submit_outcome(self.tcp.ask(submit).await).map_err(|e| e.to_string())
+        // `?` turns kameo's error into a `SubmitError`: one error type,
+        // whether the transfer failed or the node's actor is gone.
+        self.node.ask(submit).await?;
+        Ok(())
     }
 }
 
@@ -58,9 +61,11 @@ impl Message<RoundTrip> for Worker {
         let data = pattern(msg.seed);
         self.src.write_at(0, &data).map_err(|e| e.to_string())?;
         self.submit(RdmaOp::write(self.src.whole(), msg.remote.clone()))
-            .await?;
+            .await
+            .map_err(|e| e.to_string())?;
         self.submit(RdmaOp::read(self.back.whole(), msg.remote))
-            .await?;
+            .await
+            .map_err(|e| e.to_string())?;
         match self.back.to_vec() == data {
             true => Ok(()),
             false => Err("read back other bytes than were written".into()),
@@ -83,6 +88,10 @@ async fn main() -> ExitCode {
         a.addr().endpoint,
         b.addr().endpoint
     );
+    // What A's actor can move bytes with, and why not where it cannot.
+    for transport in a.actor().ask(Transports).await.expect("node A runs") {
+        println!("node A transport {transport}");
+    }
 
     // B: one region for all workers, shared as a serializable handle.
     let target = b
@@ -98,11 +107,11 @@ async fn main() -> ExitCode {
     );
     let remote: RemoteBuffer = serde_json::from_str(&json).unwrap();
 
-    // A: workers, each with its own manager handle and local regions.
+    // A: workers, each with its own handle to A's actor and local regions.
     let mut tasks = Vec::new();
     for i in 0..WORKERS {
         let worker = Worker::spawn(Worker {
-            tcp: a.tcp().actor().clone(),
+            node: a.actor().clone(),
             src: a.alloc(SLICE, Access::ReadWrite).await.unwrap(),
             back: a.alloc(SLICE, Access::ReadWrite).await.unwrap(),
         });

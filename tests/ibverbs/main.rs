@@ -37,7 +37,7 @@ async fn rdma_node() -> Node {
     assert!(
         node.ibverbs().is_some(),
         "{NEEDS_DEVICE}; here: {}",
-        node.ibverbs_unavailable().unwrap_or("?")
+        node.unavailable(RdmaTransportLevel::Nic).unwrap_or("?")
     );
     node
 }
@@ -206,7 +206,7 @@ async fn an_explicit_gid_index_is_used_and_a_bad_one_is_reported() {
             .await
             .unwrap();
         assert!(bad.ibverbs().is_none());
-        let reason = bad.ibverbs_unavailable().unwrap();
+        let reason = bad.unavailable(RdmaTransportLevel::Nic).unwrap();
         assert!(reason.contains(why), "GID index {gid_index}: {reason}");
         assert_eq!(bad.transport_level(), RdmaTransportLevel::Tcp);
     }
@@ -239,16 +239,12 @@ async fn concurrent_submits_to_the_manager_actor() {
                 ops,
                 timeout: DEADLINE,
             };
-            ibverbs::submit_outcome(
-                manager
-                    .ask(submit(vec![RdmaOp::write(src.whole(), remote.clone())]))
-                    .await,
-            )?;
-            ibverbs::submit_outcome(
-                manager
-                    .ask(submit(vec![RdmaOp::read(back.whole(), remote)]))
-                    .await,
-            )?;
+            manager
+                .ask(submit(vec![RdmaOp::write(src.whole(), remote.clone())]))
+                .await?;
+            manager
+                .ask(submit(vec![RdmaOp::read(back.whole(), remote)]))
+                .await?;
             Ok::<_, SubmitError>(back.to_vec())
         }));
     }
@@ -551,7 +547,7 @@ async fn a_write_posted_through_the_raw_handles_lands() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_device_the_node_runs_on_tcp_and_says_why() {
     let node = Node::builder().spawn().await.unwrap();
-    match node.ibverbs_unavailable() {
+    match node.unavailable(RdmaTransportLevel::Nic) {
         Some(reason) => {
             assert!(node.ibverbs().is_none());
             assert_eq!(node.transport_level(), RdmaTransportLevel::Tcp);
@@ -561,7 +557,7 @@ async fn without_a_device_the_node_runs_on_tcp_and_says_why() {
     }
     let disabled = Node::builder().ibverbs(false).spawn().await.unwrap();
     assert_eq!(
-        disabled.ibverbs_unavailable(),
+        disabled.unavailable(RdmaTransportLevel::Nic),
         Some("disabled by the node builder")
     );
 }

@@ -3,11 +3,10 @@
 use std::time::{Duration, Instant};
 
 use ferry::NodeId;
+use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
+use ferry::control::{Channel, HelloStatus};
 use ferry::prelude::*;
-use ferry::tcp::frame::{
-    Channel, HELLO_LEN, Hello, HelloReply, HelloStatus, RESPONSE_LEN, Refusal, Request,
-    RequestKind, Response, VERSION,
-};
+use ferry::tcp::frame::{RESPONSE_LEN, Refusal, Request, RequestKind, Response};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -319,7 +318,7 @@ async fn peer_killed_mid_transfer_fails_before_the_deadline() {
 async fn hello(stream: &mut TcpStream, version: u16) -> HelloReply {
     let hello = Hello {
         version,
-        channel: Channel::Data as u8,
+        channel: Channel::TCP_DATA,
         node: NodeId::random(),
     };
     stream.write_all(&hello.encode()).await.unwrap();
@@ -372,13 +371,13 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
     let mut s = TcpStream::connect(endpoint).await.unwrap();
     assert_eq!(
         hello(&mut s, VERSION + 1).await.status,
-        HelloStatus::BadVersion as u8
+        HelloStatus::BadVersion
     );
     assert_closed(&mut s).await;
 
     // A truncated request header, then end of stream.
     let mut s = TcpStream::connect(endpoint).await.unwrap();
-    assert_eq!(hello(&mut s, VERSION).await.status, HelloStatus::Ok as u8);
+    assert_eq!(hello(&mut s, VERSION).await.status, HelloStatus::Ok);
     s.write_all(&request(RequestKind::Write, 8, token).encode()[..30])
         .await
         .unwrap();

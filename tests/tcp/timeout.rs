@@ -6,10 +6,10 @@
 
 use std::time::Duration;
 
+use ferry::control::HelloStatus;
+use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
 use ferry::prelude::*;
-use ferry::tcp::frame::{
-    HELLO_LEN, Hello, HelloReply, HelloStatus, REQUEST_LEN, Request, Response, VERSION,
-};
+use ferry::tcp::frame::{REQUEST_LEN, Request, Response};
 use ferry::{Generation, NodeId, RegionId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -25,7 +25,7 @@ async fn accept_as(listener: &TcpListener, id: NodeId) -> (TcpStream, Request) {
     assert_eq!(Hello::decode(&hello).unwrap().version, VERSION);
     let reply = HelloReply {
         version: VERSION,
-        status: HelloStatus::Ok as u8,
+        status: HelloStatus::Ok,
         node: id,
     };
     s.write_all(&reply.encode()).await.unwrap();

@@ -46,11 +46,10 @@ async fn batches_of_1_to_1024_mixed_reads_and_writes() {
 }
 
 /// A worker that writes its slice of the remote region, reads it back and
-/// checks it, all through `Submit` messages to the TCP manager actor.
+/// checks it, all through `Submit` messages to the node's actor.
 #[derive(Actor)]
 struct Worker {
-    manager: ActorRef<TcpManagerActor>,
-    node: Node,
+    node: ActorRef<NodeActor>,
 }
 
 struct RoundTrip {
@@ -63,23 +62,27 @@ impl Message<RoundTrip> for Worker {
 
     async fn handle(&mut self, msg: RoundTrip, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         let len = msg.remote.len();
-        let src = self.node.alloc(len, Access::ReadWrite).await.unwrap();
-        let back = self.node.alloc(len, Access::ReadWrite).await.unwrap();
+        let alloc = Alloc {
+            len,
+            access: Access::ReadWrite,
+        };
+        let src = self.node.ask(alloc).await.unwrap();
+        let back = self.node.ask(alloc).await.unwrap();
         src.write_at(0, &pattern(len as usize, msg.seed)).unwrap();
-        let submit = |ops| ferry::tcp::Submit {
+        let submit = |ops| Submit {
             ops,
             timeout: DEADLINE,
         };
         let write = submit(vec![RdmaOp::write(src.whole(), msg.remote.clone())]);
-        ferry::tcp::submit_outcome(self.manager.ask(write).await)?;
+        self.node.ask(write).await?;
         let read = submit(vec![RdmaOp::read(back.whole(), msg.remote)]);
-        ferry::tcp::submit_outcome(self.manager.ask(read).await)?;
+        self.node.ask(read).await?;
         Ok(back.to_vec())
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sixteen_workers_submit_concurrently_to_one_manager() {
+async fn sixteen_worker_actors_submit_concurrently_to_the_node_actor() {
     let node = Node::builder().spawn().await.unwrap();
     let mut peer = PeerProcess::spawn().await;
     let slice = (1 << 20) + 77;
@@ -87,8 +90,7 @@ async fn sixteen_workers_submit_concurrently_to_one_manager() {
     let workers: Vec<_> = (0..16)
         .map(|_| {
             Worker::spawn(Worker {
-                manager: node.tcp().actor().clone(),
-                node: node.clone(),
+                node: node.actor().clone(),
             })
         })
         .collect();

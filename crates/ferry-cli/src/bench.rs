@@ -1,53 +1,44 @@
-//! `ferry serve` and `ferry bench`: a target node, and an initiator that
-//! measures transfers against it, in the style of perftest and nixlbench.
+//! `ferry bench`: an initiator that measures transfers against a served
+//! region, in the style of perftest and nixlbench: per block size, GB/s,
+//! Mops/s and submit latency, from one or several concurrent workers that
+//! submit either through the node's actor or by calling the node.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use ferry::prelude::*;
+use kameo::actor::ActorRef;
 use serde::Serialize;
+
+use crate::{Failure, export_metrics, parse_size};
 
 /// Deadline of any single submit.
 const SUBMIT_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long `--loopback` waits for the server it started to print its handle.
 const SERVE_START: Duration = Duration::from_secs(30);
 
-#[derive(Args, Debug)]
-pub struct ServeArgs {
-    /// Address to listen on (port 0 picks one).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub listen: std::net::SocketAddr,
-    /// Bytes to register for bench clients (K, M, G suffixes: powers of 1024).
-    #[arg(long, value_parser = parse_size, default_value = "256M")]
-    pub size: u64,
-    /// Write the region's handle (JSON) to this file instead of stdout.
-    #[arg(long)]
-    pub handle_file: Option<PathBuf>,
-    /// Run TCP only, even where an RDMA device exists.
-    #[arg(long)]
-    pub no_ibverbs: bool,
-    /// Serve Prometheus metrics on this address (GET /metrics): bytes and
-    /// requests served per transport and op kind.
-    #[arg(long)]
-    pub metrics: Option<std::net::SocketAddr>,
-}
-
+/// Which transport `bench` insists on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Transport {
     /// The fastest transport both ends share.
     Auto,
+    /// TCP only (this node starts without ibverbs).
     Tcp,
+    /// ibverbs only: fails if it is not shared with the target.
     Ibverbs,
 }
 
+/// The op every submit of a run carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Op {
+    /// Local bytes into the target.
     Write,
+    /// The target's bytes into local memory.
     Read,
 }
 
@@ -60,6 +51,17 @@ impl Op {
     }
 }
 
+/// How the workers' submits reach the node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Via {
+    /// `Node::submit`, called in each worker's task.
+    Node,
+    /// `Submit` messages to the node's actor, as worker actors send them.
+    Actor,
+}
+
+/// Arguments of `ferry bench`.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// Handle file written by `ferry serve`.
@@ -78,23 +80,32 @@ pub struct BenchArgs {
     /// Block sizes to sweep, comma separated (K, M, G suffixes).
     #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "4K,64K,1M,16M,64M")]
     pub block: Vec<u64>,
+    /// The op of every submit.
     #[arg(long, value_enum, default_value = "write")]
     pub op: Op,
-    /// Ops per submit (default: as many blocks as fit in the region).
+    /// Ops per submit (default: as many blocks as fit in a worker's share of
+    /// the region).
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Concurrent workers, each submitting over its own share of the region.
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// How submits reach the node: its actor, or direct calls.
+    #[arg(long, value_enum, default_value = "node")]
+    pub via: Via,
     /// TCP connections per peer.
     #[arg(long, default_value_t = 4)]
     pub streams: usize,
-    /// Measured submits per block size.
+    /// Measured submits per block size and worker.
     #[arg(long, default_value_t = 20)]
     pub iters: usize,
     /// Measure for this many seconds per block size instead of --iters.
     #[arg(long)]
     pub duration: Option<f64>,
-    /// Unmeasured submits before each block size.
+    /// Unmeasured submits per worker before each block size.
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
+    /// The transport to insist on.
     #[arg(long, value_enum, default_value = "auto")]
     pub transport: Transport,
     /// Check every byte after each block size.
@@ -107,82 +118,6 @@ pub struct BenchArgs {
     /// ops and errors per transport and op kind, submit latency histogram.
     #[arg(long)]
     pub metrics: Option<std::net::SocketAddr>,
-}
-
-/// Installs the Prometheus recorder with its HTTP listener on `addr`.
-pub fn export_metrics(addr: std::net::SocketAddr) -> Result<(), Failure> {
-    metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .install()
-        .map_err(|e| Failure(format!("cannot serve metrics on {addr}: {e}")))
-}
-
-/// A user-facing failure: printed as one line, exit status 1.
-#[derive(Debug)]
-pub struct Failure(pub String);
-
-impl<E: std::fmt::Display> From<E> for Failure {
-    fn from(e: E) -> Self {
-        Failure(e.to_string())
-    }
-}
-
-/// A size in bytes, as `u64` like every length in ferry's API.
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let (digits, shift) = match text.char_indices().last() {
-        Some((i, 'K' | 'k')) => (&text[..i], 10),
-        Some((i, 'M' | 'm')) => (&text[..i], 20),
-        Some((i, 'G' | 'g')) => (&text[..i], 30),
-        _ => (text, 0),
-    };
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("'{text}' is not a size (e.g. 4096, 64K, 1M)"))?;
-    let bytes = n
-        .checked_shl(shift)
-        .filter(|b| b >> shift == n)
-        .ok_or(format!("'{text}' is too large"))?;
-    if bytes == 0 {
-        return Err("a size must be at least 1 byte".into());
-    }
-    Ok(bytes)
-}
-
-pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
-    if let Some(addr) = args.metrics {
-        export_metrics(addr)?;
-    }
-    let node = Node::builder()
-        .listen(args.listen)
-        .ibverbs(!args.no_ibverbs)
-        .spawn()
-        .await?;
-    let region = node.alloc(args.size, Access::ReadWrite).await?;
-    let handle = serde_json::to_string(&region.remote())?;
-    match &args.handle_file {
-        Some(path) => std::fs::write(path, format!("{handle}\n"))
-            .map_err(|e| Failure(format!("cannot write {}: {e}", path.display())))?,
-        None => {
-            let mut out = std::io::stdout();
-            writeln!(out, "{handle}")?;
-            out.flush()?;
-        }
-    }
-    eprintln!(
-        "ferry serve: {} bytes registered at {}; stop with Ctrl-C or by closing stdin",
-        args.size,
-        node.addr().endpoint
-    );
-    // Serve until stdin closes (how `--loopback` stops its child) or the
-    // process is killed.
-    tokio::task::spawn_blocking(|| {
-        let mut sink = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
-    })
-    .await?;
-    drop(region);
-    Ok(())
 }
 
 /// A `ferry serve` child; closing its stdin (on drop) stops it.
@@ -238,26 +173,45 @@ fn start_server(args: &BenchArgs) -> Result<(Server, RemoteBuffer), Failure> {
     Ok((server, handle))
 }
 
+/// One block size's results.
 #[derive(Serialize)]
 pub struct Row {
+    /// The op.
     pub op: Op,
+    /// The transport the ops took.
     pub transport: &'static str,
+    /// How submits reached the node.
+    pub via: Via,
+    /// Concurrent workers.
+    pub workers: usize,
     /// TCP connections per peer (`--streams`).
     pub streams: usize,
+    /// Bytes per op.
     pub block: u64,
+    /// Ops per submit.
     pub batch: usize,
+    /// Measured submits, all workers together.
     pub submits: usize,
+    /// Bytes moved by them.
     pub bytes: u64,
+    /// Wall time of the measurement.
     pub seconds: f64,
+    /// Aggregate GB/s (1e9 bytes per second).
     pub gbps: f64,
+    /// Aggregate millions of ops per second.
     pub mops: f64,
+    /// Mean submit latency, microseconds.
     pub lat_avg_us: f64,
+    /// Median submit latency.
     pub lat_p50_us: f64,
+    /// 99th percentile submit latency.
     pub lat_p99_us: f64,
+    /// Whether every byte was checked.
     pub verified: bool,
     /// Peak resident memory of this process so far (VmHWM), and the bytes it
     /// has registered: their difference is what the transfer cost in memory.
     pub peak_rss: u64,
+    /// Bytes this process registered.
     pub registered: u64,
 }
 
@@ -293,10 +247,10 @@ fn pattern(at: u64, len: u64, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-/// Writes the pattern (or zeros) into `region[..len]`, a piece at a time.
-fn fill(region: &Region, len: u64, seed: Option<u8>) -> Result<(), Failure> {
-    for at in (0..len).step_by(PIECE as usize) {
-        let n = PIECE.min(len - at);
+/// Writes the pattern (or zeros) into `region[range]`, a piece at a time.
+fn fill(region: &Region, range: std::ops::Range<u64>, seed: Option<u8>) -> Result<(), Failure> {
+    for at in range.clone().step_by(PIECE as usize) {
+        let n = PIECE.min(range.end - at);
         let bytes = match seed {
             Some(seed) => pattern(at, n, seed),
             None => vec![0; n as usize],
@@ -306,12 +260,18 @@ fn fill(region: &Region, len: u64, seed: Option<u8>) -> Result<(), Failure> {
     Ok(())
 }
 
-/// The first offset where `region[..len]` differs from the pattern.
-fn first_difference(region: &Region, len: u64, seed: u8) -> Result<Option<u64>, Failure> {
-    let mut got = vec![0; PIECE.min(len) as usize];
-    for at in (0..len).step_by(PIECE as usize) {
-        let n = PIECE.min(len - at) as usize;
-        region.read_at(at, &mut got[..n])?;
+/// The first offset in `range` where `region` (holding `range` at `base`)
+/// differs from the pattern.
+fn first_difference(
+    region: &Region,
+    base: u64,
+    range: std::ops::Range<u64>,
+    seed: u8,
+) -> Result<Option<u64>, Failure> {
+    let mut got = vec![0; PIECE.min(range.end - range.start) as usize];
+    for at in range.clone().step_by(PIECE as usize) {
+        let n = PIECE.min(range.end - at) as usize;
+        region.read_at(at - base, &mut got[..n])?;
         if let Some(i) = got[..n]
             .iter()
             .zip(pattern(at, n as u64, seed))
@@ -323,6 +283,97 @@ fn first_difference(region: &Region, len: u64, seed: u8) -> Result<Option<u64>, 
     Ok(None)
 }
 
+/// Where a worker's submits go: the node, or its actor.
+#[derive(Clone)]
+enum Submitter {
+    Node(Node),
+    Actor(ActorRef<NodeActor>),
+}
+
+impl Submitter {
+    async fn submit(&self, ops: Vec<RdmaOp>) -> Result<(), SubmitError> {
+        match self {
+            Submitter::Node(node) => node.submit(ops, SUBMIT_TIMEOUT).await,
+            Submitter::Actor(actor) => {
+                let submit = Submit {
+                    ops,
+                    timeout: SUBMIT_TIMEOUT,
+                };
+                actor.ask(submit).await?;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// One worker's share of a block size's run: `batch` blocks from `first`.
+#[derive(Clone)]
+struct Share {
+    local: Region,
+    remote: RemoteBuffer,
+    first: u64,
+    batch: usize,
+    block: u64,
+}
+
+impl Share {
+    fn range(&self) -> std::ops::Range<u64> {
+        self.first..self.first + self.batch as u64 * self.block
+    }
+
+    fn ops(&self, kind: Op) -> Result<Vec<RdmaOp>, Failure> {
+        (0..self.batch as u64)
+            .map(|i| {
+                let at = self.first + i * self.block;
+                let l = self.local.slice(at..at + self.block)?;
+                let r = self.remote.slice(at..at + self.block)?;
+                Ok(match kind {
+                    Op::Write => RdmaOp::write(l, r),
+                    Op::Read => RdmaOp::read(l, r),
+                })
+            })
+            .collect()
+    }
+}
+
+/// When a worker stops measuring.
+#[derive(Clone, Copy)]
+enum Until {
+    Submits(usize),
+    Time(Instant),
+}
+
+/// Runs one worker: warm-up, then measured submits; returns its latencies
+/// in microseconds.
+async fn work(
+    submitter: Submitter,
+    share: Share,
+    op: Op,
+    warmup: usize,
+    until: Until,
+    progress: indicatif::ProgressBar,
+) -> Result<Vec<f64>, Failure> {
+    for _ in 0..warmup {
+        submitter.submit(share.ops(op)?).await?;
+    }
+    let mut latencies = Vec::new();
+    loop {
+        let ops = share.ops(op)?;
+        let t = Instant::now();
+        submitter.submit(ops).await?;
+        latencies.push(t.elapsed().as_secs_f64() * 1e6);
+        progress.inc(1);
+        let done = match until {
+            Until::Submits(n) => latencies.len() >= n,
+            Until::Time(at) => Instant::now() >= at,
+        };
+        if done {
+            return Ok(latencies);
+        }
+    }
+}
+
+/// Runs `ferry bench`: one row per block size.
 pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
     if let Some(addr) = args.metrics {
         export_metrics(addr)?;
@@ -351,81 +402,86 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
     let level = node
         .route(&probe)
         .ok_or_else(|| Failure("no transport shared with the target".into()))?;
-    let transport = match level {
-        RdmaTransportLevel::Nic => "ibverbs",
-        _ => "tcp",
-    };
-    if args.transport == Transport::Ibverbs && transport != "ibverbs" {
+    let transport = level.backend();
+    if args.transport == Transport::Ibverbs && level != RdmaTransportLevel::Nic {
         let why = node
-            .ibverbs_unavailable()
+            .unavailable(RdmaTransportLevel::Nic)
             .unwrap_or("the target has no RDMA device");
         return Err(Failure(format!(
             "--transport ibverbs: not available here: {why}"
         )));
     }
+    let submitter = match args.via {
+        Via::Node => Submitter::Node(node.clone()),
+        Via::Actor => Submitter::Actor(node.actor().clone()),
+    };
+    let workers = args.workers.max(1);
 
     let progress = progress_bar(&args);
     let mut rows = Vec::new();
     for &block in &args.block {
         progress.set_message(format!("{} {block} B blocks", args.op.name()));
-        if block > size {
+        // Fits usize: at most the length of `local`, which this process holds.
+        let per_worker = (size / block) as usize / workers;
+        if per_worker == 0 {
             return Err(Failure(format!(
-                "block {block} B is larger than the {size}-byte target region"
+                "{workers} worker(s) need {workers} blocks of {block} B, more than the \
+                 {size}-byte target region holds"
             )));
         }
-        // Fits usize: at most the length of `local`, which this process holds.
-        let blocks = (size / block) as usize;
-        let batch = args.batch.unwrap_or(blocks).clamp(1, blocks);
+        let batch = args.batch.unwrap_or(per_worker).clamp(1, per_worker);
         let seed = block as u8;
-        // Bytes one submit covers.
-        let span = batch as u64 * block;
-        fill(&local, span, Some(seed))?;
-        let ops = |kind: Op| -> Result<Vec<RdmaOp>, Failure> {
-            (0..batch)
-                .map(|i| {
-                    let at = i as u64 * block;
-                    let l = local.slice(at..at + block)?;
-                    let r = remote.slice(at..at + block)?;
-                    Ok(match kind {
-                        Op::Write => RdmaOp::write(l, r),
-                        Op::Read => RdmaOp::read(l, r),
-                    })
-                })
-                .collect()
-        };
+        let shares: Vec<Share> = (0..workers)
+            .map(|w| Share {
+                local: local.clone(),
+                remote: remote.clone(),
+                first: (w * per_worker) as u64 * block,
+                batch,
+                block,
+            })
+            .collect();
+        for share in &shares {
+            fill(&local, share.range(), Some(seed))?;
+        }
         if args.op == Op::Read && args.verify {
             // Put known bytes there first, so the reads have something to check.
-            node.submit(ops(Op::Write)?, SUBMIT_TIMEOUT).await?;
-            fill(&local, span, None)?;
-        }
-        for _ in 0..args.warmup {
-            node.submit(ops(args.op)?, SUBMIT_TIMEOUT).await?;
-        }
-        let mut latencies = Vec::new();
-        let started = Instant::now();
-        loop {
-            let batch_ops = ops(args.op)?;
-            let t = Instant::now();
-            node.submit(batch_ops, SUBMIT_TIMEOUT).await?;
-            latencies.push(t.elapsed().as_secs_f64() * 1e6);
-            progress.inc(1);
-            let done = match args.duration {
-                Some(s) => started.elapsed().as_secs_f64() >= s,
-                None => latencies.len() >= args.iters.max(1),
-            };
-            if done {
-                break;
+            for share in &shares {
+                node.submit(share.ops(Op::Write)?, SUBMIT_TIMEOUT).await?;
+                fill(&local, share.range(), None)?;
             }
         }
+        let started = Instant::now();
+        let until = match args.duration {
+            Some(s) => Until::Time(started + Duration::from_secs_f64(s)),
+            None => Until::Submits(args.iters.max(1)),
+        };
+        let tasks: Vec<_> = shares
+            .iter()
+            .map(|share| {
+                tokio::spawn(work(
+                    submitter.clone(),
+                    share.clone(),
+                    args.op,
+                    args.warmup,
+                    until,
+                    progress.clone(),
+                ))
+            })
+            .collect();
+        let mut latencies = Vec::new();
+        for task in tasks {
+            latencies.extend(task.await??);
+        }
         let seconds = started.elapsed().as_secs_f64();
-        let verified =
-            args.verify && verify(&node, &local, &remote, seed, args.op, batch, block).await?;
+        let verified = args.verify && verify(&node, &shares, seed, args.op).await?;
         let submits = latencies.len();
-        let bytes = submits as u64 * span;
+        let bytes = submits as u64 * batch as u64 * block;
         latencies.sort_by(f64::total_cmp);
         rows.push(Row {
             op: args.op,
             transport,
+            via: args.via,
+            workers,
             streams: args.streams,
             block,
             batch,
@@ -442,7 +498,7 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             // The local region, plus the read-back region of a verified write.
             registered: size
                 + if verified && args.op == Op::Write {
-                    span
+                    shares.iter().map(|s| s.range().end - s.range().start).sum()
                 } else {
                     0
                 },
@@ -462,7 +518,7 @@ fn progress_bar(args: &BenchArgs) -> indicatif::ProgressBar {
     }
     let total = match args.duration {
         Some(_) => None,
-        None => Some((args.iters.max(1) * args.block.len()) as u64),
+        None => Some((args.iters.max(1) * args.workers.max(1) * args.block.len()) as u64),
     };
     let bar =
         indicatif::ProgressBar::with_draw_target(total, indicatif::ProgressDrawTarget::stderr());
@@ -473,45 +529,60 @@ fn progress_bar(args: &BenchArgs) -> indicatif::ProgressBar {
     bar
 }
 
-/// After writes: reads the target back into a second region and compares
-/// with what was written. After reads: compares what arrived.
-async fn verify(
-    node: &Node,
-    local: &Region,
-    remote: &RemoteBuffer,
-    seed: u8,
-    op: Op,
-    batch: usize,
-    block: u64,
-) -> Result<bool, Failure> {
-    let len = batch as u64 * block;
-    let difference = match op {
-        Op::Read => first_difference(local, len, seed)?,
-        Op::Write => {
-            let back = node.alloc(len, Access::ReadWrite).await?;
-            let read = RdmaOp::read(back.whole(), remote.slice(0..len)?);
-            node.submit(vec![read], SUBMIT_TIMEOUT).await?;
-            first_difference(&back, len, seed)?
+/// After writes: reads each worker's range of the target back into a second
+/// region and compares with what was written. After reads: compares what
+/// arrived.
+async fn verify(node: &Node, shares: &[Share], seed: u8, op: Op) -> Result<bool, Failure> {
+    for share in shares {
+        let range = share.range();
+        let difference = match op {
+            Op::Read => first_difference(&share.local, 0, range, seed)?,
+            Op::Write => {
+                let back = node
+                    .alloc(range.end - range.start, Access::ReadWrite)
+                    .await?;
+                let read = RdmaOp::read(back.whole(), share.remote.slice(range.clone())?);
+                node.submit(vec![read], SUBMIT_TIMEOUT).await?;
+                first_difference(&back, range.start, range, seed)?
+            }
+        };
+        if let Some(at) = difference {
+            return Err(Failure(format!(
+                "verify failed: byte {at} of the {}-byte-block run differs",
+                share.block
+            )));
         }
-    };
-    match difference {
-        None => Ok(true),
-        Some(at) => Err(Failure(format!(
-            "verify failed: byte {at} of the {block}-byte-block run differs"
-        ))),
     }
+    Ok(true)
 }
 
+/// Prints rows as a table.
 pub fn print_table(rows: &[Row]) {
     println!(
-        "{:<6} {:<8} {:>10} {:>6} {:>9} {:>9} {:>10} {:>10} {:>10}",
-        "op", "via", "block", "batch", "GB/s", "Mops/s", "lat avg", "p50 us", "p99 us"
+        "{:<6} {:<9} {:<5} {:>7} {:>10} {:>6} {:>9} {:>9} {:>10} {:>10} {:>10}",
+        "op",
+        "transport",
+        "via",
+        "workers",
+        "block",
+        "batch",
+        "GB/s",
+        "Mops/s",
+        "lat avg",
+        "p50 us",
+        "p99 us"
     );
     for r in rows {
+        let via = match r.via {
+            Via::Node => "node",
+            Via::Actor => "actor",
+        };
         println!(
-            "{:<6} {:<8} {:>10} {:>6} {:>9.3} {:>9.4} {:>10.1} {:>10.1} {:>10.1}{}",
+            "{:<6} {:<9} {:<5} {:>7} {:>10} {:>6} {:>9.3} {:>9.4} {:>10.1} {:>10.1} {:>10.1}{}",
             r.op.name(),
             r.transport,
+            via,
+            r.workers,
             r.block,
             r.batch,
             r.gbps,

@@ -2,11 +2,13 @@
 //! benchmarks (`serve`), and the benchmark itself (`bench`).
 
 mod bench;
+mod serve;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use ferry::ibverbs::{DeviceReport, IbvConfig, IbvDevice, describe_devices};
+use ferry::ibverbs::{DeviceReport, describe_devices};
+use ferry::{ConnectionLimits, Node, TransportState};
 use serde::Serialize;
 
 #[derive(Parser)]
@@ -22,17 +24,57 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Show this host's RDMA devices and which transports can start here
-    /// (and, for those that cannot, why).
+    /// Show this host's RDMA devices and which transports a node starts here
+    /// (and, for those that cannot start, why).
     Info {
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
     },
     /// Register a region and serve it to bench clients; prints its handle.
-    Serve(bench::ServeArgs),
+    Serve(serve::ServeArgs),
     /// Measure writes or reads against a served region, per block size.
     Bench(bench::BenchArgs),
+}
+
+/// A user-facing failure: printed as one line, exit status 1.
+#[derive(Debug)]
+pub struct Failure(pub String);
+
+impl<E: std::fmt::Display> From<E> for Failure {
+    fn from(e: E) -> Self {
+        Failure(e.to_string())
+    }
+}
+
+/// Installs the Prometheus recorder with its HTTP listener on `addr`.
+pub fn export_metrics(addr: std::net::SocketAddr) -> Result<(), Failure> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| Failure(format!("cannot serve metrics on {addr}: {e}")))
+}
+
+/// A size in bytes, as `u64` like every length in ferry's API.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let (digits, shift) = match text.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&text[..i], 10),
+        Some((i, 'M' | 'm')) => (&text[..i], 20),
+        Some((i, 'G' | 'g')) => (&text[..i], 30),
+        _ => (text, 0),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("'{text}' is not a size (e.g. 4096, 64K, 1M)"))?;
+    let bytes = n
+        .checked_shl(shift)
+        .filter(|b| b >> shift == n)
+        .ok_or(format!("'{text}' is too large"))?;
+    if bytes == 0 {
+        return Err("a size must be at least 1 byte".into());
+    }
+    Ok(bytes)
 }
 
 #[derive(Serialize)]
@@ -44,50 +86,50 @@ struct Transport {
 }
 
 #[derive(Serialize)]
+struct Limits {
+    max_connections: usize,
+    max_per_address: usize,
+    hello_timeout_s: f64,
+}
+
+#[derive(Serialize)]
 struct Info {
+    /// Fastest first.
     transports: Vec<Transport>,
+    /// Bounds a node's endpoint puts on the connections it accepts here.
+    connection_limits: Limits,
     devices: Vec<DeviceReport>,
 }
 
-/// The same checks a node makes when it starts.
-fn info() -> Info {
-    let tcp = match std::net::TcpListener::bind(("127.0.0.1", 0)) {
-        Ok(_) => Transport {
-            name: "tcp",
-            available: true,
-            detail: "kernel TCP sockets".into(),
+/// What a node starts here: one is spawned on loopback and asked.
+async fn info() -> Result<Info, Failure> {
+    let node = Node::builder().spawn().await?;
+    let transports = node
+        .transports()
+        .iter()
+        .map(|t| {
+            let (available, detail) = match &t.state {
+                TransportState::Running { detail } => (true, detail.clone()),
+                TransportState::Unavailable { reason } => (false, reason.clone()),
+            };
+            Transport {
+                name: t.level.backend(),
+                available,
+                detail,
+            }
+        })
+        .collect();
+    node.shutdown().await;
+    let limits = ConnectionLimits::default();
+    Ok(Info {
+        transports,
+        connection_limits: Limits {
+            max_connections: limits.max_connections,
+            max_per_address: limits.max_per_address,
+            hello_timeout_s: limits.hello_timeout.as_secs_f64(),
         },
-        Err(e) => Transport {
-            name: "tcp",
-            available: false,
-            detail: format!("cannot listen: {e}"),
-        },
-    };
-    let disabled = std::env::var(ferry::DISABLE_IBVERBS_ENV).is_ok_and(|v| v == "1");
-    let ibverbs = if disabled {
-        Transport {
-            name: "ibverbs",
-            available: false,
-            detail: format!("disabled by {}=1", ferry::DISABLE_IBVERBS_ENV),
-        }
-    } else {
-        match IbvDevice::open(&IbvConfig::default()) {
-            Ok(device) => Transport {
-                name: "ibverbs",
-                available: true,
-                detail: device.describe(),
-            },
-            Err(e) => Transport {
-                name: "ibverbs",
-                available: false,
-                detail: e.to_string(),
-            },
-        }
-    };
-    Info {
-        transports: vec![ibverbs, tcp],
         devices: describe_devices().unwrap_or_default(),
-    }
+    })
 }
 
 fn print_info(info: &Info) {
@@ -100,6 +142,11 @@ fn print_info(info: &Info) {
         };
         println!("  {:<8} {state}: {}", t.name, t.detail);
     }
+    let limits = &info.connection_limits;
+    println!(
+        "endpoint: at most {} accepted connections, {} per remote address, hello within {} s",
+        limits.max_connections, limits.max_per_address, limits.hello_timeout_s
+    );
     if info.devices.is_empty() {
         println!("RDMA devices: none");
     }
@@ -135,21 +182,19 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(e) => return fail(e),
+    };
     match cli.command {
         Command::Serve(args) => {
-            let result = runtime()
-                .map_err(bench::Failure::from)
-                .and_then(|rt| rt.block_on(bench::serve(args)));
-            if let Err(bench::Failure(e)) = result {
+            if let Err(Failure(e)) = rt.block_on(serve::serve(args)) {
                 return fail(e);
             }
         }
         Command::Bench(args) => {
             let json = args.json;
-            let result = runtime()
-                .map_err(bench::Failure::from)
-                .and_then(|rt| rt.block_on(bench::bench(args)));
-            match result {
+            match rt.block_on(bench::bench(args)) {
                 Ok(rows) if json => {
                     for row in &rows {
                         match serde_json::to_string(row) {
@@ -159,18 +204,18 @@ fn main() -> ExitCode {
                     }
                 }
                 Ok(rows) => bench::print_table(&rows),
-                Err(bench::Failure(e)) => return fail(e),
+                Err(Failure(e)) => return fail(e),
             }
         }
         Command::Info { json } => {
-            let info = info();
+            let info = match rt.block_on(info()) {
+                Ok(info) => info,
+                Err(Failure(e)) => return fail(e),
+            };
             if json {
                 match serde_json::to_string_pretty(&info) {
                     Ok(text) => println!("{text}"),
-                    Err(e) => {
-                        eprintln!("ferry: error: {e}");
-                        return ExitCode::FAILURE;
-                    }
+                    Err(e) => return fail(e),
                 }
             } else {
                 print_info(&info);

@@ -6,15 +6,40 @@ use serde::{Deserialize, Serialize};
 use crate::{RdmaOp, SubmitError};
 
 /// How bytes move, ordered slowest to fastest so callers can ask for
-/// "at least `Nic`" with a comparison.
+/// "at least `Nic`" with a comparison. Same-host memory beats a NIC: a copy
+/// between mappings needs no wire at all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum RdmaTransportLevel {
     /// Kernel TCP sockets: works everywhere, costs CPU copies.
     Tcp,
-    /// Same-host memory copy (reserved: no backend implements it yet).
-    Memory,
     /// One-sided RDMA through an ibverbs NIC.
     Nic,
+    /// Same-host memory copy (reserved: no backend implements it yet).
+    Memory,
+}
+
+impl RdmaTransportLevel {
+    /// Every level, slowest first.
+    pub const ALL: [RdmaTransportLevel; 3] = [
+        RdmaTransportLevel::Tcp,
+        RdmaTransportLevel::Nic,
+        RdmaTransportLevel::Memory,
+    ];
+
+    /// The name of the backend that provides it: `tcp`, `ibverbs`, `memory`.
+    pub fn backend(self) -> &'static str {
+        match self {
+            RdmaTransportLevel::Tcp => "tcp",
+            RdmaTransportLevel::Nic => "ibverbs",
+            RdmaTransportLevel::Memory => "memory",
+        }
+    }
+}
+
+impl std::fmt::Display for RdmaTransportLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.backend())
+    }
 }
 
 /// A data plane that executes batches of one-sided operations.
@@ -42,8 +67,10 @@ pub trait RdmaBackend: Clone + Send + Sync + 'static {
         timeout: Duration,
     ) -> impl Future<Output = Result<(), SubmitError>> + Send;
 
+    /// The transport this backend moves bytes with (the fastest, for one
+    /// that routes between several).
     fn transport_level(&self) -> RdmaTransportLevel;
 
-    /// `None` when the backend has stopped.
+    /// The backend's raw details; `None` when the backend has stopped.
     fn transport_info(&self) -> impl Future<Output = Option<Self::TransportInfo>> + Send;
 }

@@ -23,6 +23,6 @@ pub use error::{OpError, RegisterError, SubmitError};
 pub use handle::{Access, IbvRemote, RemoteBuffer, RemoteTransports, TcpRemote};
 pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128};
 pub use memory::{MemoryBlock, PAGE_SIZE, Region, RegionIds, RegionParts, RegionSlot};
-pub use message::{RegisterRegion, Submit};
+pub use message::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 pub use op::{LocalSlice, OpKind, RdmaOp};
 pub use progress::BatchProgress;

@@ -7,24 +7,22 @@ use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
 
+use ferry_control::{Endpoint, EndpointError, Service};
 use ferry_core::{
     BatchProgress, Generation, IbvRemote, NodeAddr, OpError, OpKind, RdmaBackend, RdmaOp,
     RdmaTransportLevel, RegionId, RegisterError, SubmitError,
 };
-use ferry_core::{RegisterRegion, Submit};
-use ferry_tcp::ControlConnection;
+use ferry_core::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 use kameo::Actor;
-use kameo::actor::{ActorRef, Spawn, WeakActorRef};
-use kameo::error::{ActorStopReason, SendError};
+use kameo::actor::{ActorRef, Spawn};
+use kameo::error::SendError;
 use kameo::message::{Context, Message};
 use kameo::reply::DelegatedReply;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, debug_span, info};
 
 pub use crate::connection::FOREIGN_WR_ID_BIT;
-use crate::connection::{self, PeerQp, Piece, QpSession};
+use crate::connection::{self, PassiveQps, PeerQp, Piece, QpSession};
 use crate::device::{Device, IbvConfig};
 use crate::verbs::{MemoryRegion, RdmaOpcode, VerbsError, WorkRequest};
 
@@ -82,26 +80,29 @@ impl Peers {
         (!qp.is_broken()).then_some(qp)
     }
 
+    /// The QP to `peer`, connected (by `deadline`) if there is none.
     async fn get(
         &self,
         device: &Arc<Device>,
+        endpoint: &Endpoint,
         peer: NodeAddr,
-        me: NodeAddr,
+        deadline: Instant,
     ) -> Result<Arc<PeerQp>, OpError> {
         match self.connected(peer) {
             Some(qp) => Ok(qp),
             // Boxed: connecting happens once per peer, and its large state
             // would otherwise be part of (and copied with) every submit's
             // future.
-            None => Box::pin(self.connect(device, peer, me)).await,
+            None => Box::pin(self.connect(device, endpoint, peer, deadline)).await,
         }
     }
 
     async fn connect(
         &self,
         device: &Arc<Device>,
+        endpoint: &Endpoint,
         peer: NodeAddr,
-        me: NodeAddr,
+        deadline: Instant,
     ) -> Result<Arc<PeerQp>, OpError> {
         let connecting = self.lock().entry(peer).or_default().connecting.clone();
         let _turn = connecting.lock().await;
@@ -109,7 +110,7 @@ impl Peers {
         if let Some(qp) = self.connected(peer) {
             return Ok(qp);
         }
-        let qp = connection::connect(device, peer, me.id).await?;
+        let qp = connection::connect(device, endpoint, peer, deadline).await?;
         self.lock().entry(peer).or_default().connected = Some(qp.clone());
         Ok(qp)
     }
@@ -124,9 +125,12 @@ impl Peers {
 
 struct Shared {
     device: Arc<Device>,
-    local: NodeAddr,
+    /// The node's endpoint: queue pairs are set up over its control sessions.
+    endpoint: Endpoint,
     peers: Peers,
     registry: Arc<Registry>,
+    /// Queue pairs this node keeps for initiators.
+    passive: Arc<PassiveQps>,
 }
 
 impl Shared {
@@ -184,7 +188,11 @@ impl Shared {
                 }
                 // A session try_now began is used as it is.
                 if group.session.is_none() {
-                    match self.peers.get(&self.device, group.peer, self.local).await {
+                    match self
+                        .peers
+                        .get(&self.device, &self.endpoint, group.peer, deadline)
+                        .await
+                    {
                         Ok(qp) => {
                             let session = group.session.insert(QpSession::new(qp));
                             if single_peer {
@@ -339,53 +347,20 @@ struct PeerGroup {
     session: Option<QpSession>,
 }
 
+/// The ibverbs data plane's manager actor. It accepts the shared
+/// [`Submit`], [`RegisterRegion`], [`TransportLevel`] and [`TransportInfo`]
+/// messages and replies to `Submit` later (delegated), so its mailbox never
+/// waits on a transfer. Made by [`IbvBackend::start`].
 pub struct IbvManagerActor {
     shared: Arc<Shared>,
-    shutdown: CancellationToken,
-}
-
-/// What the actor starts from; made by [`IbvBackend::start`].
-pub struct IbvManagerArgs {
-    shared: Arc<Shared>,
-    /// The node's `Control` connections: queue-pair exchanges from peers.
-    control: mpsc::Receiver<ControlConnection>,
 }
 
 impl Actor for IbvManagerActor {
-    type Args = IbvManagerArgs;
+    type Args = Self;
     type Error = Infallible;
 
-    async fn on_start(args: Self::Args, _: ActorRef<Self>) -> Result<Self, Self::Error> {
-        let IbvManagerArgs {
-            shared,
-            mut control,
-        } = args;
-        let shutdown = CancellationToken::new();
-        let (acceptor_device, stop) = (shared.device.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            loop {
-                let conn = tokio::select! {
-                    conn = control.recv() => conn,
-                    _ = stop.cancelled() => None,
-                };
-                let Some(conn) = conn else { break };
-                tokio::spawn(connection::accept(
-                    acceptor_device.clone(),
-                    conn.stream,
-                    conn.peer,
-                ));
-            }
-        });
-        Ok(IbvManagerActor { shared, shutdown })
-    }
-
-    async fn on_stop(
-        &mut self,
-        _: WeakActorRef<Self>,
-        _: ActorStopReason,
-    ) -> Result<(), Self::Error> {
-        self.shutdown.cancel();
-        Ok(())
+    async fn on_start(actor: Self, _: ActorRef<Self>) -> Result<Self, Self::Error> {
+        Ok(actor)
     }
 }
 
@@ -440,8 +415,6 @@ impl Message<RegisterRegion> for IbvManagerActor {
         })
     }
 }
-
-pub struct TransportLevel;
 
 impl Message<TransportLevel> for IbvManagerActor {
     type Reply = Result<RdmaTransportLevel, Infallible>;
@@ -507,6 +480,9 @@ pub struct IbvTransportInfo {
     /// `ibv_mtu` value of the port.
     pub mtu: u32,
     pub qps: Vec<IbvQpHandle>,
+    /// Queue pairs this node keeps for peers that connected to it, one per
+    /// peer's control session.
+    pub passive_qps: usize,
     /// Keys of the regions registered when this was taken.
     pub regions: Vec<IbvRegionKeys>,
     device_ref: Arc<Device>,
@@ -539,11 +515,10 @@ impl std::fmt::Debug for IbvTransportInfo {
             .field("gid_index", &self.gid_index)
             .field("mtu", &self.mtu)
             .field("qps", &self.qps)
+            .field("passive_qps", &self.passive_qps)
             .finish()
     }
 }
-
-pub struct TransportInfo;
 
 impl Message<TransportInfo> for IbvManagerActor {
     type Reply = Result<IbvTransportInfo, Infallible>;
@@ -579,6 +554,7 @@ impl Message<TransportInfo> for IbvManagerActor {
                     cq: unsafe { q.qp().cq().raw() } as usize,
                 })
                 .collect(),
+            passive_qps: self.shared.passive.len(),
             regions: {
                 let map = self.shared.registry.lock();
                 map.iter()
@@ -629,15 +605,16 @@ impl IbvDevice {
 }
 
 impl IbvBackend {
-    /// Spawns the manager on the current tokio runtime. `control` must carry
-    /// the node's `Control` connections.
-    pub fn start(
-        device: IbvDevice,
-        local: NodeAddr,
-        control: mpsc::Receiver<ControlConnection>,
-    ) -> Self {
+    /// Serves queue-pair exchanges on `endpoint`'s control sessions and
+    /// spawns the manager on the current tokio runtime.
+    pub fn start(device: IbvDevice, endpoint: &Endpoint) -> Result<Self, EndpointError> {
         let device = device.0;
         let name = device.context.name().to_string();
+        let passive = Arc::new(PassiveQps::default());
+        endpoint.serve(Service::IBVERBS_CONNECT, {
+            let (device, passive) = (device.clone(), passive.clone());
+            move |request| connection::accept(device.clone(), passive.clone(), request)
+        })?;
         info!(
             device = %name,
             port = device.port,
@@ -648,19 +625,19 @@ impl IbvBackend {
         );
         let shared = Arc::new(Shared {
             device,
-            local,
+            endpoint: endpoint.clone(),
             peers: Peers::default(),
             registry: Arc::default(),
+            passive,
         });
-        let actor = IbvManagerActor::spawn(IbvManagerArgs {
+        let actor = IbvManagerActor::spawn(IbvManagerActor {
             shared: shared.clone(),
-            control,
         });
-        IbvBackend {
+        Ok(IbvBackend {
             actor,
             shared,
             device: name,
-        }
+        })
     }
 
     pub fn actor(&self) -> &ActorRef<IbvManagerActor> {

@@ -17,10 +17,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::{BatchProgress, NodeAddr, NodeId, OpError, Region, random_u128};
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use ferry_control::{Endpoint, Request, Service, ServiceError, Session};
+use ferry_core::{BatchProgress, NodeAddr, OpError, Region, random_u128};
+use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
-use tokio::net::TcpStream;
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -569,25 +572,18 @@ fn endpoint_of(device: &Device, qp: &QueuePair, psn: u32) -> QpEndpoint {
     }
 }
 
-async fn read_info(stream: &mut TcpStream) -> Result<QpInfo, OpError> {
-    let mut buf = [0; QP_INFO_LEN];
-    stream
-        .read_exact(&mut buf)
-        .await
-        .map_err(|e| OpError::Protocol(format!("queue-pair exchange: {e}")))?;
-    QpInfo::decode(&buf)
-        .ok_or_else(|| OpError::Protocol("malformed queue-pair exchange frame".into()))
-}
-
-/// Connects a new QP to `peer`: exchanges details over its control channel,
-/// brings the QP to RTS and starts its completion poller.
+/// Connects a new QP to `peer`: exchanges details over this node's control
+/// session to it (by `deadline`), brings the QP to RTS and starts its
+/// completion poller.
 pub(crate) async fn connect(
     device: &Arc<Device>,
+    endpoint: &Endpoint,
     peer: NodeAddr,
-    me: NodeId,
+    deadline: Instant,
 ) -> Result<Arc<PeerQp>, OpError> {
     let setup = |e: crate::verbs::VerbsError| OpError::Protocol(format!("queue pair setup: {e}"));
-    let mut control = ferry_tcp::connect_control(peer, me).await?;
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let session = endpoint.session(peer, left()).await?;
     let channel = CompletionChannel::new(&device.context).map_err(setup)?;
     channel.set_nonblocking().map_err(setup)?;
     // One completion per request at most, and at most `max_send_wr` requests
@@ -606,17 +602,17 @@ pub(crate) async fn connect(
         mtu: device.mtu as u8,
         endpoint: endpoint_of(device, &qp, psn),
     };
-    control
-        .write_all(&mine.encode())
-        .await
-        .map_err(|e| OpError::Protocol(format!("queue-pair exchange: {e}")))?;
-    let theirs = read_info(&mut control).await?;
-    if theirs.status != 0 {
-        return Err(OpError::Protocol(format!(
-            "{} could not create a queue pair",
-            peer.endpoint
-        )));
-    }
+    let reply = session
+        .request(
+            Service::IBVERBS_CONNECT,
+            Bytes::copy_from_slice(&mine.encode()),
+            left(),
+        )
+        .await?;
+    let theirs = <&[u8; QP_INFO_LEN]>::try_from(&reply[..])
+        .ok()
+        .and_then(QpInfo::decode)
+        .ok_or_else(|| OpError::Protocol("malformed queue-pair exchange reply".into()))?;
     let path = PathConfig {
         port: device.port,
         gid_index: device.gid_index,
@@ -638,26 +634,22 @@ pub(crate) async fn connect(
         closed: CancellationToken::new(),
     });
     tokio::spawn(conn.clone().poll_completions(cq, channel));
-    tokio::spawn(watch_control(
+    tokio::spawn(watch_session(
         Arc::downgrade(&conn),
-        control,
+        session,
         conn.closed.clone(),
     ));
     debug!(peer = %peer.endpoint, qpn = conn.qpn(), remote_qpn = theirs.endpoint.qpn, "queue pair connected");
     Ok(conn)
 }
 
-/// Holds the control stream open for the QP's life. If the peer closes it
-/// (its process died), the QP is failed at once instead of after RC retries.
-async fn watch_control(
-    conn: std::sync::Weak<PeerQp>,
-    mut control: TcpStream,
-    closed: CancellationToken,
-) {
-    let mut byte = [0u8; 1];
+/// Fails the QP as soon as the control session it was set up over ends:
+/// the peer's process died or the path between the nodes broke, and RC
+/// retries would only report it much later.
+async fn watch_session(conn: std::sync::Weak<PeerQp>, session: Session, closed: CancellationToken) {
     tokio::select! {
         _ = closed.cancelled() => {}
-        _ = control.read(&mut byte) => {
+        _ = session.closed() => {
             if let Some(conn) = conn.upgrade() {
                 let endpoint = conn.peer.endpoint;
                 conn.break_with(OpError::ConnectionLost { endpoint });
@@ -666,14 +658,35 @@ async fn watch_control(
     }
 }
 
-/// The owner's side of the exchange: a QP dedicated to the initiator, kept
-/// until the initiator closes the control stream.
-pub(crate) async fn accept(device: Arc<Device>, mut control: TcpStream, peer: NodeId) {
-    let deadline = Duration::from_secs(10);
-    let theirs = match tokio::time::timeout(deadline, read_info(&mut control)).await {
-        Ok(Ok(info)) => info,
-        _ => return debug!(?peer, "queue-pair exchange failed"),
-    };
+/// The owner's queue pairs, one per control session that asked for one: a
+/// QP dedicated to that initiator. A new exchange on the same session (the
+/// initiator's QP failed and it reconnects) replaces it; the session's end
+/// destroys it.
+#[derive(Default)]
+pub(crate) struct PassiveQps(Mutex<HashMap<u64, QueuePair>>);
+
+impl PassiveQps {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, QueuePair>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// How many sessions hold a queue pair here.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+/// The owner's side of the exchange: the `IBVERBS_CONNECT` service.
+pub(crate) async fn accept(
+    device: Arc<Device>,
+    passive: Arc<PassiveQps>,
+    request: Request,
+) -> Result<Bytes, ServiceError> {
+    let peer = request.session.peer();
+    let theirs = <&[u8; QP_INFO_LEN]>::try_from(&request.body[..])
+        .ok()
+        .and_then(QpInfo::decode)
+        .ok_or_else(|| ServiceError("malformed queue-pair exchange frame".into()))?;
     let setup = || -> Result<(QueuePair, u32), crate::verbs::VerbsError> {
         // The passive QP never posts; its CQ only has to exist.
         let cq = CompletionQueue::new(&device.context, 2, None)?;
@@ -689,43 +702,30 @@ pub(crate) async fn accept(device: Arc<Device>, mut control: TcpStream, peer: No
         qp.to_rts(psn)?;
         Ok((qp, psn))
     };
-    let (reply, qp) = match setup() {
-        Ok((qp, psn)) => {
-            let endpoint = endpoint_of(&device, &qp, psn);
-            (
-                QpInfo {
-                    status: 0,
-                    mtu: device.mtu as u8,
-                    endpoint,
-                },
-                Some(qp),
-            )
-        }
-        Err(e) => {
-            debug!(?peer, error = %e, "cannot create a queue pair for a peer");
-            (
-                QpInfo {
-                    status: 1,
-                    mtu: 0,
-                    endpoint: QpEndpoint {
-                        qpn: 0,
-                        psn: 0,
-                        gid: [0; 16],
-                        lid: 0,
-                    },
-                },
-                None,
-            )
-        }
+    let (qp, psn) = setup().map_err(|e| {
+        debug!(node = %peer.id, error = %e, "cannot create a queue pair for a peer");
+        ServiceError(format!("cannot create a queue pair: {e}"))
+    })?;
+    let reply = QpInfo {
+        status: 0,
+        mtu: device.mtu as u8,
+        endpoint: endpoint_of(&device, &qp, psn),
     };
-    if control.write_all(&reply.encode()).await.is_err() || qp.is_none() {
-        return;
+    let session = request.session;
+    let replaced = passive.lock().insert(session.id(), qp);
+    if replaced.is_none() {
+        // The first QP of this session: it (and any that replaces it) lives
+        // until the session ends.
+        let passive = Arc::downgrade(&passive);
+        tokio::spawn(async move {
+            session.closed().await;
+            if let Some(passive) = passive.upgrade() {
+                passive.lock().remove(&session.id());
+            }
+            debug!(node = %session.peer().id, "control session ended: its queue pair is destroyed");
+        });
     }
-    // Anything but more bytes means the initiator is gone: destroy the QP.
-    let mut byte = [0u8; 1];
-    let _ = control.read(&mut byte).await;
-    debug!(?peer, "initiator closed its queue pair");
-    drop(qp);
+    Ok(Bytes::copy_from_slice(&reply.encode()))
 }
 
 #[cfg(test)]

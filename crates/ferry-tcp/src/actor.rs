@@ -1,28 +1,25 @@
-//! `TcpManagerActor`: owns this node's TCP data plane — the listener that
-//! serves registered regions and the connection pools to peers.
+//! `TcpManagerActor`: owns this node's TCP data plane: the data channel of
+//! the node's endpoint, which serves registered regions, and the connection
+//! pools to peers.
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_control::{Channel, Endpoint, EndpointError};
 use ferry_core::{
-    Generation, NodeAddr, NodeId, RdmaBackend, RdmaOp, RdmaTransportLevel, RegionId, RegisterError,
+    Generation, NodeAddr, RdmaBackend, RdmaOp, RdmaTransportLevel, RegionId, RegisterError,
     SubmitError, TcpRemote, random_u128,
 };
-use ferry_core::{RegisterRegion, Submit};
+use ferry_core::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 use kameo::Actor;
-use kameo::actor::{ActorRef, Spawn, WeakActorRef};
-use kameo::error::{ActorStopReason, SendError};
+use kameo::actor::{ActorRef, Spawn};
+use kameo::error::SendError;
 use kameo::message::{Context, Message};
 use kameo::reply::DelegatedReply;
-use tokio::net::TcpListener;
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::client::{ClientConfig, Peers};
-use crate::server::{ControlConnection, accept_loop};
 use crate::table::{RegionTable, TcpRegistration};
 
 /// Tuning of the TCP data plane.
@@ -37,6 +34,12 @@ pub struct TcpConfig {
     pub chunk_size: usize,
     /// Chunks that may wait in each connection's queue before submitters wait.
     pub queue_depth: usize,
+    /// Bytes of requests one connection keeps in flight (sent, not yet
+    /// answered); at least one chunk always fits. Enough to keep a fast link
+    /// busy, and the bound on what a timed-out submit still moves: its
+    /// chunks not yet sent are dropped, so at most this much per connection
+    /// is still on the wire.
+    pub window: u32,
 }
 
 impl Default for TcpConfig {
@@ -45,71 +48,33 @@ impl Default for TcpConfig {
             connections_per_peer: 4,
             chunk_size: 1 << 20,
             queue_depth: 256,
+            window: 8 << 20,
         }
     }
 }
 
-/// Arguments to spawn the actor: a bound listener (so the caller learns the
-/// port before anything runs) and this node's identity.
-pub struct TcpManagerArgs {
-    pub listener: TcpListener,
-    pub node: NodeId,
-    pub config: TcpConfig,
-    /// Where `Control` connections go; without it they are refused.
-    pub control: Option<mpsc::Sender<ControlConnection>>,
-}
-
-pub struct TcpManagerActor {
+/// What the actor and the [`TcpBackend`] handles share.
+struct Shared {
     local: NodeAddr,
     config: TcpConfig,
     table: Arc<RegionTable>,
-    peers: Arc<Peers>,
-    shutdown: CancellationToken,
+    peers: Peers,
+}
+
+/// The TCP data plane's manager actor. It accepts the shared [`Submit`],
+/// [`RegisterRegion`], [`TransportLevel`] and [`TransportInfo`] messages and
+/// replies to `Submit` later (delegated), so its mailbox never waits on a
+/// transfer. Made by [`TcpBackend::start`].
+pub struct TcpManagerActor {
+    shared: Arc<Shared>,
 }
 
 impl Actor for TcpManagerActor {
-    type Args = TcpManagerArgs;
-    type Error = std::io::Error;
+    type Args = Self;
+    type Error = Infallible;
 
-    async fn on_start(args: Self::Args, _actor_ref: ActorRef<Self>) -> Result<Self, Self::Error> {
-        let endpoint = args.listener.local_addr()?;
-        let mut config = args.config;
-        config.chunk_size = config.chunk_size.clamp(1, crate::frame::MAX_CHUNK as usize);
-        let table = Arc::new(RegionTable::default());
-        let shutdown = CancellationToken::new();
-        tokio::spawn(accept_loop(
-            args.listener,
-            args.node,
-            table.clone(),
-            args.control,
-            shutdown.clone(),
-        ));
-        let peers = Arc::new(Peers::new(ClientConfig {
-            node: args.node,
-            connections: config.connections_per_peer,
-            chunk_size: config.chunk_size,
-            queue_depth: config.queue_depth,
-        }));
-        info!(%endpoint, node = %args.node, ?config, "tcp transport listening");
-        Ok(TcpManagerActor {
-            local: NodeAddr {
-                id: args.node,
-                endpoint,
-            },
-            config,
-            table,
-            peers,
-            shutdown,
-        })
-    }
-
-    async fn on_stop(
-        &mut self,
-        _: WeakActorRef<Self>,
-        _: ActorStopReason,
-    ) -> Result<(), Self::Error> {
-        self.shutdown.cancel();
-        Ok(())
+    async fn on_start(actor: Self, _: ActorRef<Self>) -> Result<Self, Self::Error> {
+        Ok(actor)
     }
 }
 
@@ -118,9 +83,9 @@ impl Message<Submit> for TcpManagerActor {
 
     async fn handle(&mut self, msg: Submit, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
         let (delegated, reply) = ctx.reply_sender();
-        let peers = self.peers.clone();
+        let shared = self.shared.clone();
         tokio::spawn(async move {
-            let result = peers.submit(msg.ops, msg.timeout).await;
+            let result = shared.peers.submit(msg.ops, msg.timeout).await;
             if let Some(reply) = reply {
                 reply.send(result);
             }
@@ -129,21 +94,11 @@ impl Message<Submit> for TcpManagerActor {
     }
 }
 
-/// The result of asking any manager (TCP or ibverbs) to `Submit`, as one
-/// error type: a failed
-/// transfer as it is, and a manager that did not take the message (stopped,
-/// crashed, mailbox full) as `BackendStopped`.
-pub fn submit_outcome(
-    result: Result<(), SendError<Submit, SubmitError>>,
-) -> Result<(), SubmitError> {
-    result.map_err(|e| match e {
-        SendError::HandlerError(e) => e,
-        _ => SubmitError::BackendStopped,
-    })
-}
-
+/// What registering a region with the TCP backend gives.
 pub struct TcpRegistered {
+    /// The credentials remote handles carry.
     pub remote: TcpRemote,
+    /// Deregisters the region from the TCP backend when dropped.
     pub registration: TcpRegistration,
 }
 
@@ -155,6 +110,12 @@ impl Message<RegisterRegion> for TcpManagerActor {
         msg: RegisterRegion,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
+        self.shared.register(msg)
+    }
+}
+
+impl Shared {
+    fn register(&self, msg: RegisterRegion) -> Result<TcpRegistered, RegisterError> {
         let token = random_u128();
         if !self
             .table
@@ -176,7 +137,9 @@ impl Message<RegisterRegion> for TcpManagerActor {
 /// Stop serving a region now, before its last handle drops. Requests already
 /// being served finish; new ones are refused. Replies whether it was registered.
 pub struct DeregisterRegion {
+    /// The region's slot.
     pub id: RegionId,
+    /// Its generation: a newer region in the same slot is left alone.
     pub generation: Generation,
 }
 
@@ -188,7 +151,7 @@ impl Message<DeregisterRegion> for TcpManagerActor {
         msg: DeregisterRegion,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
-        Ok(self.table.remove(msg.id, msg.generation))
+        Ok(self.shared.table.remove(msg.id, msg.generation))
     }
 }
 
@@ -203,11 +166,9 @@ impl Message<RegisteredRegions> for TcpManagerActor {
         _: RegisteredRegions,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
-        Ok(self.table.registered())
+        Ok(self.shared.table.registered())
     }
 }
-
-pub struct TransportLevel;
 
 impl Message<TransportLevel> for TcpManagerActor {
     type Reply = Result<RdmaTransportLevel, Infallible>;
@@ -224,14 +185,29 @@ impl Message<TransportLevel> for TcpManagerActor {
 /// What the TCP backend reports about itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TcpTransportInfo {
+    /// This node as peers reach it.
     pub local: NodeAddr,
+    /// Connections opened to each peer.
     pub connections_per_peer: usize,
+    /// Largest request, in bytes.
     pub chunk_size: usize,
+    /// Bytes in flight per connection.
+    pub window: u32,
     /// Data connections currently open to peers.
     pub open_connections: usize,
 }
 
-pub struct TransportInfo;
+impl Shared {
+    fn info(&self) -> TcpTransportInfo {
+        TcpTransportInfo {
+            local: self.local,
+            connections_per_peer: self.config.connections_per_peer,
+            chunk_size: self.config.chunk_size,
+            window: self.config.window,
+            open_connections: self.peers.connected(),
+        }
+    }
+}
 
 impl Message<TransportInfo> for TcpManagerActor {
     type Reply = Result<TcpTransportInfo, Infallible>;
@@ -241,53 +217,63 @@ impl Message<TransportInfo> for TcpManagerActor {
         _: TransportInfo,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
-        Ok(TcpTransportInfo {
-            local: self.local,
-            connections_per_peer: self.config.connections_per_peer,
-            chunk_size: self.config.chunk_size,
-            open_connections: self.peers.connected(),
-        })
+        Ok(self.shared.info())
     }
 }
 
-/// Cloneable handle to a running `TcpManagerActor`.
+/// Cloneable handle to a running `TcpManagerActor`. Its `submit` runs the
+/// transfer in the caller's task, without a mailbox hop; the actor's
+/// `Submit` message does the same work for callers that only hold the actor.
 #[derive(Clone)]
 pub struct TcpBackend {
     actor: ActorRef<TcpManagerActor>,
-    local: NodeAddr,
+    shared: Arc<Shared>,
 }
 
 impl TcpBackend {
-    /// Binds `listen` and spawns the manager actor on the current tokio
-    /// runtime. `control` receives the node's `Control` connections.
-    pub async fn start(
-        listen: SocketAddr,
-        node: NodeId,
-        config: TcpConfig,
-        control: Option<mpsc::Sender<ControlConnection>>,
-    ) -> std::io::Result<Self> {
-        let listener = TcpListener::bind(listen).await?;
-        let endpoint = listener.local_addr()?;
-        let actor = TcpManagerActor::spawn(TcpManagerArgs {
-            listener,
-            node,
-            config,
-            control,
+    /// Serves the data channel of `endpoint` and spawns the manager actor on
+    /// the current tokio runtime.
+    pub fn start(endpoint: &Endpoint, config: TcpConfig) -> Result<Self, EndpointError> {
+        let mut config = config;
+        config.chunk_size = config.chunk_size.clamp(1, crate::frame::MAX_CHUNK as usize);
+        config.window = config.window.max(1);
+        let local = endpoint.local();
+        let table = Arc::new(RegionTable::default());
+        endpoint.handle(Channel::TCP_DATA, {
+            let table = table.clone();
+            move |connection| crate::server::serve_connection(connection, table.clone())
+        })?;
+        let peers = Peers::new(ClientConfig {
+            node: local.id,
+            connections: config.connections_per_peer,
+            chunk_size: config.chunk_size,
+            queue_depth: config.queue_depth,
+            window: config.window,
         });
-        Ok(TcpBackend {
-            actor,
-            local: NodeAddr { id: node, endpoint },
-        })
+        info!(endpoint = %local.endpoint, node = %local.id, ?config, "tcp transport ready");
+        let shared = Arc::new(Shared {
+            local,
+            config,
+            table,
+            peers,
+        });
+        let actor = TcpManagerActor::spawn(TcpManagerActor {
+            shared: shared.clone(),
+        });
+        Ok(TcpBackend { actor, shared })
     }
 
+    /// The manager actor, for workers that send it messages.
     pub fn actor(&self) -> &ActorRef<TcpManagerActor> {
         &self.actor
     }
 
+    /// This node as peers reach it.
     pub fn local(&self) -> NodeAddr {
-        self.local
+        self.shared.local
     }
 
+    /// Registers a region for remote access over TCP.
     pub async fn register(&self, msg: RegisterRegion) -> Result<TcpRegistered, RegisterError> {
         self.actor.ask(msg).await.map_err(|e| match e {
             SendError::HandlerError(e) => e,
@@ -295,11 +281,13 @@ impl TcpBackend {
         })
     }
 
-    pub async fn registered(&self) -> Vec<(RegionId, Generation)> {
-        self.actor.ask(RegisteredRegions).await.unwrap_or_default()
+    /// The regions currently served, as (id, generation), sorted.
+    pub fn registered(&self) -> Vec<(RegionId, Generation)> {
+        self.shared.table.registered()
     }
 
-    /// Stops the actor and the listener; in-flight transfers fail.
+    /// Stops the actor; in-flight transfers fail. (The data channel closes
+    /// with the endpoint.)
     pub async fn stop(&self) {
         let _ = self.actor.stop_gracefully().await;
         self.actor.wait_for_shutdown().await;
@@ -309,8 +297,9 @@ impl TcpBackend {
 impl RdmaBackend for TcpBackend {
     type TransportInfo = TcpTransportInfo;
 
+    /// Runs the transfer in the caller's task (see [`TcpBackend`]).
     async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
-        submit_outcome(self.actor.ask(Submit { ops, timeout }).await)
+        self.shared.peers.submit(ops, timeout).await
     }
 
     fn transport_level(&self) -> RdmaTransportLevel {
@@ -318,6 +307,6 @@ impl RdmaBackend for TcpBackend {
     }
 
     async fn transport_info(&self) -> Option<TcpTransportInfo> {
-        self.actor.ask(TransportInfo).await.ok()
+        Some(self.shared.info())
     }
 }

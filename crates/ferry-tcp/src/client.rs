@@ -9,18 +9,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ferry_control::Channel;
 use ferry_core::{BatchProgress, NodeAddr, NodeId, OpError, OpKind, RdmaOp, Region, SubmitError};
-use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, debug_span};
 
-use crate::frame::{
-    Channel, HELLO_LEN, Hello, HelloReply, HelloStatus, RESPONSE_LEN, Request, RequestKind,
-    Response, VERSION,
-};
+use crate::frame::{RESPONSE_LEN, Request, RequestKind, Response};
 use crate::io::{FrameReader, IoVecs};
 
 /// Initiator tuning; see `TcpConfig` for what each knob trades.
@@ -30,6 +27,8 @@ pub(crate) struct ClientConfig {
     pub connections: usize,
     pub chunk_size: usize,
     pub queue_depth: usize,
+    /// Bytes one connection may have requested and not yet had answered.
+    pub window: u32,
 }
 
 /// Most chunks one connection writes with a single `sendmsg`.
@@ -54,6 +53,12 @@ struct Chunk {
 impl Chunk {
     fn len(&self) -> usize {
         self.request.len as usize
+    }
+
+    /// What the chunk takes of its connection's window while in flight: its
+    /// bytes, capped at the window so that any chunk fits on its own.
+    fn cost(&self, window: u32) -> u32 {
+        self.request.len.min(window.into()).max(1) as u32
     }
 
     /// First byte of the local range this chunk reads from or writes to.
@@ -271,91 +276,44 @@ impl Peer {
 }
 
 async fn connect(addr: NodeAddr, config: ClientConfig) -> Result<Conn, OpError> {
-    let (stream, reader) = handshake(addr, config.node, Channel::Data).await?;
+    let stream = ferry_control::connect(addr, config.node, Channel::TCP_DATA).await?;
     let endpoint = addr.endpoint;
     let (tx, rx) = mpsc::channel(config.queue_depth.max(1));
     let closed = CancellationToken::new();
-    tokio::spawn(run_connection(stream, reader, rx, closed.clone(), endpoint));
+    tokio::spawn(run_connection(
+        stream,
+        rx,
+        closed.clone(),
+        endpoint,
+        config.window.max(1),
+    ));
     debug!(%endpoint, node = ?addr.id, "data connection open");
     Ok(Conn { tx, closed })
 }
 
-/// Opens a `Control` connection to node `addr` as node `me`: after this the
-/// stream belongs to the caller's own protocol. Fails with `UnknownNode` if
-/// someone else answers at that endpoint.
-pub async fn connect_control(addr: NodeAddr, me: NodeId) -> Result<TcpStream, OpError> {
-    let (stream, reader) = handshake(addr, me, Channel::Control).await?;
-    if reader.buffered() != 0 {
-        return Err(OpError::Protocol(
-            "server spoke after its hello reply".into(),
-        ));
-    }
-    Ok(stream)
-}
-
-/// Connects and exchanges hellos; returns the stream and the reader that
-/// holds whatever the server sent after its reply.
-async fn handshake(
-    addr: NodeAddr,
-    me: NodeId,
-    channel: Channel,
-) -> Result<(TcpStream, FrameReader), OpError> {
-    let endpoint = addr.endpoint;
-    let unreachable = |e: io::Error| OpError::PeerUnreachable {
-        endpoint,
-        reason: e.to_string(),
-    };
-    let mut stream = TcpStream::connect(endpoint).await.map_err(unreachable)?;
-    crate::io::configure(&stream).map_err(unreachable)?;
-    let hello = Hello {
-        version: VERSION,
-        channel: channel as u8,
-        node: me,
-    };
-    stream
-        .write_all(&hello.encode())
-        .await
-        .map_err(unreachable)?;
-    let mut reader = FrameReader::default();
-    let reply = match reader
-        .header::<HELLO_LEN>(&stream)
-        .await
-        .map_err(unreachable)?
-    {
-        Some(bytes) => HelloReply::decode(&bytes).map_err(|e| OpError::Protocol(e.to_string()))?,
-        None => return Err(OpError::ConnectionLost { endpoint }),
-    };
-    if reply.status != HelloStatus::Ok as u8 {
-        return Err(OpError::Protocol(format!(
-            "{endpoint} refused the connection (status {})",
-            reply.status
-        )));
-    }
-    if reply.node != addr.id {
-        return Err(OpError::UnknownNode {
-            expected: addr.id,
-            endpoint,
-        });
-    }
-    Ok((stream, reader))
-}
-
 /// Drives one connection until either direction fails or every sender is gone.
+///
+/// At most `window` bytes of requests are in flight (sent and not yet
+/// answered): enough to keep the link busy, and all that a submit which
+/// times out still moves on this connection, since what it has not sent by
+/// then is dropped unsent.
 async fn run_connection(
     stream: TcpStream,
-    mut reader: FrameReader,
     mut rx: mpsc::Receiver<Chunk>,
     closed: CancellationToken,
     endpoint: SocketAddr,
+    window: u32,
 ) {
     let pending = Mutex::new(HashMap::<u64, Chunk>::new());
+    let room = Semaphore::new(window as usize);
+    let mut reader = FrameReader::default();
     let writing = async {
-        let r = write_loop(&stream, &mut rx, &pending, &closed).await;
+        let r = write_loop(&stream, &mut rx, &pending, &closed, (&room, window)).await;
         closed.cancel();
         r
     };
     let reading = async {
-        let r = read_loop(&stream, &mut reader, &pending, &closed).await;
+        let r = read_loop(&stream, &mut reader, &pending, &closed, (&room, window)).await;
         closed.cancel();
         r
     };
@@ -379,11 +337,14 @@ async fn run_connection(
     }
 }
 
+/// Sends queued chunks, as many per `sendmsg` as are queued and fit in the
+/// window, skipping (and finishing) those whose submit has timed out.
 async fn write_loop(
     stream: &TcpStream,
     rx: &mut mpsc::Receiver<Chunk>,
     pending: &Mutex<HashMap<u64, Chunk>>,
     closed: &CancellationToken,
+    (room, window): (&Semaphore, u32),
 ) -> io::Result<()> {
     let mut next_id = 0u64;
     let mut batch = Vec::with_capacity(MAX_CHUNKS_PER_SEND);
@@ -391,30 +352,66 @@ async fn write_loop(
     // (pin, payload pointer as integer, payload length) per chunk in flight
     let mut payloads: Vec<(Region, usize, usize)> = Vec::with_capacity(MAX_CHUNKS_PER_SEND);
     let mut iov = IoVecs::default();
+    // A chunk taken from the queue that did not fit in the window yet.
+    let mut deferred: Option<Chunk> = None;
     loop {
-        let first = tokio::select! {
-            biased;
-            _ = closed.cancelled() => return Ok(()),
-            chunk = rx.recv() => match chunk {
-                Some(chunk) => chunk,
-                None => return Ok(()),
+        let first = match deferred.take() {
+            Some(chunk) => chunk,
+            None => tokio::select! {
+                biased;
+                _ = closed.cancelled() => return Ok(()),
+                chunk = rx.recv() => match chunk {
+                    Some(chunk) => chunk,
+                    None => return Ok(()),
+                },
             },
         };
-        batch.push(first);
-        while batch.len() < MAX_CHUNKS_PER_SEND {
-            match rx.try_recv() {
-                Ok(chunk) => batch.push(chunk),
-                Err(_) => break,
+        // Nothing can go before the round's first chunk: it waits for room.
+        if first.is_abandoned() {
+            // Its submit already returned Timeout; never put it on the wire.
+            first.finish(Ok(()));
+        } else {
+            let cost = first.cost(window);
+            tokio::select! {
+                biased;
+                _ = closed.cancelled() => return Ok(()),
+                permit = room.acquire_many(cost) => match permit {
+                    Ok(permit) => permit.forget(),
+                    Err(_) => return Ok(()),
+                },
             }
+            // The wait may have been long.
+            if first.is_abandoned() {
+                room.add_permits(cost as usize);
+                first.finish(Ok(()));
+            } else {
+                batch.push(first);
+            }
+        }
+        // Then whatever is queued and fits now.
+        while batch.len() < MAX_CHUNKS_PER_SEND {
+            let Ok(chunk) = rx.try_recv() else { break };
+            if chunk.is_abandoned() {
+                chunk.finish(Ok(()));
+                continue;
+            }
+            match room.try_acquire_many(chunk.cost(window)) {
+                Ok(permit) => {
+                    permit.forget();
+                    batch.push(chunk);
+                }
+                Err(_) => {
+                    deferred = Some(chunk);
+                    break;
+                }
+            }
+        }
+        if batch.is_empty() {
+            continue;
         }
         {
             let mut pending = pending.lock().unwrap_or_else(|e| e.into_inner());
             for mut chunk in batch.drain(..) {
-                if chunk.is_abandoned() {
-                    // Its submit already returned Timeout; never put it on the wire.
-                    chunk.finish(Ok(()));
-                    continue;
-                }
                 next_id += 1;
                 chunk.request.id = next_id;
                 headers.push(chunk.request.encode());
@@ -453,11 +450,13 @@ async fn write_loop(
     }
 }
 
+/// Applies responses; each answered chunk gives its bytes back to the window.
 async fn read_loop(
     stream: &TcpStream,
     reader: &mut FrameReader,
     pending: &Mutex<HashMap<u64, Chunk>>,
     closed: &CancellationToken,
+    (room, window): (&Semaphore, u32),
 ) -> io::Result<()> {
     let protocol = |msg: &str| io::Error::new(io::ErrorKind::InvalidData, msg.to_string());
     loop {
@@ -478,6 +477,7 @@ async fn read_loop(
             .unwrap_or_else(|e| e.into_inner())
             .remove(&response.id())
             .ok_or_else(|| protocol("response to a request never sent"))?;
+        let cost = chunk.cost(window);
         match response {
             Response::ReadData { len, .. } => {
                 if chunk.kind != OpKind::Read || len != chunk.request.len {
@@ -506,5 +506,6 @@ async fn read_loop(
                 chunk.finish(Err(error));
             }
         }
+        room.add_permits(cost as usize);
     }
 }

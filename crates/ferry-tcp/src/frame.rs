@@ -1,121 +1,34 @@
-//! Wire format of the TCP data plane: fixed-size little-endian headers, the
+//! Wire format of the TCP data channel: fixed-size little-endian headers, the
 //! payload of a write request or read response following its header directly.
 //!
 //! ```text
-//! connect:  client -> Hello (24 B)          server -> HelloReply (24 B)
+//! connect:  the endpoint's hello for `Channel::TCP_DATA` (see ferry-control)
 //! request:  client -> Request (64 B) [+ len payload bytes for a write]
 //! response: server -> Response (40 B) [+ len payload bytes for read data]
 //! ```
 //! Versioned by the hello exchange; any frame that does not parse ends the
 //! connection after an error response, since framing can no longer be trusted.
 
-use ferry_core::{Generation, NodeId, OpError, RegionId};
+use ferry_control::wire::{u32_at, u64_at, u128_at};
+use ferry_core::{Generation, OpError, RegionId};
 
-pub const MAGIC: u32 = u32::from_le_bytes(*b"FRY1");
-pub const VERSION: u16 = 1;
 /// Largest payload one request may carry; a larger length is a framing error.
 pub const MAX_CHUNK: u64 = 64 << 20;
 
-pub const HELLO_LEN: usize = 24;
+/// Length of a request header.
 pub const REQUEST_LEN: usize = 64;
+/// Length of a response header.
 pub const RESPONSE_LEN: usize = 40;
 
-/// What a connection to the node's endpoint is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Channel {
-    /// The TCP data plane: requests and responses as defined here.
-    Data = 1,
-    /// Handed, right after the hello, to another transport of the node (the
-    /// ibverbs backend exchanges queue-pair details over it).
-    Control = 2,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Hello {
-    pub version: u16,
-    pub channel: u8,
-    pub node: NodeId,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum HelloStatus {
-    Ok = 0,
-    BadVersion = 1,
-    BadChannel = 2,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HelloReply {
-    pub version: u16,
-    pub status: u8,
-    pub node: NodeId,
-}
-
+/// A header that does not parse.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum FrameError {
-    #[error("bad magic {0:#x}")]
-    BadMagic(u32),
+    /// A kind (or refusal code) this version does not know.
     #[error("unknown frame kind {0}")]
     BadKind(u8),
+    /// A payload length over [`MAX_CHUNK`].
     #[error("payload length {0} exceeds the {MAX_CHUNK}-byte limit")]
     TooLong(u64),
-}
-
-fn u16_at(b: &[u8], at: usize) -> u16 {
-    u16::from_le_bytes(b[at..at + 2].try_into().unwrap())
-}
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
-}
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
-}
-fn u128_at(b: &[u8], at: usize) -> u128 {
-    u128::from_le_bytes(b[at..at + 16].try_into().unwrap())
-}
-
-impl Hello {
-    pub fn encode(&self) -> [u8; HELLO_LEN] {
-        let mut b = [0; HELLO_LEN];
-        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-        b[4..6].copy_from_slice(&self.version.to_le_bytes());
-        b[6] = self.channel;
-        b[8..24].copy_from_slice(&self.node.0.to_le_bytes());
-        b
-    }
-    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, FrameError> {
-        match u32_at(b, 0) {
-            MAGIC => Ok(Hello {
-                version: u16_at(b, 4),
-                channel: b[6],
-                node: NodeId(u128_at(b, 8)),
-            }),
-            other => Err(FrameError::BadMagic(other)),
-        }
-    }
-}
-
-impl HelloReply {
-    pub fn encode(&self) -> [u8; HELLO_LEN] {
-        let mut b = [0; HELLO_LEN];
-        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-        b[4..6].copy_from_slice(&self.version.to_le_bytes());
-        b[6] = self.status;
-        b[8..24].copy_from_slice(&self.node.0.to_le_bytes());
-        b
-    }
-    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, FrameError> {
-        match u32_at(b, 0) {
-            MAGIC => Ok(HelloReply {
-                version: u16_at(b, 4),
-                status: b[6],
-                node: NodeId(u128_at(b, 8)),
-            }),
-            other => Err(FrameError::BadMagic(other)),
-        }
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -299,12 +212,6 @@ mod tests {
             token: u128::MAX - 5,
         };
         assert_eq!(Request::decode(&req.encode()), Ok(req));
-        let hello = Hello {
-            version: VERSION,
-            channel: Channel::Data as u8,
-            node: NodeId(77),
-        };
-        assert_eq!(Hello::decode(&hello.encode()), Ok(hello));
         for resp in [
             Response::ReadData { id: 1, len: 10 },
             Response::WriteAck { id: 2 },
@@ -339,10 +246,6 @@ mod tests {
         assert_eq!(
             Request::decode(&b),
             Err((42, FrameError::TooLong(MAX_CHUNK + 1)))
-        );
-        assert_eq!(
-            Hello::decode(&[0xff; HELLO_LEN]),
-            Err(FrameError::BadMagic(u32::MAX))
         );
     }
 }

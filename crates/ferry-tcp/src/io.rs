@@ -21,44 +21,6 @@ const READ_BUF: usize = 64 * 1024;
 /// Most iovecs handed to one `sendmsg`: well under every kernel's IOV_MAX.
 pub const MAX_IOV: usize = 512;
 
-/// Idle seconds before the first keepalive probe, seconds between probes,
-/// and unanswered probes before the kernel declares the peer dead.
-const KEEPALIVE: (libc::c_int, libc::c_int, libc::c_int) = (10, 5, 3);
-
-/// Sets TCP_NODELAY and aggressive keepalive on a data connection.
-///
-/// A peer host that vanishes without a reset (power loss, partition) would
-/// otherwise leave the connection — and the memory pins of chunks still
-/// pending on it — in place forever; with these timers the kernel fails the
-/// connection about 25 s after the last sign of life, which releases them.
-pub fn configure(stream: &TcpStream) -> io::Result<()> {
-    stream.set_nodelay(true)?;
-    let fd = stream.as_raw_fd();
-    let (idle, interval, count) = KEEPALIVE;
-    for (level, name, value) in [
-        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, interval),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, count),
-    ] {
-        // SAFETY: `fd` is a live socket owned by `stream`; the option value is
-        // a c_int on the stack, and its size is passed alongside.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd,
-                level,
-                name,
-                (&value as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
-
 /// One `recv` into `addr..addr+len` (an address as an integer, so that the
 /// future stays `Send`). Returns 0 at end of stream. The caller guarantees the
 /// range is writable and alive across the call.
@@ -305,50 +267,5 @@ impl FrameReader {
             len -= n;
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn option(stream: &TcpStream, level: libc::c_int, name: libc::c_int) -> libc::c_int {
-        let mut value: libc::c_int = 0;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: the fd is live; `value` and `len` are valid for writes.
-        let rc = unsafe {
-            libc::getsockopt(
-                stream.as_raw_fd(),
-                level,
-                name,
-                (&mut value as *mut libc::c_int).cast(),
-                &mut len,
-            )
-        };
-        assert_eq!(rc, 0, "{}", io::Error::last_os_error());
-        value
-    }
-
-    #[tokio::test]
-    async fn data_connections_use_nodelay_and_keepalive() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let stream = TcpStream::connect(listener.local_addr().unwrap())
-            .await
-            .unwrap();
-        configure(&stream).unwrap();
-        assert!(stream.nodelay().unwrap());
-        assert_eq!(option(&stream, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
-        assert_eq!(
-            option(&stream, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE),
-            KEEPALIVE.0
-        );
-        assert_eq!(
-            option(&stream, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL),
-            KEEPALIVE.1
-        );
-        assert_eq!(
-            option(&stream, libc::IPPROTO_TCP, libc::TCP_KEEPCNT),
-            KEEPALIVE.2
-        );
     }
 }

@@ -1,147 +1,56 @@
-//! The owner side: accepts data connections and serves one-sided reads and
-//! writes into registered regions. A misbehaving client loses its own
-//! connection and nothing else.
+//! The owner side: serves one-sided reads and writes into registered
+//! regions on each data connection the endpoint hands over. A misbehaving
+//! client loses its own connection and nothing else.
 
 use std::io;
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
-use ferry_core::NodeId;
-use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
-use tokio::task::JoinSet;
-use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use ferry_control::Connection;
+use tokio::net::TcpStream;
+use tracing::debug;
 
-use crate::frame::{
-    Channel, HELLO_LEN, Hello, HelloReply, HelloStatus, REQUEST_LEN, RESPONSE_LEN, Refusal,
-    Request, RequestKind, Response, VERSION,
-};
+use crate::frame::{REQUEST_LEN, RESPONSE_LEN, Refusal, Request, RequestKind, Response};
 use crate::io::{FrameReader, IoVecs, MAX_IOV};
 use crate::table::RegionTable;
-
-/// A client must say hello this fast; a silent socket does not get to hold a
-/// task forever.
-const HELLO_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Acknowledgements are coalesced up to this many before they are sent.
 const MAX_PENDING_ACKS: usize = 64;
 // A read response shares its system call with the staged acks.
 const _: () = assert!(MAX_PENDING_ACKS + 2 <= MAX_IOV);
 
-/// A `Control` connection, after a successful hello, for the transport that
-/// registered to receive them.
-pub struct ControlConnection {
-    pub stream: TcpStream,
-    /// The node id the client announced in its hello.
-    pub peer: NodeId,
-}
-
-pub(crate) async fn accept_loop(
-    listener: TcpListener,
-    node: NodeId,
-    table: Arc<RegionTable>,
-    control: Option<mpsc::Sender<ControlConnection>>,
-    shutdown: CancellationToken,
-) {
-    let mut connections = JoinSet::new();
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            _ = shutdown.cancelled() => break,
-        };
-        // Reap finished connection tasks so the set does not grow forever.
-        while connections.try_join_next().is_some() {}
-        match accepted {
-            Ok((stream, peer)) => {
-                let table = table.clone();
-                let control = control.clone();
-                connections.spawn(async move {
-                    if let Err(e) = serve(stream, node, &table, control.as_ref()).await {
-                        debug!(%peer, error = %e, "data connection closed with an error");
-                    }
-                });
-            }
-            // Running out of fds is transient; back off instead of spinning.
-            Err(e) => {
-                warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-    connections.shutdown().await;
-}
-
-async fn serve(
-    mut stream: TcpStream,
-    node: NodeId,
-    table: &RegionTable,
-    control: Option<&mpsc::Sender<ControlConnection>>,
-) -> io::Result<()> {
-    crate::io::configure(&stream)?;
-    let peer: SocketAddr = stream.peer_addr()?;
-    let mut reader = FrameReader::default();
-
-    let hello =
-        match tokio::time::timeout(HELLO_DEADLINE, reader.header::<HELLO_LEN>(&stream)).await {
-            Ok(Ok(Some(bytes))) => Hello::decode(&bytes).map_err(invalid)?,
-            Ok(Ok(None)) => return Ok(()),
-            Ok(Err(e)) => return Err(e),
-            Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "no hello")),
-        };
-    let status = if hello.version != VERSION {
-        HelloStatus::BadVersion
-    } else if hello.channel == Channel::Data as u8
-        || (hello.channel == Channel::Control as u8 && control.is_some())
-    {
-        HelloStatus::Ok
-    } else {
-        HelloStatus::BadChannel
-    };
-    let reply = HelloReply {
-        version: VERSION,
-        status: status as u8,
+/// Serves one data connection (after its hello) until the client closes it
+/// or breaks the protocol.
+pub(crate) async fn serve_connection(connection: Connection, table: Arc<RegionTable>) {
+    let Connection {
+        stream,
         node,
-    };
-    stream.write_all(&reply.encode()).await?;
-    if status != HelloStatus::Ok {
-        return Err(invalid(format!("refused hello from {peer}: {status:?}")));
+        remote,
+    } = connection;
+    debug!(%remote, client = ?node, "data connection open");
+    if let Err(e) = serve(&stream, &table).await {
+        debug!(%remote, error = %e, "data connection closed with an error");
     }
-    if let (Some(control), true) = (control, hello.channel == Channel::Control as u8) {
-        // The client waits for our reply before it says more, so nothing of
-        // the next protocol can be sitting in our read buffer.
-        if reader.buffered() != 0 {
-            return Err(invalid("control client spoke before the hello reply"));
-        }
-        let handed = control
-            .send(ControlConnection {
-                stream,
-                peer: hello.node,
-            })
-            .await;
-        return handed
-            .map_err(|_| io::Error::new(io::ErrorKind::NotConnected, "control handler gone"));
-    }
-    debug!(%peer, client = ?hello.node, "data connection open");
+}
+
+async fn serve(stream: &TcpStream, table: &RegionTable) -> io::Result<()> {
+    let mut reader = FrameReader::default();
 
     let mut out = Outgoing::default();
     loop {
         // About to block on the socket: first send the acks we owe, so a
         // client waiting for them is never stalled behind our own read.
         if reader.buffered() < REQUEST_LEN || out.acks.len() >= MAX_PENDING_ACKS {
-            out.flush(&stream).await?;
+            out.flush(stream).await?;
         }
-        let Some(bytes) = reader.header::<REQUEST_LEN>(&stream).await? else {
-            return out.flush(&stream).await;
+        let Some(bytes) = reader.header::<REQUEST_LEN>(stream).await? else {
+            return out.flush(stream).await;
         };
         let req = match Request::decode(&bytes) {
             Ok(req) => req,
             Err((id, e)) => {
                 // The payload length cannot be trusted: refuse and hang up.
                 out.refuse(id, Refusal::Malformed, 0);
-                out.flush(&stream).await?;
+                out.flush(stream).await?;
                 return Err(invalid(e));
             }
         };
@@ -152,7 +61,7 @@ async fn serve(
                 // length, and `grant.memory` keeps the block alive across the call.
                 unsafe {
                     reader
-                        .payload(&stream, grant.memory.as_ptr().add(grant.offset), len)
+                        .payload(stream, grant.memory.as_ptr().add(grant.offset), len)
                         .await?
                 };
                 served("write", req.len);
@@ -173,13 +82,13 @@ async fn serve(
                     iov.push(header.as_ptr(), header.len());
                     iov.push(grant.memory.as_ptr().add(grant.offset), len);
                 }
-                iov.send_all(&stream).await?;
+                iov.send_all(stream).await?;
                 out.acks.clear();
                 served("read", req.len);
             }
             (kind, Err(refusal)) => {
                 if kind == RequestKind::Write {
-                    reader.discard(&stream, len).await?;
+                    reader.discard(stream, len).await?;
                 }
                 metrics::counter!("ferry_served_refusals_total", "transport" => "tcp").increment(1);
                 out.refuse(req.id, refusal, req.len);

@@ -1,0 +1,271 @@
+//! Configuring and starting a node: which address it listens on and
+//! advertises, which transports it starts (and requires), and their tuning.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use ferry_control::{ConnectionLimits, Endpoint, EndpointConfig, EndpointError};
+use ferry_core::{NodeId, RdmaTransportLevel, RegionIds};
+use ferry_ibverbs::{IbvBackend, IbvConfig, IbvDevice};
+use ferry_tcp::{TcpBackend, TcpConfig};
+use kameo::actor::Spawn;
+use tracing::info;
+
+use crate::actor::NodeActor;
+use crate::meters::Meters;
+use crate::node::{Node, NodeInner, Router};
+use crate::transports::{TransportState, TransportStatus};
+
+/// Setting this environment variable to `1` keeps a node off RDMA, as
+/// [`NodeBuilder::ibverbs`]`(false)` does.
+pub const DISABLE_IBVERBS_ENV: &str = "FERRY_DISABLE_IBVERBS";
+
+/// The address a node advertises to peers when the builder names none:
+/// an IP (the bound port is used) or IP:PORT. See [`NodeBuilder::advertise`].
+pub const ADVERTISE_ENV: &str = "FERRY_ADVERTISE";
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The endpoint could not start: the address is taken, or it listens on
+    /// every interface with no address to advertise.
+    #[error(transparent)]
+    Endpoint(#[from] EndpointError),
+    /// A transport the builder requires ([`NodeBuilder::require`]) cannot
+    /// start here.
+    #[error("{transport} required but unavailable: {reason}")]
+    TransportUnavailable {
+        /// The transport required.
+        transport: RdmaTransportLevel,
+        /// Why it cannot start.
+        reason: String,
+    },
+    /// `FERRY_ADVERTISE` holds something that is not an address.
+    #[error("{ADVERTISE_ENV}={value:?} is not an IP address or IP:PORT")]
+    BadAdvertiseEnv {
+        /// The variable's value.
+        value: String,
+    },
+}
+
+/// Configures and spawns a [`Node`].
+#[derive(Clone, Debug)]
+pub struct NodeBuilder {
+    listen: SocketAddr,
+    advertise: Option<SocketAddr>,
+    endpoint: EndpointConfig,
+    tcp: TcpConfig,
+    ibverbs: bool,
+    ibverbs_config: IbvConfig,
+    required: Vec<RdmaTransportLevel>,
+}
+
+impl Default for NodeBuilder {
+    fn default() -> Self {
+        NodeBuilder {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            endpoint: EndpointConfig::default(),
+            tcp: TcpConfig::default(),
+            ibverbs: true,
+            ibverbs_config: IbvConfig::default(),
+            required: Vec::new(),
+        }
+    }
+}
+
+impl NodeBuilder {
+    /// The address the node's endpoint binds; port 0 picks a free port.
+    /// Default `127.0.0.1:0`. An unspecified address (`0.0.0.0`, `::`)
+    /// listens on every interface and needs [`NodeBuilder::advertise`].
+    pub fn listen(mut self, addr: SocketAddr) -> Self {
+        self.listen = addr;
+        self
+    }
+
+    /// The address peers reach this node at, carried by every handle it
+    /// hands out; port 0 means the port the endpoint bound. Needed when
+    /// listening on every interface; otherwise the listen address is
+    /// advertised. Without this call, `FERRY_ADVERTISE` is used if set.
+    pub fn advertise(mut self, addr: SocketAddr) -> Self {
+        self.advertise = Some(addr);
+        self
+    }
+
+    /// Bounds on the connections the endpoint accepts (default: derived from
+    /// the process's descriptor limit; see [`ConnectionLimits`]).
+    pub fn connection_limits(mut self, limits: ConnectionLimits) -> Self {
+        self.endpoint.limits = limits;
+        self
+    }
+
+    /// The endpoint's whole configuration (limits, control frame size).
+    pub fn endpoint_config(mut self, config: EndpointConfig) -> Self {
+        self.endpoint = config;
+        self
+    }
+
+    /// TCP data connections per peer (default 4).
+    pub fn tcp_connections(mut self, n: usize) -> Self {
+        self.tcp.connections_per_peer = n.max(1);
+        self
+    }
+
+    /// Largest request the TCP backend sends as one chunk, in bytes
+    /// (default 1 MiB; capped at the protocol's 64 MiB).
+    pub fn tcp_chunk_size(mut self, bytes: u64) -> Self {
+        self.tcp.chunk_size = usize::try_from(bytes).unwrap_or(usize::MAX).max(1);
+        self
+    }
+
+    /// The TCP backend's whole configuration.
+    pub fn tcp_config(mut self, config: TcpConfig) -> Self {
+        self.tcp = config;
+        self
+    }
+
+    /// Whether to use an RDMA device when this host has one (default true;
+    /// `FERRY_DISABLE_IBVERBS=1` overrides it to false).
+    pub fn ibverbs(mut self, enabled: bool) -> Self {
+        self.ibverbs = enabled;
+        self
+    }
+
+    /// Which device, port and GID the ibverbs backend uses.
+    pub fn ibverbs_config(mut self, config: IbvConfig) -> Self {
+        self.ibverbs_config = config;
+        self
+    }
+
+    /// Makes [`NodeBuilder::spawn`] fail, naming the reason, unless the
+    /// transport of `level` runs (e.g. `require(Nic)` on a host where RDMA
+    /// was expected). May be called for several levels.
+    pub fn require(mut self, level: RdmaTransportLevel) -> Self {
+        if !self.required.contains(&level) {
+            self.required.push(level);
+        }
+        self
+    }
+
+    /// The address to advertise: the builder's, else `FERRY_ADVERTISE`'s.
+    fn advertised(&self) -> Result<Option<SocketAddr>, NodeError> {
+        if self.advertise.is_some() {
+            return Ok(self.advertise);
+        }
+        match std::env::var(ADVERTISE_ENV) {
+            Ok(value) if !value.trim().is_empty() => parse_advertise(value.trim())
+                .map(Some)
+                .ok_or(NodeError::BadAdvertiseEnv { value }),
+            _ => Ok(None),
+        }
+    }
+
+    /// Binds the endpoint and spawns the node's actor and its backends on the
+    /// current tokio runtime: TCP always, ibverbs when enabled and a device
+    /// is usable. Fails if a required transport cannot start, or the
+    /// endpoint cannot (see [`NodeError`]).
+    pub async fn spawn(self) -> Result<Node, NodeError> {
+        let id = NodeId::random();
+        let disabled_by_env = std::env::var(DISABLE_IBVERBS_ENV).is_ok_and(|v| v == "1");
+        let device = match (self.ibverbs, disabled_by_env) {
+            (false, _) => Err("disabled by the node builder".to_string()),
+            (true, true) => Err(format!("disabled by {DISABLE_IBVERBS_ENV}=1")),
+            (true, false) => IbvDevice::open(&self.ibverbs_config).map_err(|e| e.to_string()),
+        };
+        let memory_reason = "not implemented yet (same-host transport)".to_string();
+        for &level in &self.required {
+            let missing = match level {
+                RdmaTransportLevel::Tcp => None,
+                RdmaTransportLevel::Nic => device.as_ref().err().cloned(),
+                RdmaTransportLevel::Memory => Some(memory_reason.clone()),
+            };
+            if let Some(reason) = missing {
+                return Err(NodeError::TransportUnavailable {
+                    transport: level,
+                    reason,
+                });
+            }
+        }
+        let endpoint = Endpoint::bind(self.listen, self.advertised()?, id, self.endpoint).await?;
+        let tcp = TcpBackend::start(&endpoint, self.tcp)?;
+        let addr = endpoint.local();
+        let (ibverbs, ibverbs_state) = match device {
+            Ok(device) => {
+                let detail = device.describe();
+                info!(node = %id, endpoint = %addr.endpoint, "ferry node running on ibverbs ({detail}) with TCP fallback");
+                let backend = IbvBackend::start(device, &endpoint)?;
+                (Some(backend), TransportState::Running { detail })
+            }
+            Err(reason) => {
+                info!(node = %id, endpoint = %addr.endpoint, "ferry node running on TCP only: ibverbs unavailable: {reason}");
+                (None, TransportState::Unavailable { reason })
+            }
+        };
+        endpoint.start();
+        let transports = vec![
+            TransportStatus {
+                level: RdmaTransportLevel::Memory,
+                state: TransportState::Unavailable {
+                    reason: memory_reason,
+                },
+            },
+            TransportStatus {
+                level: RdmaTransportLevel::Nic,
+                state: ibverbs_state,
+            },
+            TransportStatus {
+                level: RdmaTransportLevel::Tcp,
+                state: TransportState::Running {
+                    detail: format!(
+                        "kernel TCP, {} connections per peer",
+                        self.tcp.connections_per_peer.max(1)
+                    ),
+                },
+            },
+        ];
+        let router = Arc::new(Router {
+            endpoint,
+            ids: RegionIds::new(),
+            tcp,
+            ibverbs,
+            transports,
+            tcp_meters: Meters::new("tcp"),
+            ibverbs_meters: Meters::new("ibverbs"),
+        });
+        let actor = NodeActor::spawn(NodeActor::new(router.clone()));
+        Ok(Node(Arc::new(NodeInner { router, actor })))
+    }
+}
+
+/// `IP` (port 0: the bound port) or `IP:PORT`.
+pub(crate) fn parse_advertise(text: &str) -> Option<SocketAddr> {
+    text.parse::<SocketAddr>()
+        .ok()
+        .or_else(|| text.parse::<IpAddr>().ok().map(|ip| SocketAddr::new(ip, 0)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advertised_addresses_parse_with_or_without_a_port() {
+        assert_eq!(
+            parse_advertise("10.0.0.5"),
+            Some("10.0.0.5:0".parse().unwrap())
+        );
+        assert_eq!(
+            parse_advertise("10.0.0.5:7000"),
+            Some("10.0.0.5:7000".parse().unwrap())
+        );
+        assert_eq!(
+            parse_advertise("[fd00::1]:7000"),
+            Some("[fd00::1]:7000".parse().unwrap())
+        );
+        assert_eq!(
+            parse_advertise("fd00::1"),
+            Some("[fd00::1]:0".parse().unwrap())
+        );
+        assert_eq!(parse_advertise("host.example:7000"), None);
+    }
+}

@@ -1,0 +1,374 @@
+//! The node: its one routing path ([`Router`]), shared by the [`Node`]
+//! handle and the [`NodeActor`], so that a submit takes the same transport
+//! whichever way it arrives.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_control::Endpoint;
+use ferry_core::{
+    Access, Generation, MemoryBlock, NodeAddr, OpError, RdmaBackend, RdmaOp, RdmaTransportLevel,
+    Region, RegionId, RegionIds, RegionParts, RegisterError, RegisterRegion, RemoteTransports,
+    SubmitError,
+};
+use ferry_ibverbs::{IbvBackend, IbvTransportInfo};
+use ferry_tcp::{TcpBackend, TcpTransportInfo};
+use kameo::actor::ActorRef;
+
+use crate::NodeBuilder;
+use crate::actor::NodeActor;
+use crate::meters::Meters;
+use crate::transports::TransportStatus;
+
+/// Everything a node runs, and the routing every submit goes through.
+pub(crate) struct Router {
+    pub endpoint: Endpoint,
+    pub ids: RegionIds,
+    pub tcp: TcpBackend,
+    pub ibverbs: Option<IbvBackend>,
+    /// Fastest first.
+    pub transports: Vec<TransportStatus>,
+    pub tcp_meters: Meters,
+    pub ibverbs_meters: Meters,
+}
+
+impl Router {
+    pub fn addr(&self) -> NodeAddr {
+        self.endpoint.local()
+    }
+
+    /// The fastest transport this node and the op's remote side share.
+    pub fn route(&self, op: &RdmaOp) -> Option<RdmaTransportLevel> {
+        let remote = op.remote.transports();
+        if self.ibverbs.is_some() && remote.ibverbs.is_some() {
+            Some(RdmaTransportLevel::Nic)
+        } else {
+            remote.tcp.map(|_| RdmaTransportLevel::Tcp)
+        }
+    }
+
+    /// Routes each op to the fastest transport both ends share; the ops of
+    /// one transport stay one batch, and the transports run concurrently.
+    /// Errors name the op's index in *this* batch.
+    pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        let total = ops.len();
+        let mut on_nic = 0;
+        for (index, op) in ops.iter().enumerate() {
+            match self.route(op) {
+                Some(RdmaTransportLevel::Nic) => on_nic += 1,
+                Some(_) => {}
+                None => {
+                    return Err(SubmitError::Op {
+                        index,
+                        error: OpError::NoSharedTransport,
+                    });
+                }
+            }
+        }
+        // Usually a whole batch takes one transport: it goes on as it is.
+        if total == 0 {
+            return Ok(());
+        } else if on_nic == total {
+            return self.submit_ibverbs(ops, timeout).await;
+        } else if on_nic == 0 {
+            return self.submit_tcp(ops, timeout).await;
+        }
+        // Boxed: both transports' futures at once are large, and every
+        // submit's future would otherwise carry (and copy) them.
+        Box::pin(self.submit_split(ops, on_nic, timeout)).await
+    }
+
+    /// The ibverbs backend's share of a batch; every op routed to it.
+    async fn submit_ibverbs(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        let Some(ibverbs) = &self.ibverbs else {
+            return Err(SubmitError::BackendStopped);
+        };
+        self.ibverbs_meters.submit(ibverbs, ops, timeout).await
+    }
+
+    /// The TCP backend's share of a batch.
+    async fn submit_tcp(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        self.tcp_meters.submit(&self.tcp, ops, timeout).await
+    }
+
+    /// A batch whose ops take both transports: each share runs as its own
+    /// batch, concurrently, and errors are mapped back to batch indices.
+    async fn submit_split(
+        &self,
+        ops: Vec<RdmaOp>,
+        on_nic: usize,
+        timeout: Duration,
+    ) -> Result<(), SubmitError> {
+        let total = ops.len();
+        let (mut nic_ops, mut nic_index) = (Vec::with_capacity(on_nic), Vec::with_capacity(on_nic));
+        let (mut tcp_ops, mut tcp_index) = (vec![], vec![]);
+        for (index, op) in ops.into_iter().enumerate() {
+            if self.route(&op) == Some(RdmaTransportLevel::Nic) {
+                nic_index.push(index);
+                nic_ops.push(op);
+            } else {
+                tcp_index.push(index);
+                tcp_ops.push(op);
+            }
+        }
+        let (nic_result, tcp_result) = tokio::join!(
+            async { remap(self.submit_ibverbs(nic_ops, timeout).await, &nic_index) },
+            async { remap(self.submit_tcp(tcp_ops, timeout).await, &tcp_index) },
+        );
+        merge([nic_result, tcp_result], total)
+    }
+
+    /// Registers memory with every running backend; its handles advertise
+    /// all of them.
+    pub async fn register(
+        &self,
+        memory: MemoryBlock,
+        access: Access,
+    ) -> Result<Region, RegisterError> {
+        let memory = Arc::new(memory);
+        let slot = self.ids.allocate();
+        let (id, generation) = (slot.id(), slot.generation());
+        let message = || RegisterRegion {
+            id,
+            generation,
+            access,
+            memory: memory.clone(),
+        };
+        let tcp = self.tcp.register(message()).await?;
+        let mut registrations: Vec<Box<dyn std::any::Any + Send + Sync>> =
+            vec![Box::new(tcp.registration)];
+        let mut transports = RemoteTransports {
+            tcp: Some(tcp.remote),
+            ibverbs: None,
+        };
+        if let Some(ibverbs) = &self.ibverbs {
+            let ibv = ibverbs.register(message()).await?;
+            registrations.push(Box::new(ibv.registration));
+            transports.ibverbs = Some(ibv.remote);
+        }
+        Ok(RegionParts {
+            slot,
+            memory,
+            access,
+            owner: self.addr(),
+            transports,
+            registrations,
+        }
+        .into_region())
+    }
+
+    /// The fastest transport this node runs.
+    pub fn transport_level(&self) -> RdmaTransportLevel {
+        if self.ibverbs.is_some() {
+            RdmaTransportLevel::Nic
+        } else {
+            RdmaTransportLevel::Tcp
+        }
+    }
+
+    pub async fn transport_info(&self) -> NodeTransportInfo {
+        let ibverbs = match &self.ibverbs {
+            Some(ibverbs) => ibverbs.transport_info().await,
+            None => None,
+        };
+        NodeTransportInfo {
+            tcp: self.tcp.transport_info().await,
+            ibverbs,
+            transports: self.transports.clone(),
+        }
+    }
+}
+
+/// Maps a backend's answer about its share of a batch back to indices of the
+/// whole batch: `index[i]` is the batch index of the backend's op `i`.
+fn remap(result: Result<(), SubmitError>, index: &[usize]) -> Result<(), SubmitError> {
+    result.map_err(|e| match e {
+        SubmitError::Op { index: i, error } => SubmitError::Op {
+            index: index[i],
+            error,
+        },
+        other => other,
+    })
+}
+
+/// Merges the answers of the backends a batch was split over: the lowest
+/// failing op first, then a timeout (unfinished ops summed), then a stopped
+/// backend.
+fn merge(results: [Result<(), SubmitError>; 2], total: usize) -> Result<(), SubmitError> {
+    let mut lowest_op: Option<(usize, OpError)> = None;
+    let mut timed_out: Option<(Duration, usize)> = None;
+    let mut stopped = false;
+    for result in results {
+        match result {
+            Ok(()) => {}
+            Err(SubmitError::Op { index, error }) => {
+                if lowest_op.as_ref().is_none_or(|(best, _)| index < *best) {
+                    lowest_op = Some((index, error));
+                }
+            }
+            Err(SubmitError::Timeout {
+                timeout,
+                unfinished,
+                ..
+            }) => {
+                let (_, sum) = timed_out.get_or_insert((timeout, 0));
+                *sum += unfinished;
+            }
+            Err(SubmitError::BackendStopped) => stopped = true,
+        }
+    }
+    if let Some((index, error)) = lowest_op {
+        return Err(SubmitError::Op { index, error });
+    }
+    if let Some((timeout, unfinished)) = timed_out {
+        return Err(SubmitError::Timeout {
+            timeout,
+            unfinished,
+            total,
+        });
+    }
+    if stopped {
+        Err(SubmitError::BackendStopped)
+    } else {
+        Ok(())
+    }
+}
+
+/// The transports a node runs, and their raw details.
+#[derive(Debug)]
+pub struct NodeTransportInfo {
+    /// The TCP backend's details.
+    pub tcp: Option<TcpTransportInfo>,
+    /// The ibverbs backend's raw handles, when it runs.
+    pub ibverbs: Option<IbvTransportInfo>,
+    /// Every transport, fastest first: running, or why not.
+    pub transports: Vec<TransportStatus>,
+}
+
+/// One process's ferry node, as a cheap cloneable handle for code that is
+/// not an actor. Every clone, and the node's actor ([`Node::actor`]), drive
+/// the same backends through the same routing. The node runs until the last
+/// `Node` and the last `ActorRef` to its actor are dropped, or
+/// [`Node::shutdown`].
+#[derive(Clone)]
+pub struct Node(pub(crate) Arc<NodeInner>);
+
+pub(crate) struct NodeInner {
+    pub router: Arc<Router>,
+    pub actor: ActorRef<NodeActor>,
+}
+
+impl Node {
+    /// A builder with the defaults: `127.0.0.1:0`, TCP, and ibverbs where a
+    /// device exists.
+    pub fn builder() -> NodeBuilder {
+        NodeBuilder::default()
+    }
+
+    /// This node as peers reach it: its id and advertised endpoint.
+    pub fn addr(&self) -> NodeAddr {
+        self.0.router.addr()
+    }
+
+    /// The node's manager actor: it accepts [`ferry_core::Submit`] and
+    /// routes each op exactly as [`Node::submit`] does. Hand it to worker
+    /// actors.
+    pub fn actor(&self) -> &ActorRef<NodeActor> {
+        &self.0.actor
+    }
+
+    /// The TCP backend alone (its actor accepts `Submit`, always over TCP).
+    pub fn tcp(&self) -> &TcpBackend {
+        &self.0.router.tcp
+    }
+
+    /// The ibverbs backend alone, when this node runs one.
+    pub fn ibverbs(&self) -> Option<&IbvBackend> {
+        self.0.router.ibverbs.as_ref()
+    }
+
+    /// Every transport, fastest first: running, or why not.
+    pub fn transports(&self) -> &[TransportStatus] {
+        &self.0.router.transports
+    }
+
+    /// Why the transport of `level` does not run here (`None` when it does).
+    pub fn unavailable(&self, level: RdmaTransportLevel) -> Option<&str> {
+        self.transports()
+            .iter()
+            .find(|t| t.level == level)
+            .and_then(TransportStatus::unavailable)
+    }
+
+    /// The node's endpoint (for its control sessions).
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.0.router.endpoint
+    }
+
+    /// Allocates `len` zeroed, page-aligned bytes and registers them.
+    pub async fn alloc(&self, len: u64, access: Access) -> Result<Region, RegisterError> {
+        self.register(MemoryBlock::alloc(len)?, access).await
+    }
+
+    /// Registers memory with every running backend; its handles advertise
+    /// all of them. `access` is the most any remote handle to it will allow.
+    pub async fn register(
+        &self,
+        memory: MemoryBlock,
+        access: Access,
+    ) -> Result<Region, RegisterError> {
+        self.0.router.register(memory, access).await
+    }
+
+    /// Regions currently reachable by peers over TCP, as (id, generation).
+    pub async fn registered_regions(&self) -> Vec<(RegionId, Generation)> {
+        self.0.router.tcp.registered()
+    }
+
+    /// Stops the endpoint (listener, sessions, served connections) and the
+    /// backends' actors; transfers in flight fail.
+    pub async fn shutdown(&self) {
+        let router = &self.0.router;
+        router.endpoint.shutdown();
+        router.tcp.stop().await;
+        if let Some(ibverbs) = &router.ibverbs {
+            ibverbs.stop().await;
+        }
+        let _ = self.0.actor.stop_gracefully().await;
+    }
+
+    /// The fastest transport this node and the op's remote side share.
+    pub fn route(&self, op: &RdmaOp) -> Option<RdmaTransportLevel> {
+        self.0.router.route(op)
+    }
+
+    /// Runs a batch: each op over the fastest transport both ends share.
+    /// Resolves `Ok` once every op is acknowledged by its remote side;
+    /// `Err(Timeout)` when `timeout` passes first (what has not been sent by
+    /// then is dropped); `Err(Op { index, .. })` naming the lowest failing op.
+    ///
+    /// The ops have no order among themselves: they run concurrently, and
+    /// two ops whose byte ranges overlap leave those bytes unspecified, as on
+    /// RDMA. A zero-length op is only checked locally and succeeds without
+    /// contacting its remote side.
+    pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        self.0.router.submit(ops, timeout).await
+    }
+}
+
+impl RdmaBackend for Node {
+    type TransportInfo = NodeTransportInfo;
+
+    /// See [`Node::submit`].
+    async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        self.0.router.submit(ops, timeout).await
+    }
+
+    fn transport_level(&self) -> RdmaTransportLevel {
+        self.0.router.transport_level()
+    }
+
+    async fn transport_info(&self) -> Option<Self::TransportInfo> {
+        Some(self.0.router.transport_info().await)
+    }
+}
