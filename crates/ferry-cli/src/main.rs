@@ -180,8 +180,24 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
+/// Logs go to stderr (stdout carries handles and results): `RUST_LOG` if
+/// set, else warnings, and for `serve` (a server) its lifecycle too.
+fn init_logging(command: &Command) {
+    let default = match command {
+        Command::Serve(_) => "warn,ferry=info,ferry_control=info,ferry_tcp=info,ferry_ibverbs=info",
+        _ => "warn",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logging(&cli.command);
     let rt = match runtime() {
         Ok(rt) => rt,
         Err(e) => return fail(e),
