@@ -3,8 +3,8 @@
 
 ferry_install_deps() {
     # gcc links everything; rdma-sys needs the verbs headers and libraries and
-    # libclang for its bindgen step.
-    local wanted=(gcc libc6-dev pkg-config libibverbs-dev librdmacm-dev libclang-dev)
+    # libclang for its bindgen step; the two-host tests need `ip netns`.
+    local wanted=(gcc libc6-dev pkg-config libibverbs-dev librdmacm-dev libclang-dev iproute2)
     local missing=() pkg
     for pkg in "${wanted[@]}"; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
