@@ -3,20 +3,32 @@
 //! The peer is this same test binary, re-executed to run only the
 //! `ferry_peer` test with `FERRY_TEST_PEER=1`. It answers one line per command,
 //! prefixed with `FERRY `; everything else on its stdout (libtest's chatter)
-//! is ignored.
+//! is ignored. A peer whose node fails to start answers every command with
+//! `FERRY spawn-failed <error>`.
 
+use std::ffi::OsStr;
 use std::io::{BufRead, Write};
 use std::process::Stdio;
 use std::time::Duration;
 
+use ferry::NodeAddr;
 use ferry::prelude::*;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 pub const PEER_ENV: &str = "FERRY_TEST_PEER";
+/// The address a peer's node listens on (`IP:PORT`); default `127.0.0.1:0`.
+/// What it advertises comes from `FERRY_ADVERTISE`, which the node builder
+/// reads itself.
+pub const LISTEN_ENV: &str = "FERRY_TEST_LISTEN";
 const PREFIX: &str = "FERRY ";
+/// A peer's answer to every command when its node did not start.
+const SPAWN_FAILED: &str = "spawn-failed ";
 /// Upper bound for any one harness command, including 256 MiB digests.
 const COMMAND_DEADLINE: Duration = Duration::from_secs(60);
+/// Deadline of a peer's own submit (`write`, `read`): shorter than the
+/// command's, so a stuck transfer is answered with its error.
+const PEER_OP_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Deterministic bytes for `len`, different for each seed.
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -72,7 +84,28 @@ impl PeerProcess {
     /// A peer process with extra environment variables.
     pub async fn spawn_with_env(env: &[(&str, &str)]) -> PeerProcess {
         let exe = std::env::current_exe().expect("test binary path");
-        let mut child = Command::new(exe)
+        Self::start(Command::new(exe), env)
+    }
+
+    /// A peer process inside network namespace `ns` (`ip netns exec`, so
+    /// this needs root), with extra environment variables, e.g.
+    /// [`LISTEN_ENV`] and `FERRY_ADVERTISE`. Neither is inherited from this
+    /// process: a peer advertises only what `env` says.
+    #[allow(dead_code)] // tests/ibverbs shares this file and uses no namespaces
+    pub async fn spawn_in_namespace(ns: &str, env: &[(&str, &str)]) -> PeerProcess {
+        let exe = std::env::current_exe().expect("test binary path");
+        let mut command = Command::new("ip");
+        command
+            .args([OsStr::new("netns"), OsStr::new("exec"), OsStr::new(ns)])
+            .arg(exe)
+            .env_remove(LISTEN_ENV)
+            .env_remove(ferry::ADVERTISE_ENV);
+        Self::start(command, env)
+    }
+
+    /// Starts `command` (which runs this test binary) as a peer.
+    fn start(mut command: Command, env: &[(&str, &str)]) -> PeerProcess {
+        let mut child = command
             .args(["--exact", "ferry_peer", "--nocapture", "--test-threads=1"])
             .env(PEER_ENV, "1")
             .envs(env.iter().copied())
@@ -90,7 +123,8 @@ impl PeerProcess {
         }
     }
 
-    async fn command(&mut self, line: &str) -> String {
+    /// Sends one command line; its answer, whatever it is.
+    async fn exchange(&mut self, line: &str) -> String {
         let exchange = async {
             self.stdin
                 .write_all(format!("{line}\n").as_bytes())
@@ -107,6 +141,60 @@ impl PeerProcess {
         tokio::time::timeout(COMMAND_DEADLINE, exchange)
             .await
             .unwrap_or_else(|_| panic!("peer did not answer `{line}`"))
+    }
+
+    /// Sends one command line to a peer whose node runs; its answer.
+    async fn command(&mut self, line: &str) -> String {
+        let reply = self.exchange(line).await;
+        if let Some(error) = reply.strip_prefix(SPAWN_FAILED) {
+            panic!("peer node did not start (during `{line}`): {error}");
+        }
+        reply
+    }
+
+    /// The peer node's address (id and advertised endpoint), or the error
+    /// its node failed to start with (its `Display`).
+    #[allow(dead_code)] // tests/ibverbs shares this file and does not use it
+    pub async fn node_addr(&mut self) -> Result<NodeAddr, String> {
+        let reply = self.exchange("addr").await;
+        match reply.strip_prefix(SPAWN_FAILED) {
+            Some(error) => Err(error.to_string()),
+            None => Ok(serde_json::from_str(&reply).expect("peer address")),
+        }
+    }
+
+    /// The peer writes its whole region `local` to `remote` (a handle to
+    /// another node's memory) in one op: `Err` holds the error's `Display`.
+    #[allow(dead_code)] // tests/ibverbs shares this file and does not use it
+    pub async fn write_to(
+        &mut self,
+        local: &PeerRegion,
+        remote: &RemoteBuffer,
+    ) -> Result<(), String> {
+        self.transfer("write", local, remote).await
+    }
+
+    /// The peer reads `remote` into its whole region `local` in one op.
+    #[allow(dead_code)] // tests/ibverbs shares this file and does not use it
+    pub async fn read_from(
+        &mut self,
+        local: &PeerRegion,
+        remote: &RemoteBuffer,
+    ) -> Result<(), String> {
+        self.transfer("read", local, remote).await
+    }
+
+    async fn transfer(
+        &mut self,
+        kind: &str,
+        local: &PeerRegion,
+        remote: &RemoteBuffer,
+    ) -> Result<(), String> {
+        let json = serde_json::to_string(remote).unwrap();
+        let reply = self
+            .command(&format!("{kind} {} {json}", local.index))
+            .await;
+        if reply == "ok" { Ok(()) } else { Err(reply) }
     }
 
     /// Allocates `len` bytes in the peer, filled with `pattern(len, seed)`.
@@ -153,10 +241,31 @@ pub fn peer_main() {
         .build()
         .unwrap();
     runtime.block_on(async {
-        let node = Node::builder().spawn().await.expect("peer node");
-        let mut regions: Vec<Option<Region>> = Vec::new();
         let stdin = std::io::stdin();
         let mut stdout = std::io::stdout();
+        let mut builder = Node::builder();
+        if let Some(listen) = std::env::var_os(LISTEN_ENV) {
+            let listen = listen.to_string_lossy();
+            builder = builder.listen(
+                listen
+                    .parse()
+                    .unwrap_or_else(|_| panic!("{LISTEN_ENV}={listen:?} is not IP:PORT")),
+            );
+        }
+        let node = match builder.spawn().await {
+            Ok(node) => node,
+            Err(error) => {
+                // Every command gets the error, so the test can see it.
+                let reply = format!("{SPAWN_FAILED}{error}").replace('\n', " ");
+                for line in stdin.lock().lines() {
+                    line.expect("stdin");
+                    writeln!(stdout, "{PREFIX}{reply}").unwrap();
+                    stdout.flush().unwrap();
+                }
+                return;
+            }
+        };
+        let mut regions: Vec<Option<Region>> = Vec::new();
         for line in stdin.lock().lines() {
             let line = line.expect("stdin");
             let words: Vec<&str> = line.split_whitespace().collect();
@@ -185,6 +294,25 @@ pub fn peer_main() {
                 ["drop", index] => {
                     regions[index.parse::<usize>().unwrap()] = None;
                     "dropped".to_string()
+                }
+                ["addr"] => serde_json::to_string(&node.addr()).unwrap(),
+                // One op over the whole local region; the rest of the line
+                // is the remote handle as JSON.
+                [kind @ ("write" | "read"), index, _, ..] => {
+                    let handle = line.trim().splitn(3, ' ').nth(2).unwrap_or_default();
+                    let region = regions[index.parse::<usize>().unwrap()]
+                        .as_ref()
+                        .expect("live region");
+                    let remote: RemoteBuffer = serde_json::from_str(handle).expect("handle JSON");
+                    let op = if *kind == "write" {
+                        RdmaOp::write(region.whole(), remote)
+                    } else {
+                        RdmaOp::read(region.whole(), remote)
+                    };
+                    match node.submit(vec![op], PEER_OP_DEADLINE).await {
+                        Ok(()) => "ok".to_string(),
+                        Err(error) => error.to_string().replace('\n', " "),
+                    }
                 }
                 other => panic!("unknown peer command {other:?}"),
             };

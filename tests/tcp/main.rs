@@ -6,6 +6,7 @@ mod common;
 mod in_process;
 mod timeout;
 mod transfers;
+mod two_hosts;
 
 /// Entry point of the peer process; does nothing in a normal test run.
 #[test]
