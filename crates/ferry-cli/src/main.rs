@@ -1,6 +1,8 @@
 //! `ferry`: what this host's transports can do (`info`), a target node for
 //! benchmarks (`serve`), and the benchmark itself (`bench`).
 
+#![warn(missing_docs)]
+
 mod bench;
 mod serve;
 

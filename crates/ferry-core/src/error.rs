@@ -13,45 +13,101 @@ pub enum OpError {
     /// `offset..offset + len` (bytes) reaches past the end of a buffer of
     /// `bound` bytes.
     #[error("range {offset}+{len} lies outside the {bound}-byte buffer")]
-    OutOfBounds { offset: u64, len: u64, bound: u64 },
+    OutOfBounds {
+        /// Start of the range, from the start of the buffer.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+        /// Length of the buffer.
+        bound: u64,
+    },
     /// A slice was asked for with `end < start`: a caller bug, reported with
     /// the range as given rather than as an empty range out of bounds.
     #[error("range {start}..{end} is inverted: its end comes before its start")]
-    InvertedRange { start: u64, end: u64 },
+    InvertedRange {
+        /// The range's start, as given.
+        start: u64,
+        /// The range's end, as given.
+        end: u64,
+    },
     /// A handle's `addr + len` wraps past the end of the 64-bit address space.
     /// No region the owner registered can look like that, so the handle was
     /// forged or corrupted on its way here.
     #[error(
         "handle range {addr:#x}+{len} wraps around the address space: forged or corrupt handle"
     )]
-    AddressOverflow { addr: u64, len: u64 },
+    AddressOverflow {
+        /// The handle's address in the owner's process.
+        addr: u64,
+        /// The handle's length in bytes.
+        len: u64,
+    },
+    /// An op's local and remote slices differ in length (bytes); caught
+    /// before anything is sent.
     #[error("local slice is {local} bytes but remote slice is {remote} bytes")]
-    LengthMismatch { local: u64, remote: u64 },
+    LengthMismatch {
+        /// Length of the local slice.
+        local: u64,
+        /// Length of the remote slice.
+        remote: u64,
+    },
+    /// A write to read-only memory: caught locally from the handle's
+    /// [`Access`](crate::Access), or refused by the TCP owner when the handle
+    /// claimed more access than the region was registered with.
     #[error("remote buffer is read-only")]
     ReadOnly,
+    /// The owner refused the handle's credentials: a wrong TCP token, or an
+    /// RDMA remote access error (wrong rkey, a region deregistered since the
+    /// handle was made, or an access its registration does not allow).
     #[error("remote side rejected the access credentials (wrong token or key)")]
     AccessDenied,
+    /// The handle's region was deregistered and its slot reused by a newer
+    /// one. Reported by the TCP owner.
     #[error("remote region was deregistered (handle generation {handle:?}, now {current:?})")]
     StaleGeneration {
+        /// The generation the handle carries.
         handle: Generation,
+        /// The generation the owner's slot has now.
         current: Generation,
     },
+    /// The owner has no region in the handle's slot (deregistered, or never
+    /// registered). Reported by the TCP owner.
     #[error("remote region does not exist")]
     UnknownRegion,
+    /// Another node answers at the handle's endpoint: the owner restarted,
+    /// or the handle names the wrong address.
     #[error("endpoint {endpoint} is not node {expected}")]
     UnknownNode {
+        /// The owner the handle names.
         expected: NodeId,
+        /// The endpoint the handle names.
         endpoint: SocketAddr,
     },
+    /// No connection to the owner could be made, or its control session did
+    /// not answer in time.
     #[error("peer {endpoint} unreachable: {reason}")]
     PeerUnreachable {
+        /// The owner's endpoint.
         endpoint: SocketAddr,
+        /// What went wrong, for people (the OS error, or the timeout).
         reason: String,
     },
+    /// The connection, queue pair or control session to the owner broke (or
+    /// stopped answering) before the op completed; for a write, a prefix of
+    /// its bytes may have landed.
     #[error("connection to {endpoint} lost before the op completed")]
-    ConnectionLost { endpoint: SocketAddr },
+    ConnectionLost {
+        /// The owner's endpoint.
+        endpoint: SocketAddr,
+    },
+    /// None of this node's running transports can reach the handle: it
+    /// carries no credentials for them, or the local region is not
+    /// registered with the one that could.
     #[error("no transport shared with the remote side")]
     NoSharedTransport,
+    /// Something the peer or the local NIC did broke the protocol (a
+    /// malformed reply, a failed work completion, a peer's refusal of the
+    /// queue-pair exchange); the text says what, for people.
     #[error("protocol violation: {0}")]
     Protocol(String),
 }
@@ -62,13 +118,21 @@ pub enum SubmitError {
     /// Op `index` (position in the submitted batch) failed. When several fail,
     /// the lowest index is reported.
     #[error("op {index} failed: {error}")]
-    Op { index: usize, error: OpError },
+    Op {
+        /// Position of the op in the submitted batch.
+        index: usize,
+        /// Why it failed.
+        error: OpError,
+    },
     /// The deadline passed first. Memory the unfinished ops touch stays
     /// registered until the transport can no longer write to it.
     #[error("submit timed out after {timeout:?} with {unfinished} of {total} ops unfinished")]
     Timeout {
+        /// The timeout the batch was submitted with.
         timeout: Duration,
+        /// Ops of the batch that had not completed.
         unfinished: usize,
+        /// Ops in the batch.
         total: usize,
     },
     /// The backend actor is not running (stopped or crashed).
@@ -79,18 +143,25 @@ pub enum SubmitError {
 /// Why memory could not be registered.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RegisterError {
+    /// A length of 0 bytes was asked for.
     #[error("a region must be at least one byte long")]
     ZeroLength,
+    /// The host could not allocate (or map) this many bytes.
     #[error("could not allocate {0} bytes")]
     OutOfMemory(u64),
     /// More bytes than any memory range of this host can hold (over
     /// `isize::MAX`): no allocation or valid pointer range is that long.
     #[error("a region of {0} bytes does not fit in this host's address space")]
     TooLarge(u64),
+    /// The backend actor is not running (stopped or crashed).
     #[error("transport backend is not running")]
     BackendStopped,
+    /// The backend already holds a region with this id: registering the
+    /// same region twice is a caller bug.
     #[error("region id {0:?} is already registered with this backend")]
     IdInUse(crate::RegionId),
+    /// The backend refused the memory (for ibverbs, `ibv_reg_mr` failed,
+    /// e.g. over the locked-memory limit); the text says why.
     #[error("backend could not register the memory: {0}")]
     Backend(String),
 }

@@ -7,11 +7,15 @@ use crate::{Generation, NodeAddr, OpError, RegionId};
 /// What a remote handle allows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Access {
+    /// Peers may read; writes fail with [`OpError::ReadOnly`] (or, over
+    /// ibverbs with a forged handle, are refused by the NIC).
     ReadOnly,
+    /// Peers may read and write.
     ReadWrite,
 }
 
 impl Access {
+    /// Whether a remote write is allowed.
     pub fn allows_write(self) -> bool {
         self == Access::ReadWrite
     }
@@ -21,6 +25,8 @@ impl Access {
 /// proves the holder was given a handle by the owner.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct TcpRemote {
+    /// Random per registration ([`crate::random_u128`]); the owner compares
+    /// it in constant time. Never logged: `Debug` redacts it.
     #[serde(with = "crate::ids::hex_u128")]
     pub token: u128,
 }
@@ -36,7 +42,9 @@ impl std::fmt::Debug for TcpRemote {
 /// queue-pair exchange carries the address actually used).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct IbvRemote {
+    /// The remote key of the region's memory registration.
     pub rkey: u32,
+    /// The owner device's GID, in network byte order.
     pub gid: [u8; 16],
 }
 
@@ -44,8 +52,10 @@ pub struct IbvRemote {
 /// `None` here cannot reach the region.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteTransports {
+    /// Set when the owner's TCP backend registered the region.
     #[serde(default)]
     pub tcp: Option<TcpRemote>,
+    /// Set when the owner's ibverbs backend registered the region.
     #[serde(default)]
     pub ibverbs: Option<IbvRemote>,
 }
@@ -88,12 +98,16 @@ impl RemoteBuffer {
         }
     }
 
+    /// The node that registered the region, and where to reach it.
     pub fn owner(&self) -> NodeAddr {
         self.owner
     }
+    /// The region's slot on its owner.
     pub fn region(&self) -> RegionId {
         self.region
     }
+    /// The region's generation when the handle was made; the owner refuses
+    /// the handle once the region is gone.
     pub fn generation(&self) -> Generation {
         self.generation
     }
@@ -105,12 +119,17 @@ impl RemoteBuffer {
     pub fn len(&self) -> u64 {
         self.len
     }
+    /// Whether the view is zero bytes long.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// What the handle allows. The owner checks it against the region's own
+    /// access, so a forged handle gains nothing.
     pub fn access(&self) -> Access {
         self.access
     }
+    /// The credentials per transport; one that is `None` cannot reach the
+    /// region.
     pub fn transports(&self) -> &RemoteTransports {
         &self.transports
     }

@@ -21,6 +21,8 @@ pub fn random_u128() -> u128 {
 pub struct NodeId(#[serde(with = "hex_u128")] pub u128);
 
 impl NodeId {
+    /// A fresh, unguessable id from [`random_u128`]; a node takes one when it
+    /// spawns.
     pub fn random() -> Self {
         NodeId(random_u128())
     }
@@ -41,7 +43,10 @@ impl fmt::Display for NodeId {
 /// Where a node can be reached: its id plus its control endpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct NodeAddr {
+    /// The node's id; a connection to `endpoint` that finds another node
+    /// fails with [`OpError::UnknownNode`](crate::OpError::UnknownNode).
     pub id: NodeId,
+    /// The node's advertised endpoint address (never `0.0.0.0`).
     pub endpoint: SocketAddr,
 }
 

@@ -1,13 +1,18 @@
 //! Transport-neutral vocabulary of ferry: node and region identity, registered
-//! memory, serializable remote handles, one-sided operations, the backend trait
-//! and the typed errors every backend reports.
+//! memory, serializable remote handles, one-sided operations, the backend
+//! trait, the messages every manager actor accepts ([`Submit`],
+//! [`RegisterRegion`], [`TransportLevel`], [`TransportInfo`]) and the typed
+//! errors every backend reports.
 //!
-//! Nothing here moves bytes. Backends (`ferry-tcp`, `ferry-ibverbs`) do, and
-//! the `ferry` facade routes operations between them.
+//! Nothing here moves bytes. Backends (`ferry-tcp`, `ferry-ibverbs`) do,
+//! answering each submit through the same [`BatchProgress`], and the `ferry`
+//! facade routes operations between them.
 //!
 //! Every length and offset in this API is a count of bytes, as `u64`,
 //! whether it describes local memory ([`Region`], [`LocalSlice`]) or a remote
 //! handle ([`RemoteBuffer`]).
+
+#![warn(missing_docs)]
 
 mod backend;
 mod error;

@@ -173,6 +173,8 @@ impl MemoryBlock {
         })
     }
 
+    /// Address of the first byte, for transports that copy or DMA through
+    /// raw pointers; valid while the block lives.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
@@ -183,6 +185,7 @@ impl MemoryBlock {
         self.len as u64
     }
 
+    /// Always `false`: construction refuses a zero length.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -282,6 +285,7 @@ struct SlotTable {
 }
 
 impl RegionIds {
+    /// An empty table, one per node: ids are only unique within it.
     pub fn new() -> Self {
         Self::default()
     }
@@ -315,9 +319,11 @@ pub struct RegionSlot {
 }
 
 impl RegionSlot {
+    /// The slot's id, free for reuse once this `RegionSlot` drops.
     pub fn id(&self) -> RegionId {
         self.id
     }
+    /// The slot's generation, unique to this use of the id.
     pub fn generation(&self) -> Generation {
         self.generation
     }
@@ -339,10 +345,15 @@ impl Drop for RegionSlot {
 /// `ferry` facade does not re-export this type, so its users get regions only
 /// from `Node::alloc` and `Node::register`.
 pub struct RegionParts {
+    /// The region's id and generation, from the node's [`RegionIds`].
     pub slot: RegionSlot,
+    /// The bytes every registration below refers to.
     pub memory: Arc<MemoryBlock>,
+    /// The most a remote peer may do; handles carry it.
     pub access: Access,
+    /// The node that registers the region; handles name it as the owner.
     pub owner: NodeAddr,
+    /// The credentials each backend issued for `memory`; handles carry them.
     pub transports: RemoteTransports,
     /// Backend registrations; dropping one deregisters the region there.
     pub registrations: Vec<Box<dyn Any + Send + Sync>>,
@@ -384,9 +395,13 @@ impl RegionParts {
 }
 
 impl Region {
+    /// The region's slot in its node's table; names it only together with
+    /// [`Region::generation`].
     pub fn id(&self) -> RegionId {
         self.0.slot.id
     }
+    /// Which use of the slot this region is; handles carry it, so the owner
+    /// refuses a handle that outlived its region.
     pub fn generation(&self) -> Generation {
         self.0.slot.generation
     }
@@ -394,6 +409,7 @@ impl Region {
     pub fn len(&self) -> u64 {
         self.0.memory.len()
     }
+    /// Always `false`: a region is at least one byte long.
     pub fn is_empty(&self) -> bool {
         self.0.memory.is_empty()
     }
@@ -401,9 +417,12 @@ impl Region {
     pub fn access(&self) -> Access {
         self.0.access
     }
+    /// The registered bytes. A clone of the `Arc` keeps the bytes alive, not
+    /// the registration: hold the `Region` for as long as a transfer runs.
     pub fn memory(&self) -> &Arc<MemoryBlock> {
         &self.0.memory
     }
+    /// The node that registered the region, as its handles name it.
     pub fn owner(&self) -> NodeAddr {
         self.0.owner
     }
@@ -450,6 +469,8 @@ impl Region {
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), OpError> {
         self.0.memory.read_at(offset, dst)
     }
+    /// Copies the whole region into a new vector; same concurrency rule as
+    /// [`MemoryBlock::read_at`].
     pub fn to_vec(&self) -> Vec<u8> {
         self.0.memory.to_vec()
     }

@@ -26,6 +26,7 @@ impl LocalSlice {
             len,
         }
     }
+    /// The region the slice lies in.
     pub fn region(&self) -> &Region {
         &self.region
     }
@@ -37,6 +38,7 @@ impl LocalSlice {
     pub fn len(&self) -> u64 {
         self.len
     }
+    /// Whether the slice is zero bytes long.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -65,8 +67,11 @@ impl LocalSlice {
 /// the remote region still exists.
 #[derive(Clone, Debug)]
 pub struct RdmaOp {
+    /// Read or write, from the local side.
     pub kind: OpKind,
+    /// The local bytes: destination of a read, source of a write.
     pub local: LocalSlice,
+    /// The remote bytes, as a (sliced) handle from their owner.
     pub remote: RemoteBuffer,
 }
 
@@ -94,6 +99,8 @@ impl RdmaOp {
         self.local.len
     }
 
+    /// Whether the op moves no bytes; see the type's docs for what such an
+    /// op checks.
     pub fn is_empty(&self) -> bool {
         self.local.is_empty()
     }

@@ -41,6 +41,8 @@ impl BatchProgress {
         }
     }
 
+    /// Pieces not yet finished, over all ops. Right after [`BatchProgress::new`]
+    /// a 0 means there is nothing to send: answer the submit at once.
     pub fn total_pieces(&self) -> usize {
         self.op_pieces
             .iter()
@@ -63,6 +65,8 @@ impl BatchProgress {
         }
     }
 
+    /// Whether every piece has finished, for a submitter that polls
+    /// completions itself instead of awaiting [`BatchProgress::all_done`].
     pub fn is_done(&self) -> bool {
         self.remaining.load(Ordering::Acquire) == 0
     }
@@ -74,7 +78,8 @@ impl BatchProgress {
         }
     }
 
-    pub fn abandon(&self) {
+    /// Marks the caller as answered; see [`BatchProgress::is_abandoned`].
+    pub(crate) fn abandon(&self) {
         self.abandoned.store(true, Ordering::Release);
     }
 

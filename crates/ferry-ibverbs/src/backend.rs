@@ -380,8 +380,11 @@ impl Message<Submit> for IbvManagerActor {
     }
 }
 
+/// What registering a region with the ibverbs backend gives.
 pub struct IbvRegistered {
+    /// The credentials remote handles carry.
     pub remote: IbvRemote,
+    /// Deregisters the region from the NIC when dropped.
     pub registration: IbvRegistration,
 }
 
@@ -431,7 +434,9 @@ impl Message<TransportLevel> for IbvManagerActor {
 /// A queue pair as a GPU kernel (or other code posting its own work) needs it.
 #[derive(Clone, Debug)]
 pub struct IbvQpHandle {
+    /// The node at the other end.
     pub peer: NodeAddr,
+    /// The local queue pair number.
     pub qpn: u32,
     qp: usize,
     cq: usize,
@@ -453,9 +458,13 @@ impl IbvQpHandle {
 /// Keys of one registered region on this device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IbvRegionKeys {
+    /// The region's slot on this node.
     pub id: RegionId,
+    /// The region's generation.
     pub generation: Generation,
+    /// The key local work requests use for the region's memory.
     pub lkey: u32,
+    /// The key peers' work requests use; handles carry it.
     pub rkey: u32,
 }
 
@@ -472,13 +481,19 @@ pub struct IbvRegionKeys {
 /// queue slots are not coordinated; and keep the memory you post registered
 /// (hold its `Region`) until the work has completed.
 pub struct IbvTransportInfo {
+    /// The device's name, e.g. `rxe0`.
     pub device: String,
+    /// The port used, numbered from 1.
     pub port: u8,
+    /// The GID this node's queue pairs use, in network byte order.
     pub gid: [u8; 16],
+    /// The GID's index in the port's table.
     pub gid_index: u32,
+    /// The port's LID (0 on RoCE, which addresses by GID).
     pub lid: u16,
     /// `ibv_mtu` value of the port.
     pub mtu: u32,
+    /// The queue pairs this node connected to peers, except broken ones.
     pub qps: Vec<IbvQpHandle>,
     /// Queue pairs this node keeps for peers that connected to it, one per
     /// peer's control session.
@@ -640,10 +655,12 @@ impl IbvBackend {
         })
     }
 
+    /// The manager actor, for workers that send it messages.
     pub fn actor(&self) -> &ActorRef<IbvManagerActor> {
         &self.actor
     }
 
+    /// The device's name, e.g. `rxe0`.
     pub fn device(&self) -> &str {
         &self.device
     }
@@ -654,6 +671,9 @@ impl IbvBackend {
         self.actor.wait_for_shutdown().await;
     }
 
+    /// Registers a region with the NIC (remote write only for
+    /// [`Access::ReadWrite`](ferry_core::Access::ReadWrite)); fails with
+    /// [`RegisterError::Backend`] when the device refuses the memory.
     pub async fn register(&self, msg: RegisterRegion) -> Result<IbvRegistered, RegisterError> {
         self.actor.ask(msg).await.map_err(|e| match e {
             SendError::HandlerError(e) => e,

@@ -9,6 +9,7 @@ use crate::verbs::{Context, ProtectionDomain, VerbsError, device_names};
 pub struct IbvConfig {
     /// Device name (e.g. `mlx5_0`, `rxe0`); the first device when `None`.
     pub device: Option<String>,
+    /// Port number, from 1 (the default); opening fails unless it is active.
     pub port: u8,
     /// GID table index; the first IPv4-mapped (RoCE v2) GID when `None`.
     pub gid_index: Option<u32>,

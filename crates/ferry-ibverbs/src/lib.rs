@@ -1,10 +1,20 @@
 //! ferry's ibverbs backend: one-sided RDMA READ/WRITE through an RDMA NIC
-//! (or soft-RoCE), behind the same `Submit` semantics as the TCP fallback.
+//! (or soft-RoCE), behind the same [`Submit`] semantics as the TCP fallback.
 //!
 //! All raw verbs calls live in [`verbs`]; the rest of the crate uses its safe
-//! types. Queue pairs are connected lazily, one per peer, by a request on
-//! the node's control session to that peer (`ferry-control`'s
-//! `Service::IBVERBS_CONNECT`; see `connection`).
+//! types. Queue pairs are exchanged over the node's control sessions
+//! (`ferry-control`): [`IbvBackend::start`] serves
+//! [`Service::IBVERBS_CONNECT`] on the node's [`Endpoint`], and the first
+//! submit to a peer sends that request, carrying a fresh queue pair's
+//! details, on the control session to the peer. The peer answers with the
+//! details of a queue pair of its own, connected to ours, which it keeps for
+//! as long as that session lives. One RC queue pair per peer, connected
+//! lazily, reconnected after it breaks.
+//!
+//! [`Service::IBVERBS_CONNECT`]: ferry_control::Service::IBVERBS_CONNECT
+//! [`Endpoint`]: ferry_control::Endpoint
+
+#![warn(missing_docs)]
 
 mod backend;
 mod connection;

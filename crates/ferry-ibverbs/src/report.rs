@@ -4,25 +4,39 @@ use serde::Serialize;
 
 use crate::verbs::{Context, VerbsError, device_names};
 
+/// One RDMA device, as `ferry info` prints it.
 #[derive(Clone, Debug, Serialize)]
 pub struct DeviceReport {
+    /// The device's name, e.g. `mlx5_0` or `rxe0`.
     pub name: String,
+    /// Every port, numbered from 1.
     pub ports: Vec<PortReport>,
 }
 
+/// One port of a device.
 #[derive(Clone, Debug, Serialize)]
 pub struct PortReport {
+    /// The port number, from 1.
     pub port: u8,
+    /// Whether the port is up (`IBV_PORT_ACTIVE`); a node cannot use it
+    /// otherwise.
     pub active: bool,
+    /// `Ethernet` (RoCE) or `InfiniBand`.
     pub link_layer: &'static str,
+    /// The active MTU, in bytes.
     pub active_mtu: u32,
+    /// Largest message one work request may carry, in bytes.
     pub max_message: u32,
+    /// The port's non-zero GIDs.
     pub gids: Vec<GidReport>,
 }
 
+/// One entry of a port's GID table.
 #[derive(Clone, Debug, Serialize)]
 pub struct GidReport {
+    /// Index in the table, as [`IbvConfig::gid_index`](crate::IbvConfig::gid_index) takes it.
     pub index: u32,
+    /// The GID written as an IPv6 address.
     pub gid: String,
     /// "RoCE v2", "IB/RoCE v1", ... as the kernel reports it; empty if unknown.
     pub kind: String,

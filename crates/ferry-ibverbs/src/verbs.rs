@@ -25,15 +25,24 @@ pub enum VerbsError {
     /// host without an RDMA NIC.
     #[error("no RDMA device: {0}")]
     NoDevice(String),
+    /// Devices exist, but none has the name asked for.
     #[error("RDMA device {0} not found")]
     DeviceNotFound(String),
+    /// A verbs call failed, or a device, port or GID turned out unusable.
     #[error("{call} failed: {source}")]
     Call {
+        /// The call (or check) that failed, e.g. `ibv_reg_mr`.
         call: &'static str,
+        /// Its errno, or what was wrong.
         source: io::Error,
     },
+    /// The port has no IPv4-mapped GID to pick by default (an InfiniBand or
+    /// IPv6-only port): name a GID index explicitly.
     #[error("port {port} has no IPv4-mapped (RoCE v2) GID")]
-    NoIpv4Gid { port: u8 },
+    NoIpv4Gid {
+        /// The port, numbered from 1.
+        port: u8,
+    },
 }
 
 /// `IBV_LINK_LAYER_ETHERNET` from an anonymous enum in `<infiniband/verbs.h>`
@@ -110,26 +119,38 @@ unsafe impl Sync for Context {}
 /// The device limits ferry sizes its queues by.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceLimits {
+    /// Most work requests one queue of a queue pair can hold.
     pub max_qp_wr: u32,
+    /// Most entries one completion queue can hold.
     pub max_cqe: u32,
+    /// Most scatter/gather entries one work request can carry.
     pub max_sge: u32,
+    /// Longest memory region, in bytes.
     pub max_mr_size: u64,
+    /// Number of ports, numbered from 1.
     pub ports: u8,
 }
 
 /// The state of one port.
 #[derive(Clone, Copy, Debug)]
 pub struct PortInfo {
+    /// Whether the port is up (`IBV_PORT_ACTIVE`); queue pairs cannot use it
+    /// otherwise.
     pub active: bool,
     /// `ibv_mtu` value (1 = 256 B ... 5 = 4096 B).
     pub active_mtu: u32,
+    /// Largest message one work request may carry, in bytes.
     pub max_msg_size: u32,
+    /// The port's LID (0 on RoCE, which addresses by GID).
     pub lid: u16,
+    /// Entries in the GID table, unused (all-zero) ones included.
     pub gid_table_len: u32,
+    /// Whether the link layer is Ethernet (RoCE) rather than InfiniBand.
     pub ethernet: bool,
 }
 
 impl PortInfo {
+    /// The active MTU in bytes.
     pub fn active_mtu_bytes(&self) -> u32 {
         128 << self.active_mtu
     }
@@ -163,6 +184,7 @@ impl Context {
         })?
     }
 
+    /// The device's name, e.g. `rxe0`.
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -176,6 +198,7 @@ impl Context {
         self.raw.as_ptr()
     }
 
+    /// The device's limits (`ibv_query_device`).
     pub fn limits(&self) -> Result<DeviceLimits, VerbsError> {
         // SAFETY: ibv_device_attr is plain data; all-zero is a valid value.
         let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
@@ -192,6 +215,7 @@ impl Context {
         })
     }
 
+    /// The state of `port`, numbered from 1 (`ibv_query_port`).
     pub fn port(&self, port: u8) -> Result<PortInfo, VerbsError> {
         // SAFETY: ibv_port_attr is plain data; all-zero is a valid value.
         let mut attr: ibv_port_attr = unsafe { std::mem::zeroed() };
@@ -210,6 +234,8 @@ impl Context {
         })
     }
 
+    /// Entry `index` of `port`'s GID table, in network byte order; all zeros
+    /// for an unused entry.
     pub fn gid(&self, port: u8, index: u32) -> Result<[u8; 16], VerbsError> {
         // SAFETY: ibv_gid is 16 plain bytes.
         let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
@@ -243,6 +269,8 @@ impl Drop for Context {
     }
 }
 
+/// A protection domain: memory regions and queue pairs work together only
+/// within one. Keeps its context open.
 pub struct ProtectionDomain {
     raw: NonNull<ibv_pd>,
     context: Arc<Context>,
@@ -254,6 +282,7 @@ unsafe impl Send for ProtectionDomain {}
 unsafe impl Sync for ProtectionDomain {}
 
 impl ProtectionDomain {
+    /// Allocates a domain on `context` (`ibv_alloc_pd`).
     pub fn new(context: &Arc<Context>) -> Result<Arc<Self>, VerbsError> {
         // SAFETY: the context is open.
         let raw = unsafe { ibv_alloc_pd(context.raw.as_ptr()) };
@@ -264,10 +293,13 @@ impl ProtectionDomain {
         }))
     }
 
+    /// The device the domain belongs to.
     pub fn context(&self) -> &Arc<Context> {
         &self.context
     }
 
+    /// The raw `ibv_pd*`.
+    ///
     /// # Safety
     ///
     /// Valid while this domain lives; the caller must not deallocate it.
@@ -329,16 +361,19 @@ impl MemoryRegion {
         })
     }
 
+    /// The key this node's work requests name the memory with.
     pub fn lkey(&self) -> u32 {
         // SAFETY: the MR is registered until Drop.
         unsafe { self.raw.as_ref().lkey }
     }
 
+    /// The key peers' work requests name the memory with; handles carry it.
     pub fn rkey(&self) -> u32 {
         // SAFETY: as above.
         unsafe { self.raw.as_ref().rkey }
     }
 
+    /// The registered bytes, kept alive by this MR.
     pub fn memory(&self) -> &Arc<MemoryBlock> {
         &self.memory
     }
@@ -365,6 +400,7 @@ unsafe impl Send for CompletionChannel {}
 unsafe impl Sync for CompletionChannel {}
 
 impl CompletionChannel {
+    /// Creates a channel on `context` (`ibv_create_comp_channel`).
     pub fn new(context: &Arc<Context>) -> Result<Arc<Self>, VerbsError> {
         // SAFETY: the context is open.
         let raw = unsafe { ibv_create_comp_channel(context.raw.as_ptr()) };
@@ -375,6 +411,7 @@ impl CompletionChannel {
         }))
     }
 
+    /// The file descriptor to wait on; owned by the channel, do not close it.
     pub fn fd(&self) -> i32 {
         // SAFETY: the channel is alive until Drop.
         unsafe { self.raw.as_ref().fd }
@@ -412,21 +449,28 @@ impl Drop for CompletionChannel {
 /// One work completion, decoded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Completion {
+    /// The `wr_id` the work request was posted with.
     pub wr_id: u64,
     /// `ibv_wc_status` value; 0 is success.
     pub status: u32,
+    /// Number of the local queue pair the request was posted on.
     pub qp_num: u32,
 }
 
 impl Completion {
+    /// Whether the work request succeeded.
     pub fn is_success(&self) -> bool {
         self.status == ibv_wc_status::IBV_WC_SUCCESS
     }
 
+    /// The peer's NIC refused the access: a wrong rkey, a range outside the
+    /// memory region, or an access its registration does not grant.
     pub fn is_remote_access_error(&self) -> bool {
         self.status == ibv_wc_status::IBV_WC_REM_ACCESS_ERR
     }
 
+    /// The request was flushed because its queue pair went to the error
+    /// state; it may have run partly, and its memory is no longer touched.
     pub fn is_flush(&self) -> bool {
         self.status == ibv_wc_status::IBV_WC_WR_FLUSH_ERR
     }
@@ -437,6 +481,7 @@ impl Completion {
             || self.status == ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR
     }
 
+    /// The status as libibverbs describes it, for error messages.
     pub fn status_str(&self) -> String {
         // SAFETY: returns a static NUL-terminated string for any status.
         unsafe { CStr::from_ptr(ibv_wc_status_str(self.status)) }
@@ -445,6 +490,8 @@ impl Completion {
     }
 }
 
+/// A completion queue, optionally raising events on a
+/// [`CompletionChannel`]. Keeps its context and channel alive.
 pub struct CompletionQueue {
     raw: NonNull<ibv_cq>,
     _context: Arc<Context>,
@@ -458,6 +505,8 @@ unsafe impl Send for CompletionQueue {}
 unsafe impl Sync for CompletionQueue {}
 
 impl CompletionQueue {
+    /// Creates a queue with room for at least `entries` completions; an armed
+    /// queue signals `channel`, if given.
     pub fn new(
         context: &Arc<Context>,
         entries: u32,
@@ -490,10 +539,13 @@ impl CompletionQueue {
         self.entries
     }
 
+    /// The channel its events go to, if it was created with one.
     pub fn channel(&self) -> Option<&Arc<CompletionChannel>> {
         self.channel.as_ref()
     }
 
+    /// The raw `ibv_cq*`.
+    ///
     /// # Safety
     ///
     /// Valid while this CQ lives; the caller must not destroy it.
@@ -582,16 +634,23 @@ impl Drop for CompletionQueue {
 /// What a peer needs to connect its RC QP to ours.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QpEndpoint {
+    /// The queue pair's number.
     pub qpn: u32,
+    /// The packet sequence number it starts sending with (random per
+    /// connection).
     pub psn: u32,
+    /// Its port's GID, in network byte order.
     pub gid: [u8; 16],
+    /// Its port's LID (0 on RoCE).
     pub lid: u16,
 }
 
 /// Path parameters for bringing a QP to RTR.
 #[derive(Clone, Copy, Debug)]
 pub struct PathConfig {
+    /// The local port, numbered from 1.
     pub port: u8,
+    /// Index of the local (source) GID in the port's table.
     pub gid_index: u32,
     /// `ibv_mtu` value.
     pub mtu: u32,
@@ -613,20 +672,31 @@ unsafe impl Sync for QueuePair {}
 /// Direction of a one-sided work request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RdmaOpcode {
+    /// `IBV_WR_RDMA_READ`: remote bytes into local memory.
     Read,
+    /// `IBV_WR_RDMA_WRITE`: local bytes into remote memory.
     Write,
 }
 
 /// One one-sided work request, as ferry posts it.
 #[derive(Clone, Copy, Debug)]
 pub struct WorkRequest {
+    /// Returned in the request's [`Completion`].
     pub wr_id: u64,
+    /// Read or write.
     pub opcode: RdmaOpcode,
+    /// Virtual address of the local bytes.
     pub local_addr: u64,
+    /// Bytes to move, at most the port's maximum message size.
     pub len: u32,
+    /// Key of the memory region holding the local bytes.
     pub lkey: u32,
+    /// Virtual address of the remote bytes in the peer's process.
     pub remote_addr: u64,
+    /// Key of the peer's memory region holding them.
     pub rkey: u32,
+    /// Whether the request gets a completion of its own; an unsignaled one
+    /// is retired by the next signaled request on the queue pair.
     pub signaled: bool,
 }
 
@@ -672,19 +742,24 @@ impl QueuePair {
         })
     }
 
+    /// The queue pair number a peer connects to.
     pub fn qpn(&self) -> u32 {
         // SAFETY: the QP is alive until Drop.
         unsafe { self.raw.as_ref().qp_num }
     }
 
+    /// Send-queue depth as the provider granted it (at least what was asked).
     pub fn max_send_wr(&self) -> u32 {
         self.max_send_wr
     }
 
+    /// The queue its send and receive completions go to.
     pub fn cq(&self) -> &Arc<CompletionQueue> {
         &self.cq
     }
 
+    /// The raw `ibv_qp*`.
+    ///
     /// # Safety
     ///
     /// Valid while this QP lives; the caller must not destroy it, and must

@@ -31,9 +31,12 @@ pub enum FrameError {
     TooLong(u64),
 }
 
+/// What a request asks of the owner; the value is the header's kind byte.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RequestKind {
+    /// Send `len` bytes at `addr` back.
     Read = 1,
+    /// Store the `len` payload bytes that follow at `addr`.
     Write = 2,
 }
 
@@ -42,16 +45,24 @@ pub enum RequestKind {
 /// process, as in RDMA; the owner maps it into the region after its checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Request {
+    /// Read or write.
     pub kind: RequestKind,
+    /// Chosen by the client, unique on its connection; the response echoes it.
     pub id: u64,
+    /// The region's slot on the owner, from the handle.
     pub region: RegionId,
+    /// The region's generation, from the handle.
     pub generation: Generation,
+    /// Virtual address of the first byte in the owner's process.
     pub addr: u64,
+    /// Bytes to read or write, at most [`MAX_CHUNK`].
     pub len: u64,
+    /// The handle's TCP token.
     pub token: u128,
 }
 
 impl Request {
+    /// The header as sent; a write's payload follows it separately.
     pub fn encode(&self) -> [u8; REQUEST_LEN] {
         let mut b = [0; REQUEST_LEN];
         b[0] = self.kind as u8;
@@ -92,32 +103,59 @@ impl Request {
 /// Why the owner refused a request; maps one to one onto [`OpError`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Refusal {
+    /// No region in that slot: [`OpError::UnknownRegion`].
     UnknownRegion,
-    StaleGeneration { current: Generation },
+    /// The slot holds a newer region: [`OpError::StaleGeneration`].
+    StaleGeneration {
+        /// The slot's generation now.
+        current: Generation,
+    },
+    /// Wrong token: [`OpError::AccessDenied`].
     AccessDenied,
-    OutOfBounds { offset: u64, bound: u64 },
+    /// The range leaves the region: [`OpError::OutOfBounds`].
+    OutOfBounds {
+        /// Bytes from the region's start to `addr` (wrapped if `addr` lies
+        /// below it).
+        offset: u64,
+        /// The region's length in bytes.
+        bound: u64,
+    },
+    /// A write to a read-only region: [`OpError::ReadOnly`].
     ReadOnly,
+    /// The request header did not parse; the owner closes the connection
+    /// after this response: [`OpError::Protocol`].
     Malformed,
 }
 
+/// The owner's answer to one request, matched to it by `id`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Response {
     /// `len` bytes of read data follow.
     ReadData {
+        /// The request's id.
         id: u64,
+        /// Payload bytes that follow, the request's `len`.
         len: u64,
     },
+    /// The write's bytes are in the owner's memory.
     WriteAck {
+        /// The request's id.
         id: u64,
     },
+    /// The request was refused; no bytes follow. A refused write's payload
+    /// was read and dropped, except after [`Refusal::Malformed`].
     Refused {
+        /// The request's id (for a header that did not parse, as read from it).
         id: u64,
+        /// Why.
         refusal: Refusal,
+        /// The request's `len`, echoed; 0 for [`Refusal::Malformed`].
         len: u64,
     },
 }
 
 impl Response {
+    /// The id of the request this answers.
     pub fn id(&self) -> u64 {
         match *self {
             Response::ReadData { id, .. }
@@ -126,6 +164,7 @@ impl Response {
         }
     }
 
+    /// The header as sent; read data follows it separately.
     pub fn encode(&self) -> [u8; RESPONSE_LEN] {
         let mut b = [0; RESPONSE_LEN];
         // (kind, refusal code, id, len, generation, offset, bound)
@@ -151,6 +190,9 @@ impl Response {
         b
     }
 
+    /// Parses a header; a `ReadData` over [`MAX_CHUNK`] bytes or an unknown
+    /// kind or refusal code is a [`FrameError`], after which the connection
+    /// cannot be trusted.
     pub fn decode(b: &[u8; RESPONSE_LEN]) -> Result<Self, FrameError> {
         let id = u64_at(b, 8);
         let len = u64_at(b, 16);

@@ -1,12 +1,20 @@
 //! ferry's TCP fallback: the same one-sided READ/WRITE semantics as RDMA, for
 //! hosts without an RDMA NIC.
 //!
-//! It is one data channel of the node's endpoint (`ferry-control`): the
-//! owner of a region serves requests on the connections the endpoint hands
-//! it, after checking region id, generation, token, bounds and access; the
-//! initiator splits ops into chunks spread over several connections per
-//! peer, with a bounded window of bytes in flight on each, and payload bytes
-//! move between sockets and region memory without intermediate buffers.
+//! It is one data channel of the node's endpoint: [`TcpBackend::start`]
+//! registers a handler for [`Channel::TCP_DATA`] with the
+//! [`Endpoint`](ferry_control::Endpoint), which accepts, bounds and
+//! hello-checks every connection and hands those of this channel over. The
+//! owner of a region serves requests on them after checking region id,
+//! generation, token, bounds and access; the initiator opens its connections
+//! with the same hello, splits ops into chunks spread over several
+//! connections per peer, with a bounded window of bytes in flight on each,
+//! and payload bytes move between sockets and region memory without
+//! intermediate buffers. The data frames themselves are in [`frame`].
+//!
+//! [`Channel::TCP_DATA`]: ferry_control::Channel::TCP_DATA
+
+#![warn(missing_docs)]
 
 mod actor;
 mod client;
