@@ -3,6 +3,12 @@
 
 use std::process::{Command, Output};
 
+/// `ferry serve` under load: connection bounds, timed-out submits. A module
+/// of this binary (not a test target of its own) so that it runs in the
+/// soft-RoCE VM too.
+#[path = "cli/under_load.rs"]
+mod under_load;
+
 /// The binary under test: `FERRY_BIN` inside the VM, cargo's build here.
 fn ferry_bin() -> String {
     std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_string())

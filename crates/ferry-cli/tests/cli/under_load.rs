@@ -1,0 +1,593 @@
+//! `ferry serve` under pressure, over TCP both here and in the soft-RoCE VM
+//! (serve runs with `--no-ibverbs`, the in-test nodes with `.ibverbs(false)`):
+//! a flood of idle clients against the endpoint's connection bounds, and a
+//! timed-out submit that must stop using the wire.
+
+use std::io::ErrorKind;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
+use ferry::control::{Channel, HelloStatus};
+use ferry::prelude::*;
+use ferry::{NodeId, RdmaBackend};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+use tokio::runtime::Runtime;
+
+use super::{ferry_bin, http_get, metric};
+
+/// A `ferry serve` process, optionally under a soft descriptor limit, with
+/// its stderr in a file the test reads while it runs. Dropping it kills the
+/// process if the test did not stop it.
+struct Served {
+    child: Child,
+    dir: PathBuf,
+}
+
+impl Served {
+    /// Starts serve with `args` and returns it with its region's handle,
+    /// once serve has written it (within a deadline).
+    fn start(name: &str, nofile: Option<u32>, args: &[&str]) -> (Served, RemoteBuffer) {
+        let dir = std::env::temp_dir().join(format!("ferry-cli-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let handle = dir.join("handle.json");
+        let bin = ferry_bin();
+        // `ulimit` in a shell that then becomes serve: no prlimit needed,
+        // and busybox's sh (in the VM) has it too.
+        let mut command = match nofile {
+            Some(n) => {
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("ulimit -n {n} && exec \"$0\" \"$@\""))
+                    .arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
+        let child = command
+            .arg("serve")
+            .args(args)
+            .arg("--handle-file")
+            .arg(&handle)
+            // Its default filter: warnings and its lifecycle, which the
+            // tests read.
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("stderr")).unwrap())
+            .spawn()
+            .unwrap();
+        let mut served = Served { child, dir };
+        let started = Instant::now();
+        loop {
+            if let Ok(text) = std::fs::read_to_string(&handle)
+                && let Ok(remote) = serde_json::from_str::<RemoteBuffer>(&text)
+            {
+                return (served, remote);
+            }
+            assert!(
+                served.child.try_wait().unwrap().is_none(),
+                "serve exited: {}",
+                served.stderr()
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "serve wrote no handle: {}",
+                served.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(self.dir.join("stderr")).unwrap_or_default()
+    }
+
+    fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// Closes serve's stdin and expects a clean exit within a deadline.
+    fn stop(mut self) {
+        drop(self.child.stdin.take());
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "serve did not exit after its stdin closed"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.success(), "serve: {status}\n{}", self.stderr());
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn runtime() -> Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn free_local_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+/// Deterministic bytes for positions `offset..offset + len` of a pattern
+/// that differs per seed and per position (byte, page and MiB).
+fn pattern(offset: u64, len: usize, seed: u8) -> Vec<u8> {
+    (offset..offset + len as u64)
+        .map(|i| (i as u8).wrapping_mul(31) ^ (i >> 12) as u8 ^ (i >> 20) as u8 ^ seed)
+        .collect()
+}
+
+/// Fills all of `region` with `pattern(.., seed)`, 1 MiB at a time.
+fn fill(region: &Region, seed: u8) {
+    let step = 1 << 20;
+    let mut offset = 0;
+    while offset < region.len() {
+        let len = step.min(region.len() - offset) as usize;
+        region
+            .write_at(offset, &pattern(offset, len, seed))
+            .unwrap();
+        offset += len as u64;
+    }
+}
+
+/// Writes a fresh pattern over all of `remote`, reads it back into another
+/// region, and checks every byte.
+async fn verified_round_trip(node: &Node, remote: &RemoteBuffer, seed: u8) {
+    let deadline = Duration::from_secs(30);
+    let out = node.alloc(remote.len(), Access::ReadWrite).await.unwrap();
+    fill(&out, seed);
+    node.submit(vec![RdmaOp::write(out.whole(), remote.clone())], deadline)
+        .await
+        .unwrap_or_else(|e| panic!("write (seed {seed}): {e}"));
+    let back = node.alloc(remote.len(), Access::ReadWrite).await.unwrap();
+    node.submit(vec![RdmaOp::read(back.whole(), remote.clone())], deadline)
+        .await
+        .unwrap_or_else(|e| panic!("read back (seed {seed}): {e}"));
+    assert!(back.to_vec() == out.to_vec(), "seed {seed}: bytes differ");
+}
+
+/// A TCP-only node on 127.0.0.1.
+async fn tcp_node() -> Node {
+    Node::builder().ibverbs(false).spawn().await.unwrap()
+}
+
+async fn shut_down(node: Node) {
+    tokio::time::timeout(Duration::from_secs(20), node.shutdown())
+        .await
+        .expect("node shut down within 20 s");
+}
+
+/// Connections a flood opened: those the server took (their hello answered
+/// `Ok`, then idle) and how many it hung up on.
+#[derive(Default)]
+struct Flood {
+    held: Vec<(IpAddr, TcpStream)>,
+    closed: usize,
+}
+
+impl Flood {
+    fn held_from(&self, address: IpAddr) -> usize {
+        self.held.iter().filter(|(a, _)| *a == address).count()
+    }
+
+    /// Whether every held connection is still open (no EOF, no reset), then
+    /// closes them all. Checked on the socket itself, not through tokio's
+    /// cached readiness.
+    fn all_open_then_close(self) -> bool {
+        let mut open = true;
+        for (from, stream) in self.held {
+            let stream = stream.into_std().unwrap();
+            match stream.peek(&mut [0; 1]) {
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                other => {
+                    eprintln!("a held connection from {from} is gone: {other:?}");
+                    open = false;
+                }
+            }
+        }
+        open
+    }
+}
+
+/// A refused connection must be hung up on within this; an admitted one
+/// answered within it.
+const PROMPT: Duration = Duration::from_secs(3);
+
+/// One client from `from` that sends a data-channel hello, reads the reply
+/// and then idles: `Some(stream)` if the server took it, `None` if it hung
+/// up. Panics if the server does neither within `PROMPT`.
+async fn hello_only(server: SocketAddr, from: IpAddr) -> Option<TcpStream> {
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::new(from, 0)).unwrap();
+    let mut stream = tokio::time::timeout(PROMPT, socket.connect(server))
+        .await
+        .unwrap_or_else(|_| panic!("connect from {from} did not complete within {PROMPT:?}"))
+        .unwrap_or_else(|e| panic!("connect from {from}: {e}"));
+    let hello = Hello {
+        version: VERSION,
+        channel: Channel::TCP_DATA,
+        node: NodeId::random(),
+    }
+    .encode();
+    let exchange = async {
+        stream.write_all(&hello).await?;
+        let mut reply = [0; HELLO_LEN];
+        stream.read_exact(&mut reply).await?;
+        Ok::<_, std::io::Error>(reply)
+    };
+    let reply = tokio::time::timeout(PROMPT, exchange)
+        .await
+        .unwrap_or_else(|_| {
+            panic!("from {from}: neither answered nor hung up on within {PROMPT:?}")
+        });
+    match reply {
+        Ok(reply) => {
+            let reply = HelloReply::decode(&reply).unwrap();
+            assert_eq!(reply.status, HelloStatus::Ok, "from {from}");
+            Some(stream)
+        }
+        // EOF, or a reset (the server closed with our hello unread).
+        Err(_) => None,
+    }
+}
+
+/// `per_address` hello-only clients from each of `from`, the addresses
+/// concurrently, each address's clients one after another.
+async fn flood(server: SocketAddr, from: &[IpAddr], per_address: usize) -> Flood {
+    let mut tasks = tokio::task::JoinSet::new();
+    for &address in from {
+        tasks.spawn(async move {
+            let mut flood = Flood::default();
+            for _ in 0..per_address {
+                match hello_only(server, address).await {
+                    Some(stream) => flood.held.push((address, stream)),
+                    None => flood.closed += 1,
+                }
+            }
+            flood
+        });
+    }
+    let mut all = Flood::default();
+    while let Some(done) = tasks.join_next().await {
+        let done = done.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        all.held.extend(done.held);
+        all.closed += done.closed;
+    }
+    all
+}
+
+fn loopback(last: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(127, 0, 0, last))
+}
+
+/// Connections serve's endpoint refused so far, per bound.
+fn refused(metrics: &str) -> (u64, u64) {
+    let page = http_get(metrics, "/metrics");
+    (
+        metric(&page, "ferry_endpoint_refused_total{bound=\"total\"}"),
+        metric(&page, "ferry_endpoint_refused_total{bound=\"address\"}"),
+    )
+}
+
+/// Under `ulimit -n 128`, serve's endpoint takes at most 96 connections (24
+/// per address). A flood of idle clients from several addresses is cut off
+/// at the bound, promptly and with one log line per stretch, while a peer
+/// whose connections were open before keeps being served; a flood from one
+/// address leaves room for a new peer from another.
+#[test]
+fn endpoint_bounds_hold_under_a_descriptor_limit() {
+    const TOTAL: usize = 96;
+    const PER_ADDRESS: usize = 24;
+    let rt = runtime();
+    let metrics = free_local_addr();
+    let (mut serve, remote) = Served::start(
+        "limits",
+        Some(128),
+        &["--no-ibverbs", "--size", "4M", "--metrics", &metrics],
+    );
+    assert!(
+        serve
+            .stderr()
+            .contains("max_connections: 96, max_per_address: 24"),
+        "limits derived from 128 descriptors: 96 in all, 24 per address:\n{}",
+        serve.stderr()
+    );
+    let server = remote.owner().endpoint;
+    assert_eq!(server.ip(), loopback(1));
+
+    // A well-behaved peer (from 127.0.0.1) is served before the flood.
+    let peer = rt.block_on(tcp_node());
+    rt.block_on(verified_round_trip(&peer, &remote, 1));
+    let peer_connections = rt
+        .block_on(peer.tcp().transport_info())
+        .unwrap()
+        .open_connections;
+    assert!(
+        (1..=4).contains(&peer_connections),
+        "{peer_connections} data connections"
+    );
+
+    // (a) 5 × 40 idle clients from 127.0.0.2-6: per-address room (5 × 24)
+    // exceeds the total room, so exactly the total bound is held.
+    let flooders: Vec<IpAddr> = (2..=6).map(loopback).collect();
+    let before = refused(&metrics);
+    let first = rt.block_on(flood(server, &flooders, 40));
+    let after = refused(&metrics);
+    let held = first.held.len();
+    eprintln!(
+        "flood 1: {held} held, {} hung up on; per address {:?}; server refused {:?} (total, address)",
+        first.closed,
+        flooders
+            .iter()
+            .map(|&a| first.held_from(a))
+            .collect::<Vec<_>>(),
+        (after.0 - before.0, after.1 - before.1)
+    );
+    assert_eq!(held + first.closed, 5 * 40);
+    assert_eq!(
+        held + peer_connections,
+        TOTAL,
+        "the endpoint holds exactly its total bound"
+    );
+    for &a in &flooders {
+        assert!(first.held_from(a) <= PER_ADDRESS, "{a}: over its bound");
+    }
+    assert_eq!(
+        (after.0 - before.0) + (after.1 - before.1),
+        first.closed as u64,
+        "every hang-up was a refusal by a bound"
+    );
+    assert!(after.0 > before.0, "the total bound refused some");
+    assert!(
+        rt.block_on(hello_only(server, loopback(8))).is_none(),
+        "a client from a fresh address is refused while the endpoint is full"
+    );
+
+    // (b) While the flood is held, the peer's connections still serve it.
+    rt.block_on(verified_round_trip(&peer, &remote, 2));
+    let first_refused = first.closed;
+    assert!(
+        first.all_open_then_close(),
+        "connections open before the bound was hit stay open"
+    );
+
+    // The first flood is closed: serve says it accepts again once it has
+    // seen enough of them go. Then a moment for the rest.
+    let started = Instant::now();
+    while !serve.stderr().contains("accepting new connections again") {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "serve never said it accepts connections again:\n{}",
+            serve.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+
+    // (c) One address floods well past the total bound: it gets its own
+    // bound and no more, so a new peer from 127.0.0.1 still gets in (with
+    // only the total bound, 127.0.0.7 would hold 92 connections and the
+    // newcomer would be refused).
+    let flooder = loopback(7);
+    let before = refused(&metrics);
+    let second = rt.block_on(flood(server, &[flooder], 120));
+    let after = refused(&metrics);
+    eprintln!(
+        "flood 2: {} held, {} hung up on; server refused {:?} (total, address)",
+        second.held.len(),
+        second.closed,
+        (after.0 - before.0, after.1 - before.1)
+    );
+    assert_eq!(
+        second.held_from(flooder),
+        PER_ADDRESS,
+        "{flooder} holds its bound"
+    );
+    assert_eq!(second.closed, 120 - PER_ADDRESS);
+    assert_eq!(
+        (after.0 - before.0, after.1 - before.1),
+        (0, (120 - PER_ADDRESS) as u64),
+        "refused by the per-address bound only"
+    );
+    let newcomer = rt.block_on(tcp_node());
+    rt.block_on(verified_round_trip(&newcomer, &remote, 3));
+
+    // (d) One warning per stretch of refusals, not one per refusal.
+    let log = serve.stderr();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("refusing new connections"))
+        .collect();
+    let total_warnings = warnings
+        .iter()
+        .filter(|l| l.contains("refusing new connections: "))
+        .count();
+    let flooder_warnings = warnings
+        .iter()
+        .filter(|l| l.contains(&format!("refusing new connections from {flooder}:")))
+        .count();
+    let refusals = first_refused + 1 + second.closed;
+    eprintln!(
+        "{} refusal warnings for {refusals} refusals",
+        warnings.len()
+    );
+    assert_eq!(total_warnings, 1, "one stretch at the total bound:\n{log}");
+    assert_eq!(flooder_warnings, 1, "one stretch for {flooder}:\n{log}");
+    // At most: the total's stretch, one per flooding address.
+    assert!(
+        warnings.len() <= 1 + flooders.len() + 1,
+        "{} warning lines for {refusals} refusals:\n{log}",
+        warnings.len()
+    );
+    assert!(warnings.len() < refusals);
+
+    // Flood gone: serve is alive and serves both peers.
+    assert!(
+        second.all_open_then_close(),
+        "connections held within the bound stay open"
+    );
+    assert!(serve.is_running(), "serve died:\n{}", serve.stderr());
+    rt.block_on(verified_round_trip(&peer, &remote, 4));
+    rt.block_on(verified_round_trip(&newcomer, &remote, 5));
+    rt.block_on(async {
+        shut_down(newcomer).await;
+        shut_down(peer).await;
+    });
+    serve.stop();
+}
+
+/// Bytes of served reads or writes serve's metrics show now.
+fn served_bytes(metrics: &str, op: &str) -> u64 {
+    let page = http_get(metrics, "/metrics");
+    metric(
+        &page,
+        &format!("ferry_served_bytes_total{{transport=\"tcp\",op=\"{op}\"}}"),
+    )
+}
+
+/// Polls until two readings 300 ms apart agree (within a deadline).
+fn settled_served_bytes(metrics: &str, op: &str) -> u64 {
+    let started = Instant::now();
+    let mut last = served_bytes(metrics, op);
+    loop {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = served_bytes(metrics, op);
+        if now == last {
+            return now;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "served {op} bytes still moving after 30 s: {now}"
+        );
+        last = now;
+    }
+}
+
+/// A submit of 2 GiB with a deadline far too short for it returns
+/// `Timeout`, and from then on the owner serves no more than what was
+/// already in flight: the rest is never sent.
+///
+/// Why `connections × (window + chunk)`: each data connection lets at most
+/// `window` bytes of requests be sent and not yet answered (its writer takes
+/// room from the window before a chunk goes on the wire, and gets it back
+/// only once the response has been read), except that a chunk larger than
+/// the window still goes, alone: so at most `max(window, chunk)` per
+/// connection, which `window + chunk` covers whatever the configuration.
+/// When the deadline passes the submit is marked abandoned, and every chunk
+/// still queued, or waiting for room, is dropped unsent. So what the owner
+/// serves after the submit returned (its counter moves as it serves each
+/// request) is at most what held window room at that moment, however large
+/// the batch. Nothing here is timed: a slow machine moves fewer bytes before
+/// the deadline, never more after it.
+#[test]
+fn a_timed_out_submit_stops_using_the_wire() {
+    const LEN: u64 = 256 << 20;
+    const OPS: u64 = 8;
+    let deadline = Duration::from_millis(100);
+    let rt = runtime();
+    let metrics = free_local_addr();
+    let (serve, remote) = Served::start(
+        "timeout",
+        None,
+        &["--no-ibverbs", "--size", "256M", "--metrics", &metrics],
+    );
+    assert_eq!(remote.len(), LEN);
+    let node = rt.block_on(tcp_node());
+    let info = rt.block_on(node.tcp().transport_info()).unwrap();
+    let in_flight =
+        info.connections_per_peer as u64 * (u64::from(info.window) + info.chunk_size as u64);
+    assert_eq!(in_flight, 4 * ((8 << 20) + (1 << 20)), "{info:?}");
+
+    // The remote region and the local one hold the same pattern, so reads
+    // and writes cut short anywhere leave both as they were.
+    let local = rt.block_on(node.alloc(LEN, Access::ReadWrite)).unwrap();
+    fill(&local, 7);
+    rt.block_on(node.submit(
+        vec![RdmaOp::write(local.whole(), remote.clone())],
+        Duration::from_secs(60),
+    ))
+    .unwrap();
+
+    for (op, kind) in [("read", OpKind::Read), ("write", OpKind::Write)] {
+        let s0 = served_bytes(&metrics, op);
+        let ops = (0..OPS)
+            .map(|_| match kind {
+                OpKind::Read => RdmaOp::read(local.whole(), remote.clone()),
+                OpKind::Write => RdmaOp::write(local.whole(), remote.clone()),
+            })
+            .collect();
+        let result = rt.block_on(node.submit(ops, deadline));
+        let s1 = served_bytes(&metrics, op);
+        let s2 = settled_served_bytes(&metrics, op);
+        eprintln!(
+            "{op}: {result:?}; served by the timeout {} MiB (S1 - S0), after it {} KiB (S2 - S1), \
+             bound {} KiB, of {} MiB submitted",
+            (s1 - s0) >> 20,
+            (s2 - s1) >> 10,
+            in_flight >> 10,
+            (OPS * LEN) >> 20
+        );
+        assert!(
+            matches!(result, Err(SubmitError::Timeout { .. })),
+            "{op}: {result:?}"
+        );
+        assert!(s1 > s0, "{op}: nothing moved before the deadline");
+        assert!(
+            s2 - s1 <= in_flight,
+            "{op}: {} bytes served after the submit timed out; at most {in_flight} were in flight",
+            s2 - s1
+        );
+        // Far below 2 GiB: at least a quarter of it never went on the wire
+        // (a 2-core host moves 2-5 MiB per ms here; it would take over
+        // 15 GB/s to serve 1.5 GiB before a 100 ms deadline).
+        assert!(
+            s2 - s0 <= OPS * LEN / 4 * 3,
+            "{op}: {} of {} bytes served: the unsent rest was not dropped",
+            s2 - s0,
+            OPS * LEN
+        );
+    }
+
+    // The node still works: 4 KiB reads return the pattern.
+    let probe = rt.block_on(node.alloc(4096, Access::ReadWrite)).unwrap();
+    for offset in [0, 100 << 20, LEN - 4096] {
+        rt.block_on(node.submit(
+            vec![RdmaOp::read(
+                probe.whole(),
+                remote.slice(offset..offset + 4096).unwrap(),
+            )],
+            Duration::from_secs(10),
+        ))
+        .unwrap();
+        assert!(
+            probe.to_vec() == pattern(offset, 4096, 7),
+            "4 KiB at {offset}"
+        );
+    }
+    drop((probe, local));
+    rt.block_on(shut_down(node));
+    serve.stop();
+}
