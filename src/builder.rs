@@ -118,6 +118,14 @@ impl NodeBuilder {
         self
     }
 
+    /// Bytes of requests each TCP data connection keeps in flight (default
+    /// 8 MiB; at least one chunk always fits): what keeps a link busy, and
+    /// all a timed-out submit still moves per connection.
+    pub fn tcp_window(mut self, bytes: u32) -> Self {
+        self.tcp.window = bytes.max(1);
+        self
+    }
+
     /// The TCP backend's whole configuration.
     pub fn tcp_config(mut self, config: TcpConfig) -> Self {
         self.tcp = config;

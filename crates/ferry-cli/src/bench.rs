@@ -96,6 +96,9 @@ pub struct BenchArgs {
     /// TCP connections per peer.
     #[arg(long, default_value_t = 4)]
     pub streams: usize,
+    /// TCP bytes in flight per connection (K, M suffixes; default 8M).
+    #[arg(long, value_parser = parse_size)]
+    pub window: Option<u64>,
     /// Measured submits per block size and worker.
     #[arg(long, default_value_t = 20)]
     pub iters: usize,
@@ -391,7 +394,11 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             (Some(server), handle)
         }
     };
-    let node = Node::builder()
+    let mut builder = Node::builder();
+    if let Some(window) = args.window {
+        builder = builder.tcp_window(u32::try_from(window).unwrap_or(u32::MAX));
+    }
+    let node = builder
         .tcp_connections(args.streams)
         .ibverbs(args.transport != Transport::Tcp)
         .spawn()
