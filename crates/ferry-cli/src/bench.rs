@@ -343,22 +343,32 @@ impl Share {
 #[derive(Clone, Copy)]
 enum Until {
     Submits(usize),
-    Time(Instant),
+    /// After this long, counted from the common start.
+    Time(Duration),
 }
 
-/// Runs one worker: warm-up, then measured submits; returns its latencies
-/// in microseconds.
+/// Runs one worker: warm-up, then (once every worker has warmed up, at
+/// `start`) measured submits; returns its latencies in microseconds.
 async fn work(
     submitter: Submitter,
     share: Share,
     op: Op,
     warmup: usize,
     until: Until,
+    start: std::sync::Arc<tokio::sync::Barrier>,
     progress: indicatif::ProgressBar,
 ) -> Result<Vec<f64>, Failure> {
-    for _ in 0..warmup {
-        submitter.submit(share.ops(op)?).await?;
+    let warm = async {
+        for _ in 0..warmup {
+            submitter.submit(share.ops(op)?).await?;
+        }
+        Ok::<_, Failure>(())
     }
+    .await;
+    // Every worker reaches the start, failed or not, so none waits forever.
+    start.wait().await;
+    warm?;
+    let started = Instant::now();
     let mut latencies = Vec::new();
     loop {
         let ops = share.ops(op)?;
@@ -368,7 +378,7 @@ async fn work(
         progress.inc(1);
         let done = match until {
             Until::Submits(n) => latencies.len() >= n,
-            Until::Time(at) => Instant::now() >= at,
+            Until::Time(limit) => started.elapsed() >= limit,
         };
         if done {
             return Ok(latencies);
@@ -457,11 +467,12 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
                 fill(&local, share.range(), None)?;
             }
         }
-        let started = Instant::now();
         let until = match args.duration {
-            Some(s) => Until::Time(started + Duration::from_secs_f64(s)),
+            Some(s) => Until::Time(Duration::from_secs_f64(s)),
             None => Until::Submits(args.iters.max(1)),
         };
+        // Warm-ups are not measured: the clock starts when all are done.
+        let start = std::sync::Arc::new(tokio::sync::Barrier::new(workers + 1));
         let tasks: Vec<_> = shares
             .iter()
             .map(|share| {
@@ -471,10 +482,18 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
                     args.op,
                     args.warmup,
                     until,
+                    start.clone(),
                     progress.clone(),
                 ))
             })
             .collect();
+        let warmups = SUBMIT_TIMEOUT * (args.warmup as u32 + 1);
+        if tokio::time::timeout(warmups, start.wait()).await.is_err() {
+            return Err(Failure(format!(
+                "the warm-up did not finish within {warmups:?}"
+            )));
+        }
+        let started = Instant::now();
         let mut latencies = Vec::new();
         for task in tasks {
             latencies.extend(task.await??);

@@ -19,17 +19,19 @@
 mod backend;
 mod connection;
 mod device;
+mod exchange;
+mod info;
 mod report;
 pub mod verbs;
 mod wire;
 
 pub use backend::{
-    FOREIGN_WR_ID_BIT, IbvBackend, IbvDevice, IbvManagerActor, IbvQpHandle, IbvRegionKeys,
-    IbvRegistered, IbvRegistration, IbvTransportInfo,
+    FOREIGN_WR_ID_BIT, IbvBackend, IbvDevice, IbvManagerActor, IbvRegistered, IbvRegistration,
 };
 pub use device::IbvConfig;
 /// The messages all managers share, re-exported where users look for them.
 pub use ferry_core::{RegisterRegion, Submit, TransportInfo, TransportLevel};
+pub use info::{IbvQpHandle, IbvRegionKeys, IbvTransportInfo};
 /// The verbs bindings ferry is built with, for code that posts through the
 /// raw handles of [`IbvTransportInfo`].
 pub use rdma_sys as sys;
