@@ -75,7 +75,7 @@ for transport in ("tcp", "ibverbs"):
     print("|---|---|---|---|---|---|")
     for key in sorted({case(r) for r in rows}, key=lambda k: (k[2], k[0], k[1])):
         name, unit, value, _ = names.get(
-            key, (f"{key[2]} workers, {key[0] >> 20} MiB write", "GB/s", lambda r: r["gbps"], "higher"))
+            key, (f"{key[2]} workers, {key[0] >> 20} MiB write", "MiB/s", lambda r: r["gbps"] * 1e9 / 2**20, "higher"))
         by = {via: [value(r) for r in rows if case(r) == key and r["via"] == via] for via in ("node", "actor")}
         if not by["node"] or not by["actor"]:
             continue

@@ -3,8 +3,11 @@
 //! It accepts the same [`Submit`] every backend manager does and routes each
 //! op exactly as [`crate::Node::submit`] does (the same code: the node's
 //! router). It answers transfers and registrations later (delegated
-//! replies): each runs in a task of its own, so one actor keeps any number
-//! of submits in flight and its mailbox never waits on a transfer.
+//! replies), so one actor keeps any number of submits in flight and its
+//! mailbox never waits on a transfer: an RDMA submit that completes on its
+//! first poll (posted and polled inline, while no other message waits) is
+//! answered at once, any other goes on in a task of its own (see
+//! [`ferry_core::inline`]).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -46,15 +49,19 @@ impl Message<Submit> for NodeActor {
     type Reply = DelegatedReply<Result<(), SubmitError>>;
 
     async fn handle(&mut self, msg: Submit, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let (delegated, reply) = ctx.reply_sender();
         let router = self.router.clone();
-        tokio::spawn(async move {
-            let result = router.submit(msg.ops, msg.timeout).await;
-            if let Some(reply) = reply {
-                reply.send(result);
-            }
-        });
-        delegated
+        // Only RDMA can complete within a first poll (posted and polled
+        // inline); a batch that touches TCP goes straight to a task.
+        let inline = msg
+            .ops
+            .iter()
+            .all(|op| router.route(op) == Some(RdmaTransportLevel::Nic));
+        let work = async move { router.submit(msg.ops, msg.timeout).await };
+        if inline {
+            ferry_core::inline::answer(ctx, work)
+        } else {
+            ctx.spawn(work)
+        }
     }
 }
 
@@ -82,19 +89,12 @@ impl Message<Alloc> for NodeActor {
     type Reply = DelegatedReply<Result<Region, RegisterError>>;
 
     async fn handle(&mut self, msg: Alloc, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let (delegated, reply) = ctx.reply_sender();
         let router = self.router.clone();
         // Registering with a NIC pins and maps every page: not for the mailbox.
-        tokio::spawn(async move {
-            let result = match MemoryBlock::alloc(msg.len) {
-                Ok(memory) => router.register(memory, msg.access).await,
-                Err(e) => Err(e),
-            };
-            if let Some(reply) = reply {
-                reply.send(result);
-            }
-        });
-        delegated
+        ctx.spawn(async move {
+            let memory = MemoryBlock::alloc(msg.len)?;
+            router.register(memory, msg.access).await
+        })
     }
 }
 
@@ -102,15 +102,8 @@ impl Message<Register> for NodeActor {
     type Reply = DelegatedReply<Result<Region, RegisterError>>;
 
     async fn handle(&mut self, msg: Register, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let (delegated, reply) = ctx.reply_sender();
         let router = self.router.clone();
-        tokio::spawn(async move {
-            let result = router.register(msg.memory, msg.access).await;
-            if let Some(reply) = reply {
-                reply.send(result);
-            }
-        });
-        delegated
+        ctx.spawn(async move { router.register(msg.memory, msg.access).await })
     }
 }
 
@@ -134,15 +127,8 @@ impl Message<TransportInfo> for NodeActor {
         _: TransportInfo,
         ctx: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
-        let (delegated, reply) = ctx.reply_sender();
         let router = self.router.clone();
-        tokio::spawn(async move {
-            let info = router.transport_info().await;
-            if let Some(reply) = reply {
-                reply.send(Ok(info));
-            }
-        });
-        delegated
+        ctx.spawn(async move { Ok(router.transport_info().await) })
     }
 }
 

@@ -48,6 +48,20 @@ async fn sixteen_worker_actors_go_over_ibverbs_and_over_tcp_to_a_peer_without_it
     }
 }
 
+/// The node's actor answers other messages while an RDMA transfer it took
+/// runs: the transfer goes on in a task once the first poll is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn the_node_actor_answers_while_an_rdma_transfer_runs() {
+    let node = rdma_node().await;
+    let mut peer = PeerProcess::spawn().await;
+    let len = 16 << 20;
+    let target = peer.alloc(len, Access::ReadWrite, 4).await;
+    let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    // 64 MiB: seconds on soft-RoCE under emulation.
+    workers::the_actor_answers_while_a_transfer_runs(&node, &src, &target.handle, 4).await;
+}
+
 /// A submit that times out stops moving bytes: its queue pair is failed at
 /// once, so work not yet on the wire never gets there. Measured in the
 /// owner's memory, not in time: what landed by the timeout, and what landed

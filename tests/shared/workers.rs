@@ -89,3 +89,40 @@ pub async fn worker_round_trips(
     }
     original
 }
+
+/// Sends one large batch (`copies` writes of all of `src` into `target`)
+/// to the node's actor, then a `Transports` query: the query must be
+/// answered while the transfer still runs, since the actor's mailbox never
+/// waits on a transfer. Then the transfer completes.
+pub async fn the_actor_answers_while_a_transfer_runs(
+    node: &Node,
+    src: &Region,
+    target: &RemoteBuffer,
+    copies: usize,
+) {
+    let ops = (0..copies)
+        .map(|_| RdmaOp::write(src.whole(), target.clone()))
+        .collect();
+    let actor = node.actor().clone();
+    let transfer = tokio::spawn(async move {
+        actor
+            .ask(Submit {
+                ops,
+                timeout: DEADLINE,
+            })
+            .await
+    });
+    // The actor takes the batch first (the task that asks runs at once; the
+    // pause only makes sure).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let transports = tokio::time::timeout(DEADLINE, node.actor().ask(ferry::Transports))
+        .await
+        .expect("answered")
+        .unwrap();
+    assert!(!transports.is_empty());
+    assert!(
+        !transfer.is_finished(),
+        "the transfer finished before the query was answered: make it longer"
+    );
+    transfer.await.unwrap().expect("the transfer completes");
+}

@@ -52,3 +52,15 @@ async fn sixteen_worker_actors_submit_concurrently_to_the_node_actor() {
     let expected = workers::worker_round_trips(&node, &target.handle, target.original(), 16).await;
     assert_eq!(peer.digest(&target).await, digest(&expected));
 }
+
+/// The node's actor answers other messages while it has a transfer running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_actor_answers_while_a_transfer_runs() {
+    let node = Node::builder().spawn().await.unwrap();
+    let mut peer = PeerProcess::spawn().await;
+    let len = 256 << 20;
+    let target = peer.alloc(len, Access::ReadWrite, 4).await;
+    let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    // 2 GiB: far longer than one message takes.
+    workers::the_actor_answers_while_a_transfer_runs(&node, &src, &target.handle, 8).await;
+}

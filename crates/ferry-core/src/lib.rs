@@ -18,6 +18,7 @@ mod backend;
 mod error;
 mod handle;
 mod ids;
+pub mod inline;
 mod memory;
 mod message;
 mod op;

@@ -370,15 +370,11 @@ impl Message<Submit> for IbvManagerActor {
     type Reply = DelegatedReply<Result<(), SubmitError>>;
 
     async fn handle(&mut self, msg: Submit, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let (delegated, reply) = ctx.reply_sender();
         let shared = self.shared.clone();
-        tokio::spawn(async move {
-            let result = shared.submit(msg.ops, msg.timeout).await;
-            if let Some(reply) = reply {
-                reply.send(result);
-            }
-        });
-        delegated
+        ferry_core::inline::answer(
+            ctx,
+            async move { shared.submit(msg.ops, msg.timeout).await },
+        )
     }
 }
 

@@ -255,9 +255,10 @@ impl QpSession {
 }
 
 /// Calls `poll` (which returns how many completions it applied) until
-/// `done()` or until `until` has passed; returns `done()`. The clock is read
-/// only every 64 polls: where it is slow to read (an emulated HPET), reading
-/// it each time cost more than polling.
+/// `done()`, until `until` has passed, or until the thread's lender wants it
+/// back; returns `done()`. The clock is read only every 64 polls: where it
+/// is slow to read (an emulated HPET), reading it each time cost more than
+/// polling.
 pub(crate) fn spin_until_done(
     until: Instant,
     mut poll: impl FnMut() -> usize,
@@ -265,7 +266,9 @@ pub(crate) fn spin_until_done(
 ) -> bool {
     let mut polls = 0u32;
     while !done() {
-        if polls % 64 == 63 && Instant::now() >= until {
+        // A thread lent by the node's actor goes back as soon as another
+        // message waits for it (see `ferry_core::inline`).
+        if polls % 64 == 63 && (Instant::now() >= until || ferry_core::inline::wanted_back()) {
             return false;
         }
         polls = polls.wrapping_add(1);

@@ -82,15 +82,10 @@ impl Message<Submit> for TcpManagerActor {
     type Reply = DelegatedReply<Result<(), SubmitError>>;
 
     async fn handle(&mut self, msg: Submit, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let (delegated, reply) = ctx.reply_sender();
         let shared = self.shared.clone();
-        tokio::spawn(async move {
-            let result = shared.peers.submit(msg.ops, msg.timeout).await;
-            if let Some(reply) = reply {
-                reply.send(result);
-            }
-        });
-        delegated
+        // Nothing completes a TCP transfer on its first poll: straight to a
+        // task of its own.
+        ctx.spawn(async move { shared.peers.submit(msg.ops, msg.timeout).await })
     }
 }
 
