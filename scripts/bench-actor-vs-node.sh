@@ -10,6 +10,9 @@
 #   4 KiB writes, 64 ops per submit      message rate     actor / node
 #   16 workers, 1 MiB writes             aggregate GB/s   actor / node (goal ~1.00)
 #
+# and, as the floor under any actor hop, the p50 round trip of an empty
+# message to a do-nothing actor on the same runtime (`--via echo`).
+#
 #   scripts/bench-actor-vs-node.sh [ROUNDS [SECONDS_PER_ROW]]   (default 3 2)
 #
 # Set FERRY_BENCH_SKIP_RDMA=1 to run the TCP half only.
@@ -40,6 +43,7 @@ commands() {
                 echo "$ferry bench --loopback --transport $transport --json --warmup 20 --via $via $case"
             done
         done
+        echo "$ferry bench --loopback --transport $transport --json --warmup 20 --via echo ${cases[0]}"
     done
 }
 
@@ -70,6 +74,8 @@ for transport in ("tcp", "ibverbs"):
     if not os.path.exists(path):
         continue
     rows = [json.loads(l) for l in open(path) if l.strip()]
+    echo = [r["lat_p50_us"] for r in rows if r["via"] == "echo"]
+    rows = [r for r in rows if r["via"] != "echo"]
     print(f"\n{transport}: actor / node, medians of {len(rows) // 8} rounds")
     print("| case | unit | via node | via actor | actor / node | runs (node; actor) |")
     print("|---|---|---|---|---|---|")
@@ -82,4 +88,7 @@ for transport in ("tcp", "ibverbs"):
         node, actor = statistics.median(by["node"]), statistics.median(by["actor"])
         runs = " ".join(f"{x:.1f}" for x in by["node"]) + "; " + " ".join(f"{x:.1f}" for x in by["actor"])
         print(f"| {name} | {unit} | {node:.2f} | {actor:.2f} | {actor / node:.2f} | {runs} |")
+    if echo:
+        runs = " ".join(f"{x:.1f}" for x in echo)
+        print(f"\nempty message to a do-nothing actor (--via echo): p50 {statistics.median(echo):.2f} us ({runs})")
 PY

@@ -4,10 +4,11 @@
 //! op exactly as [`crate::Node::submit`] does (the same code: the node's
 //! router). It answers transfers and registrations later (delegated
 //! replies), so one actor keeps any number of submits in flight and its
-//! mailbox never waits on a transfer: an RDMA submit that completes on its
-//! first poll (posted and polled inline, while no other message waits) is
-//! answered at once, any other goes on in a task of its own (see
-//! [`ferry_core::inline`]).
+//! mailbox never waits on a transfer, and without a task per submit where
+//! it can (see [`ferry_core::inline`]): a TCP submit is queued in the
+//! handler and answered by the connection that finishes it; an RDMA submit
+//! is posted and polled in the handler (while no other message waits) and
+//! answered at once if that completes it, else from a task of its own.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -50,17 +51,22 @@ impl Message<Submit> for NodeActor {
 
     async fn handle(&mut self, msg: Submit, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
         let router = self.router.clone();
-        // Only RDMA can complete within a first poll (posted and polled
-        // inline); a batch that touches TCP goes straight to a task.
-        let inline = msg
-            .ops
-            .iter()
-            .all(|op| router.route(op) == Some(RdmaTransportLevel::Nic));
-        let work = async move { router.submit(msg.ops, msg.timeout).await };
-        if inline {
-            ferry_core::inline::answer(ctx, work)
-        } else {
-            ctx.spawn(work)
+        let first = msg.ops.first().and_then(|op| router.route(op));
+        let one_transport = msg.ops.iter().all(|op| router.route(op) == first);
+        match first {
+            // Queued here, answered by the connection that finishes it.
+            Some(RdmaTransportLevel::Tcp) if one_transport => {
+                ferry_core::inline::answer_on_completion(ctx, move |answer| {
+                    router.submit_tcp_with_answer(msg.ops, msg.timeout, answer)
+                })
+            }
+            // Posted and polled here: often complete at once.
+            Some(RdmaTransportLevel::Nic) if one_transport => ferry_core::inline::answer(
+                ctx,
+                async move { router.submit(msg.ops, msg.timeout).await },
+            ),
+            // Mixed, unroutable or empty batches take the general path.
+            _ => ctx.spawn(async move { router.submit(msg.ops, msg.timeout).await }),
         }
     }
 }

@@ -48,14 +48,24 @@ impl Meters {
         ops: Vec<RdmaOp>,
         timeout: Duration,
     ) -> Result<(), SubmitError> {
-        let submitted = self.start(&ops);
+        let submitted = Submitted::new(&ops);
         let result = backend.submit(ops, timeout).await;
-        submitted.finish(&result);
+        submitted.finish(self, &result);
         result
     }
+}
 
+/// One backend's share of a batch, in flight.
+pub(crate) struct Submitted {
+    /// (ops, bytes) per op kind.
+    counts: [(u64, u64); 2],
+    kinds: Vec<OpKind>,
+    started: Instant,
+}
+
+impl Submitted {
     /// Takes what `ops` will move, before they are handed to the backend.
-    fn start(&self, ops: &[RdmaOp]) -> Submitted<'_> {
+    pub fn new(ops: &[RdmaOp]) -> Self {
         let mut counts = [(0u64, 0u64); 2];
         for op in ops {
             let slot = &mut counts[kind_index(op.kind)];
@@ -70,26 +80,14 @@ impl Meters {
             Vec::new()
         };
         Submitted {
-            meters: self,
             counts,
             kinds,
             started: Instant::now(),
         }
     }
-}
 
-/// One backend's share of a batch, in flight.
-struct Submitted<'a> {
-    meters: &'a Meters,
-    /// (ops, bytes) per op kind.
-    counts: [(u64, u64); 2],
-    kinds: Vec<OpKind>,
-    started: Instant,
-}
-
-impl Submitted<'_> {
-    fn finish(self, result: &Result<(), SubmitError>) {
-        let m = self.meters;
+    /// Counts the outcome on the transport's `meters`.
+    pub fn finish(self, m: &Meters, result: &Result<(), SubmitError>) {
         m.submit_seconds
             .record(self.started.elapsed().as_secs_f64());
         match result {

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use ferry_control::Endpoint;
 use ferry_core::{
-    Access, Generation, MemoryBlock, NodeAddr, OpError, RdmaBackend, RdmaOp, RdmaTransportLevel,
-    Region, RegionId, RegionIds, RegionParts, RegisterError, RegisterRegion, RemoteTransports,
-    SubmitError,
+    Access, Answer, Generation, MemoryBlock, NodeAddr, OpError, RdmaBackend, RdmaOp,
+    RdmaTransportLevel, Region, RegionId, RegionIds, RegionParts, RegisterError, RegisterRegion,
+    RemoteTransports, SubmitError,
 };
 use ferry_ibverbs::{IbvBackend, IbvTransportInfo};
 use ferry_tcp::{TcpBackend, TcpTransportInfo};
@@ -17,7 +17,7 @@ use kameo::actor::ActorRef;
 
 use crate::NodeBuilder;
 use crate::actor::NodeActor;
-use crate::meters::Meters;
+use crate::meters::{Meters, Submitted};
 use crate::transports::TransportStatus;
 
 /// Everything a node runs, and the routing every submit goes through.
@@ -84,6 +84,27 @@ impl Router {
             return Err(SubmitError::BackendStopped);
         };
         self.ibverbs_meters.submit(ibverbs, ops, timeout).await
+    }
+
+    /// A batch whose every op goes over TCP, answered through `answer` from
+    /// the thread that finishes it (see [`TcpBackend::submit_with_answer`]);
+    /// the future returned only queues it.
+    pub fn submit_tcp_with_answer(
+        self: &Arc<Self>,
+        ops: Vec<RdmaOp>,
+        timeout: Duration,
+        answer: Answer,
+    ) -> impl Future<Output = ()> + Send + use<> {
+        let submitted = Submitted::new(&ops);
+        let router = self.clone();
+        let answer: Answer = {
+            let router = router.clone();
+            Box::new(move |result| {
+                submitted.finish(&router.tcp_meters, &result);
+                answer(result)
+            })
+        };
+        async move { router.tcp.submit_with_answer(ops, timeout, answer).await }
     }
 
     /// The TCP backend's share of a batch.

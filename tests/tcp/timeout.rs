@@ -58,9 +58,10 @@ async fn deregistered(node: &Node, region: (RegionId, Generation)) {
 }
 
 /// Sets up an initiator node with one local region and a fake owner, and
-/// runs a one-chunk read that times out. Returns what the test needs to finish
-/// the chunk; every user handle to the region is gone by then.
-async fn timed_out_read() -> (Node, (RegionId, Generation), TcpStream, Request) {
+/// runs a one-chunk read that times out, submitted to the node or (if
+/// `via_actor`) to its actor. Returns what the test needs to finish the
+/// chunk; every user handle to the region is gone by then.
+async fn timed_out_read(via_actor: bool) -> (Node, (RegionId, Generation), TcpStream, Request) {
     let node = Node::builder().tcp_connections(1).spawn().await.unwrap();
     let other = Node::builder().spawn().await.unwrap();
     let template = other.alloc(LEN, Access::ReadWrite).await.unwrap().remote();
@@ -72,7 +73,18 @@ async fn timed_out_read() -> (Node, (RegionId, Generation), TcpStream, Request) 
     let key = (local.id(), local.generation());
     let submit = tokio::spawn({
         let (node, op) = (node.clone(), RdmaOp::read(local.whole(), remote));
-        async move { node.submit(vec![op], Duration::from_millis(300)).await }
+        async move {
+            let timeout = Duration::from_millis(300);
+            if via_actor {
+                let submit = Submit {
+                    ops: vec![op],
+                    timeout,
+                };
+                node.actor().ask(submit).await.map_err(SubmitError::from)
+            } else {
+                node.submit(vec![op], timeout).await
+            }
+        }
     });
     drop(local);
     let (stream, request) = accept_as(&fake, fake_id).await;
@@ -98,7 +110,7 @@ async fn timed_out_read() -> (Node, (RegionId, Generation), TcpStream, Request) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timed_out_read_keeps_memory_until_its_data_arrives() {
-    let (node, key, mut stream, request) = timed_out_read().await;
+    let (node, key, mut stream, request) = timed_out_read(false).await;
     // Half the data: still in flight.
     stream
         .write_all(
@@ -129,8 +141,24 @@ async fn timed_out_read_keeps_memory_until_its_data_arrives() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timed_out_read_keeps_memory_until_the_connection_is_gone() {
-    let (node, key, stream, _) = timed_out_read().await;
+    let (node, key, stream, _) = timed_out_read(false).await;
     drop(stream);
+    deregistered(&node, key).await;
+}
+
+/// The node actor answers TCP submits from the connection that finishes
+/// them, with no task waiting per submit: its deadline still answers
+/// `Timeout` (asserted inside), and the data arriving later answers
+/// nothing more and frees the memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timed_out_read_through_the_node_actor() {
+    let (node, key, mut stream, request) = timed_out_read(true).await;
+    let answer = Response::ReadData {
+        id: request.id,
+        len: request.len,
+    };
+    stream.write_all(&answer.encode()).await.unwrap();
+    stream.write_all(&vec![0x5A; LEN as usize]).await.unwrap();
     deregistered(&node, key).await;
 }
 

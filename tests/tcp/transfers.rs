@@ -64,3 +64,34 @@ async fn the_node_actor_answers_while_a_transfer_runs() {
     // 2 GiB: far longer than one message takes.
     workers::the_actor_answers_while_a_transfer_runs(&node, &src, &target.handle, 8).await;
 }
+
+/// A bad op in a batch sent to the node's actor fails the batch with a
+/// typed error naming it, and no byte of the batch moves; an empty batch is
+/// answered `Ok`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_actor_refuses_a_bad_batch_whole() {
+    let node = Node::builder().spawn().await.unwrap();
+    let mut peer = PeerProcess::spawn().await;
+    let writable = peer.alloc(4096, Access::ReadWrite, 3).await;
+    let read_only = peer.alloc(4096, Access::ReadOnly, 5).await;
+    let src = node.alloc(4096, Access::ReadWrite).await.unwrap();
+    src.write_at(0, &[0xEE; 4096]).unwrap();
+    let submit = |ops| Submit {
+        ops,
+        timeout: std::time::Duration::from_secs(10),
+    };
+    let ops = vec![
+        RdmaOp::write(src.whole(), writable.handle.clone()),
+        RdmaOp::write(src.whole(), read_only.handle.clone()),
+    ];
+    let result = node.actor().ask(submit(ops)).await;
+    assert_eq!(
+        result.map_err(SubmitError::from),
+        Err(SubmitError::Op {
+            index: 1,
+            error: OpError::ReadOnly
+        })
+    );
+    assert_eq!(peer.digest(&writable).await, digest(&writable.original()));
+    assert_eq!(node.actor().ask(submit(vec![])).await.ok(), Some(()));
+}

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use ferry::prelude::*;
-use kameo::actor::ActorRef;
+use kameo::actor::{ActorRef, Spawn};
 use serde::Serialize;
 
 use crate::{Failure, export_metrics, parse_size};
@@ -59,6 +59,10 @@ pub enum Via {
     Node,
     /// `Submit` messages to the node's actor, as worker actors send them.
     Actor,
+    /// No transfer: each submit is an empty message to an actor that does
+    /// nothing, on the same runtime. Its latency is the mailbox round trip
+    /// alone, kameo's floor under `--via actor` (nothing is verified).
+    Echo,
 }
 
 /// Arguments of `ferry bench`.
@@ -286,17 +290,31 @@ fn first_difference(
     Ok(None)
 }
 
-/// Where a worker's submits go: the node, or its actor.
+/// Where a worker's submits go: the node, its actor, or nowhere (`Echo`).
 #[derive(Clone)]
 enum Submitter {
     Node(Node),
     Actor(ActorRef<NodeActor>),
+    Echo(ActorRef<Echo>),
+}
+
+/// The do-nothing actor of `--via echo`.
+#[derive(kameo::Actor)]
+struct Echo;
+
+/// The empty message `Echo` answers.
+struct Ping;
+
+impl kameo::message::Message<Ping> for Echo {
+    type Reply = ();
+
+    async fn handle(&mut self, _: Ping, _: &mut kameo::message::Context<Self, ()>) {}
 }
 
 impl Submitter {
-    async fn submit(&self, ops: Vec<RdmaOp>) -> Result<(), SubmitError> {
+    async fn submit(&self, ops: Vec<RdmaOp>) -> Result<(), Failure> {
         match self {
-            Submitter::Node(node) => node.submit(ops, SUBMIT_TIMEOUT).await,
+            Submitter::Node(node) => Ok(node.submit(ops, SUBMIT_TIMEOUT).await?),
             Submitter::Actor(actor) => {
                 let submit = Submit {
                     ops,
@@ -305,6 +323,7 @@ impl Submitter {
                 actor.ask(submit).await?;
                 Ok(())
             }
+            Submitter::Echo(echo) => Ok(echo.ask(Ping).await?),
         }
     }
 }
@@ -431,6 +450,7 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
     let submitter = match args.via {
         Via::Node => Submitter::Node(node.clone()),
         Via::Actor => Submitter::Actor(node.actor().clone()),
+        Via::Echo => Submitter::Echo(Echo::spawn(Echo)),
     };
     let workers = args.workers.max(1);
 
@@ -499,7 +519,8 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             latencies.extend(task.await??);
         }
         let seconds = started.elapsed().as_secs_f64();
-        let verified = args.verify && verify(&node, &shares, seed, args.op).await?;
+        let verified =
+            args.verify && args.via != Via::Echo && verify(&node, &shares, seed, args.op).await?;
         let submits = latencies.len();
         let bytes = submits as u64 * batch as u64 * block;
         latencies.sort_by(f64::total_cmp);
@@ -602,6 +623,7 @@ pub fn print_table(rows: &[Row]) {
         let via = match r.via {
             Via::Node => "node",
             Via::Actor => "actor",
+            Via::Echo => "echo",
         };
         println!(
             "{:<6} {:<9} {:<5} {:>7} {:>10} {:>6} {:>9.3} {:>9.4} {:>10.1} {:>10.1} {:>10.1}{}",

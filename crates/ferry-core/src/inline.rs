@@ -21,6 +21,8 @@ use kameo::Actor;
 use kameo::message::Context;
 use kameo::reply::{DelegatedReply, Reply};
 
+use crate::{Answer, SubmitError};
+
 /// Says whether the lender of a thread wants it back.
 pub type Lender = Rc<dyn Fn() -> bool>;
 
@@ -77,6 +79,38 @@ where
         Poll::Ready(outcome) => ctx.reply(outcome),
         Poll::Pending => ctx.spawn(work),
     }
+}
+
+/// Answers the message being handled from whichever thread finishes the
+/// transfer: `start` gets an [`Answer`] that replies to the caller, and
+/// returns the future that sets the transfer going (queueing it, which
+/// usually completes on its first poll, here on the actor's thread). Only
+/// if that future has more to do does it go on in a task of its own. No
+/// task waits for the transfer itself: that saves the task hop and the
+/// wake-ups [`answer`] pays when a transfer outlives its first poll.
+pub fn answer_on_completion<A, S, F>(
+    ctx: &mut Context<A, DelegatedReply<Result<(), SubmitError>>>,
+    start: S,
+) -> DelegatedReply<Result<(), SubmitError>>
+where
+    A: Actor,
+    S: FnOnce(Answer) -> F,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (delegated, sender) = ctx.reply_sender();
+    let answer: Answer = Box::new(move |result| {
+        if let Some(sender) = sender {
+            sender.send(result);
+        }
+    });
+    let mut started = Box::pin(start(answer));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    // A waker that does nothing is sound here for the reason given in
+    // `answer`: the task that takes the future over polls it at once.
+    if started.as_mut().poll(&mut cx).is_pending() {
+        tokio::spawn(started);
+    }
+    delegated
 }
 
 #[cfg(test)]

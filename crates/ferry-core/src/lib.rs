@@ -31,4 +31,4 @@ pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128};
 pub use memory::{MemoryBlock, PAGE_SIZE, Region, RegionIds, RegionParts, RegionSlot};
 pub use message::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 pub use op::{LocalSlice, OpKind, RdmaOp};
-pub use progress::BatchProgress;
+pub use progress::{Answer, BatchProgress};

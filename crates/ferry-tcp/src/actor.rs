@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use ferry_control::{Channel, Endpoint, EndpointError};
 use ferry_core::{
-    Generation, NodeAddr, RdmaBackend, RdmaOp, RdmaTransportLevel, RegionId, RegisterError,
+    Answer, Generation, NodeAddr, RdmaBackend, RdmaOp, RdmaTransportLevel, RegionId, RegisterError,
     SubmitError, TcpRemote, random_u128,
 };
 use ferry_core::{RegisterRegion, Submit, TransportInfo, TransportLevel};
@@ -83,9 +83,10 @@ impl Message<Submit> for TcpManagerActor {
 
     async fn handle(&mut self, msg: Submit, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
         let shared = self.shared.clone();
-        // Nothing completes a TCP transfer on its first poll: straight to a
-        // task of its own.
-        ctx.spawn(async move { shared.peers.submit(msg.ops, msg.timeout).await })
+        // Queued here; answered by the connection that finishes it.
+        ferry_core::inline::answer_on_completion(ctx, move |answer| async move {
+            shared.peers.start(msg.ops, msg.timeout, answer).await
+        })
     }
 }
 
@@ -286,6 +287,17 @@ impl TcpBackend {
     pub async fn stop(&self) {
         let _ = self.actor.stop_gracefully().await;
         self.actor.wait_for_shutdown().await;
+    }
+}
+
+impl TcpBackend {
+    /// Starts a transfer and hands its outcome to `answer`, from the thread
+    /// that finishes it (the last chunk's response, or the deadline), as
+    /// [`RdmaBackend::submit`] would return it. The future returned only
+    /// queues the transfer: an actor answers its callers this way without
+    /// a task per submit waiting for each transfer.
+    pub async fn submit_with_answer(&self, ops: Vec<RdmaOp>, timeout: Duration, answer: Answer) {
+        self.shared.peers.start(ops, timeout, answer).await
     }
 }
 

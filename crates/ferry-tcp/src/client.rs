@@ -10,13 +10,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_control::Channel;
-use ferry_core::{BatchProgress, NodeAddr, NodeId, OpError, OpKind, RdmaOp, Region, SubmitError};
+use ferry_core::{
+    Answer, BatchProgress, NodeAddr, NodeId, OpError, OpKind, RdmaOp, Region, SubmitError,
+};
 use tokio::net::TcpStream;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, debug_span};
 
+use crate::deadline::Deadlines;
 use crate::frame::{RESPONSE_LEN, Request, RequestKind, Response};
 use crate::io::{FrameReader, IoVecs};
 
@@ -109,13 +112,16 @@ struct Peer {
 pub(crate) struct Peers {
     config: ClientConfig,
     peers: Mutex<HashMap<NodeAddr, Arc<Peer>>>,
+    deadlines: Arc<Deadlines>,
 }
 
 impl Peers {
+    /// Starts the deadline keeper on the current tokio runtime.
     pub fn new(config: ClientConfig) -> Self {
         Peers {
             config,
             peers: Mutex::default(),
+            deadlines: Deadlines::start(),
         }
     }
 
@@ -142,6 +148,22 @@ impl Peers {
 
     /// Runs one batch to completion or deadline.
     pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        let (tx, rx) = oneshot::channel();
+        self.start(ops, timeout, Box::new(move |result| _ = tx.send(result)))
+            .await;
+        // Every path through `start` answers exactly once (a batch's last
+        // piece, or its deadline); a dropped answer would be a bug there.
+        rx.await.unwrap_or(Err(SubmitError::BackendStopped))
+    }
+
+    /// Starts one batch and hands its outcome to `answer`, from the thread
+    /// that finishes it: the last chunk's response, or the deadline. The
+    /// future returned queues the chunks on their connections (connecting
+    /// first if needed) and ends once they are queued or the deadline has
+    /// passed; the answer may come before or after. A caller that is an
+    /// actor answers its own caller this way without a task per submit.
+    pub async fn start(&self, ops: Vec<RdmaOp>, timeout: Duration, answer: Answer) {
+        let deadline = Instant::now() + timeout;
         let bytes: u64 = ops.iter().map(RdmaOp::len).sum();
         // A batch usually goes to one peer; name the first.
         let peer = ops.first().map(|op| op.remote.owner().endpoint);
@@ -153,35 +175,39 @@ impl Peers {
             bytes,
             outcome = tracing::field::Empty
         );
-        let result = self.run(ops, timeout).instrument(span.clone()).await;
-        span.record("outcome", tracing::field::debug(&result));
-        debug!(parent: &span, ?result, "submit finished");
-        result
-    }
-
-    async fn run(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
-        let deadline = Instant::now() + timeout;
+        let answer: Answer = {
+            let span = span.clone();
+            Box::new(move |result| {
+                span.record("outcome", tracing::field::debug(&result));
+                debug!(parent: &span, ?result, "submit finished");
+                answer(result)
+            })
+        };
         // Every op is checked before any byte moves: a bad op fails the whole
         // batch untouched.
         for (index, op) in ops.iter().enumerate() {
-            op.validate()
-                .map_err(|error| SubmitError::Op { index, error })?;
-            if op.remote.transports().tcp.is_none() {
-                return Err(SubmitError::Op {
-                    index,
-                    error: OpError::NoSharedTransport,
-                });
-            }
+            let error = match op.validate() {
+                Err(error) => error,
+                Ok(()) if op.remote.transports().tcp.is_none() => OpError::NoSharedTransport,
+                Ok(()) => continue,
+            };
+            return answer(Err(SubmitError::Op { index, error }));
         }
         let chunk_size = self.config.chunk_size.max(1) as u64;
         let state = Arc::new(BatchProgress::new(
             ops.iter().map(|op| op.len().div_ceil(chunk_size) as u32),
         ));
         if state.total_pieces() == 0 {
-            return Ok(());
+            return answer(Ok(()));
         }
+        let key = self.deadlines.insert(deadline, state.clone(), timeout);
+        let deadlines = self.deadlines.clone();
+        state.answer_when_done(Box::new(move |result| {
+            deadlines.remove(key);
+            answer(result)
+        }));
 
-        let enqueue_and_wait = async {
+        let enqueue = async {
             // A peer that could not be reached is not retried for every chunk.
             let mut unreachable: HashMap<NodeAddr, OpError> = HashMap::new();
             for (index, op) in ops.into_iter().enumerate() {
@@ -223,18 +249,22 @@ impl Peers {
                     }
                 }
             }
-            state.all_done().await;
         };
 
         // Pinned here rather than moved into `timeout_at`, so that at the
-        // deadline the outcome is decided while it still exists: dropping it
-        // drops the chunks it was still queueing, which count as lost and must
-        // not turn a timeout into a connection error.
-        let work = std::pin::pin!(enqueue_and_wait);
-        match tokio::time::timeout_at(deadline, work).await {
-            Ok(()) => state.outcome(),
-            Err(_) => Err(state.timed_out(timeout)),
+        // deadline the batch is answered while the queueing still exists:
+        // dropping it drops the chunks it was still queueing, which count as
+        // lost and must not turn a timeout into a connection error.
+        let work = std::pin::pin!(enqueue.instrument(span));
+        if tokio::time::timeout_at(deadline, work).await.is_err() {
+            state.expire(timeout);
         }
+    }
+}
+
+impl Drop for Peers {
+    fn drop(&mut self) {
+        self.deadlines.stop();
     }
 }
 

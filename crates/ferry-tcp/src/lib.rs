@@ -18,6 +18,7 @@
 
 mod actor;
 mod client;
+mod deadline;
 pub mod frame;
 mod io;
 mod server;
