@@ -28,7 +28,7 @@ use crate::transports::TransportStatus;
 /// The node's manager actor; see the module docs. Spawned by
 /// [`crate::NodeBuilder::spawn`], reached through [`crate::Node::actor`].
 pub struct NodeActor {
-    router: Arc<Router>,
+    pub(crate) router: Arc<Router>,
 }
 
 impl NodeActor {

@@ -4,7 +4,8 @@
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use ferry_control::{ConnectionLimits, Endpoint, EndpointConfig, EndpointError};
+use ferry_control::rpc::DEFAULT_MAX_RPC_PAYLOAD;
+use ferry_control::{ConnectionLimits, Endpoint, EndpointConfig, EndpointError, Rpc};
 use ferry_core::{NodeId, RdmaTransportLevel, RegionIds};
 use ferry_ibverbs::{IbvBackend, IbvConfig, IbvDevice};
 use ferry_tcp::{TcpBackend, TcpConfig};
@@ -58,6 +59,7 @@ pub struct NodeBuilder {
     ibverbs: bool,
     ibverbs_config: IbvConfig,
     required: Vec<RdmaTransportLevel>,
+    rpc_max_payload: usize,
 }
 
 impl Default for NodeBuilder {
@@ -70,6 +72,7 @@ impl Default for NodeBuilder {
             ibverbs: true,
             ibverbs_config: IbvConfig::default(),
             required: Vec::new(),
+            rpc_max_payload: DEFAULT_MAX_RPC_PAYLOAD,
         }
     }
 }
@@ -155,6 +158,15 @@ impl NodeBuilder {
         self
     }
 
+    /// The most bytes an RPC argument or answer may hold, in either
+    /// direction (default 64 KiB, [`DEFAULT_MAX_RPC_PAYLOAD`]; at most the
+    /// endpoint's frame limit less 1 KiB). A call over it is refused before
+    /// any byte is sent.
+    pub fn rpc_max_payload(mut self, bytes: usize) -> Self {
+        self.rpc_max_payload = bytes;
+        self
+    }
+
     /// The address to advertise: the builder's, else `FERRY_ADVERTISE`'s.
     fn advertised(&self) -> Result<Option<SocketAddr>, NodeError> {
         if self.advertise.is_some() {
@@ -196,6 +208,7 @@ impl NodeBuilder {
         }
         let endpoint = Endpoint::bind(self.listen, self.advertised()?, id, self.endpoint).await?;
         let tcp = TcpBackend::start(&endpoint, self.tcp)?;
+        let rpc = Rpc::start(&endpoint, self.rpc_max_payload)?;
         let addr = endpoint.local();
         let (ibverbs, ibverbs_state) = match device {
             Ok(device) => {
@@ -239,6 +252,7 @@ impl NodeBuilder {
             transports,
             tcp_meters: Meters::new("tcp"),
             ibverbs_meters: Meters::new("ibverbs"),
+            rpc,
         });
         let actor = NodeActor::spawn(NodeActor::new(router.clone()));
         Ok(Node(Arc::new(NodeInner { router, actor })))

@@ -28,13 +28,14 @@ mod actor;
 mod builder;
 mod meters;
 mod node;
+mod rpc;
 mod transports;
 
 pub use actor::{Alloc, NodeActor, Register, Transports};
 pub use builder::{ADVERTISE_ENV, DISABLE_IBVERBS_ENV, NodeBuilder, NodeError};
 /// The node's endpoint and control plane, for direct use of its sessions.
 pub use ferry_control as control;
-pub use ferry_control::{ConnectionLimits, EndpointConfig};
+pub use ferry_control::{ConnectionLimits, EndpointConfig, RpcError, RpcRequest};
 pub use ferry_core::{
     Access, Generation, IbvRemote, LocalSlice, MemoryBlock, NodeAddr, NodeId, OpError, OpKind,
     PAGE_SIZE, RdmaBackend, RdmaOp, RdmaTransportLevel, Region, RegionId, RegisterError,
@@ -45,6 +46,7 @@ pub use ferry_ibverbs as ibverbs;
 /// The TCP fallback backend, for direct use of its actor and messages.
 pub use ferry_tcp as tcp;
 pub use node::{Node, NodeTransportInfo};
+pub use rpc::Call;
 pub use transports::{TransportState, TransportStatus};
 
 /// What a program using ferry usually needs, in one import.

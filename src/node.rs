@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_control::Endpoint;
+use ferry_control::{Endpoint, Rpc};
 use ferry_core::{
     Access, Answer, Generation, MemoryBlock, NodeAddr, OpError, RdmaBackend, RdmaOp,
     RdmaTransportLevel, Region, RegionId, RegionIds, RegionParts, RegisterError, RegisterRegion,
@@ -30,6 +30,8 @@ pub(crate) struct Router {
     pub transports: Vec<TransportStatus>,
     pub tcp_meters: Meters,
     pub ibverbs_meters: Meters,
+    /// Named handlers this node serves, and its calls of peers' handlers.
+    pub rpc: Arc<Rpc>,
 }
 
 impl Router {

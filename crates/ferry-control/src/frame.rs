@@ -15,6 +15,9 @@
 //!   the sender will wait for an answer; `id` is the sender's, unique among
 //!   its requests in flight on the session.
 //! - `Response` (kind 3) answers the request with the same `id`.
+//! - `Cancel` (kind 4, session version 2) says the sender no longer waits
+//!   for its request `id` (dropped, or timed out): the peer stops its
+//!   handler. Sent only on sessions that agreed on version 2 or later.
 //!
 //! New uses (notifications, messages, RPC, metadata) are new services or new
 //! kinds; a peer that receives a kind it does not know ends the session,
@@ -30,7 +33,9 @@ use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
 use crate::wire::{u16_at, u32_at, u64_at, u128_at};
 
 /// Oldest and newest session protocol versions this build speaks.
-pub const SESSION_VERSIONS: (u16, u16) = (1, 1);
+pub const SESSION_VERSIONS: (u16, u16) = (1, 2);
+/// The first session version with `Cancel` frames.
+pub const CANCEL_VERSION: u16 = 2;
 /// Bytes before a frame's body.
 pub const HEADER_LEN: usize = 16;
 /// Default bound on a frame's length (header and body); a longer one ends
@@ -48,12 +53,15 @@ pub struct Service(pub u16);
 impl Service {
     /// ibverbs queue-pair exchange (`ferry-ibverbs`).
     pub const IBVERBS_CONNECT: Service = Service(1);
+    /// Calls of named handlers (`crate::rpc`).
+    pub const RPC: Service = Service(2);
 }
 
 impl std::fmt::Display for Service {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match *self {
             Service::IBVERBS_CONNECT => f.write_str("ibverbs-connect"),
+            Service::RPC => f.write_str("rpc"),
             Service(n) => write!(f, "service {n}"),
         }
     }
@@ -129,6 +137,11 @@ pub enum Frame {
         status: Status,
         /// The answer, or the failure's message.
         body: Bytes,
+    },
+    /// The sender stopped waiting for its request `id`.
+    Cancel {
+        /// The request's id.
+        id: u64,
     },
 }
 
@@ -251,6 +264,11 @@ pub fn serialize(frame: &Frame) -> Bytes {
             out.put_slice(body);
             out.freeze()
         }
+        Frame::Cancel { id } => {
+            let mut out = BytesMut::with_capacity(HEADER_LEN);
+            header(&mut out, 4, 0, 0, 0, *id);
+            out.freeze()
+        }
     }
 }
 
@@ -290,6 +308,7 @@ pub fn parse(bytes: Bytes) -> Result<Frame, FrameError> {
             status: Status::from_code(bytes[1]).ok_or(FrameError::UnknownStatus(bytes[1]))?,
             body: bytes.slice(HEADER_LEN..),
         }),
+        4 => Ok(Frame::Cancel { id }),
         other => Err(FrameError::UnknownKind(other)),
     }
 }
@@ -373,6 +392,7 @@ mod tests {
                 body: Bytes::from_static(b"answer"),
             });
         }
+        round_trip(Frame::Cancel { id: 42 });
     }
 
     #[test]

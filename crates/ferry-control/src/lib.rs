@@ -11,9 +11,9 @@
 //! The control channel carries one [`Session`] per pair of nodes and
 //! direction: framed (tokio-util codec, see [`frame`]), versioned, with
 //! requests to named [`Service`]s multiplexed by request id, each with a
-//! deadline. The ibverbs queue-pair exchange is such a service; later ones
-//! (notifications, messages, RPC, metadata) are new services or frame kinds
-//! on the same session.
+//! deadline. The ibverbs queue-pair exchange is such a service, and so are
+//! calls of named handlers ([`rpc`]); later ones (notifications, messages,
+//! metadata) are new services or frame kinds on the same session.
 
 #![warn(missing_docs)]
 
@@ -22,6 +22,7 @@ mod error;
 pub mod frame;
 pub mod hello;
 mod limits;
+pub mod rpc;
 mod session;
 pub mod socket;
 pub mod wire;
@@ -31,6 +32,7 @@ pub use error::{ControlError, EndpointError};
 pub use frame::{DEFAULT_MAX_FRAME, Service};
 pub use hello::{Channel, HelloStatus, connect};
 pub use limits::ConnectionLimits;
+pub use rpc::{Rpc, RpcError, RpcRequest};
 pub use session::{Request, ServiceFuture, Session};
 
 /// A service handler's failure, sent to the caller as its message.

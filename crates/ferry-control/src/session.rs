@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_core::NodeAddr;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::{FutureExt, SinkExt, StreamExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::endpoint::Shared;
-use crate::frame::{ControlCodec, Frame, SESSION_VERSIONS, Service, Status};
+use crate::frame::{CANCEL_VERSION, ControlCodec, Frame, SESSION_VERSIONS, Service, Status};
 use crate::{ControlError, ServiceError};
 
 /// Frames waiting for the session's writer; senders wait (within their
@@ -68,6 +68,9 @@ struct Inner {
     outgoing: mpsc::Sender<Frame>,
     /// Requests of ours awaiting their response, by id.
     pending: Mutex<HashMap<u64, oneshot::Sender<(Status, Bytes)>>>,
+    /// The peer's requests whose handlers run here, by the peer's id, so
+    /// that its `Cancel` can stop them.
+    handling: Mutex<HashMap<u64, tokio::task::AbortHandle>>,
     next_request: AtomicU64,
     closed: CancellationToken,
 }
@@ -116,7 +119,9 @@ impl Session {
 
     /// Calls the peer's handler for `service` with `body` and returns its
     /// answer, or fails once `timeout` has passed (the peer's handler is
-    /// given the same budget).
+    /// given the same budget). If the call ends unanswered (its deadline
+    /// passed, or the caller dropped it), the peer is told to stop the
+    /// handler.
     pub async fn request(
         &self,
         service: Service,
@@ -180,11 +185,21 @@ struct PendingGuard<'a> {
 
 impl Drop for PendingGuard<'_> {
     fn drop(&mut self) {
-        self.inner.lock_pending().remove(&self.id);
+        let unanswered = self.inner.lock_pending().remove(&self.id).is_some();
+        // The reader takes the entry out when the answer arrives: one still
+        // here was never answered. Best effort (a full queue skips it): the
+        // peer's own deadline stops the handler anyway.
+        if unanswered && self.inner.version >= CANCEL_VERSION && !self.inner.closed.is_cancelled() {
+            let _ = self.inner.outgoing.try_send(Frame::Cancel { id: self.id });
+        }
     }
 }
 
 impl Inner {
+    fn lock_handling(&self) -> std::sync::MutexGuard<'_, HashMap<u64, tokio::task::AbortHandle>> {
+        self.handling.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn lock_pending(
         &self,
     ) -> std::sync::MutexGuard<'_, HashMap<u64, oneshot::Sender<(Status, Bytes)>>> {
@@ -282,6 +297,7 @@ pub(crate) async fn start(
         version,
         outgoing,
         pending: Mutex::default(),
+        handling: Mutex::default(),
         next_request: AtomicU64::new(1),
         closed: shared.shutdown.child_token(),
     });
@@ -389,6 +405,13 @@ async fn read_loop(
                 deadline,
                 body,
             } => dispatch(shared, inner, &running, id, service, deadline, body).await,
+            Frame::Cancel { id } => {
+                // Gone already if the handler finished first.
+                if let Some(handler) = inner.lock_handling().remove(&id) {
+                    debug!(peer = %inner.peer.endpoint, id, "request cancelled by its caller");
+                    handler.abort();
+                }
+            }
             Frame::Open { .. } => return Err("protocol error: a second Open frame".into()),
         }
     }
@@ -419,27 +442,53 @@ async fn dispatch(
         let _ = inner.outgoing.send(refuse(Status::Busy)).await;
         return;
     };
-    let inner = inner.clone();
-    tokio::spawn(async move {
+    let task_inner = inner.clone();
+    // Registered under the lock the task takes to deregister itself, so a
+    // handler that finishes at once cannot leave a stale entry behind.
+    let mut handling = inner.lock_handling();
+    let task = tokio::spawn(async move {
+        let inner = task_inner;
         let deadline = Instant::now() + deadline;
         let request = Request {
             session: Session(inner.clone()),
             body,
             deadline,
         };
+        // A panicking handler fails its request; the session and the node
+        // go on.
+        let answer = std::panic::AssertUnwindSafe(handler(request)).catch_unwind();
         let (status, body) = tokio::select! {
-            answer = handler(request) => match answer {
-                Ok(body) => (Status::Ok, body),
-                Err(e) => (Status::Failed, Bytes::from(e.0)),
+            answer = answer => match answer {
+                Ok(Ok(body)) => (Status::Ok, body),
+                Ok(Err(e)) => (Status::Failed, Bytes::from(e.0)),
+                Err(panic) => {
+                    let message = panic_message(panic.as_ref());
+                    warn!(peer = %inner.peer.endpoint, %service, "request handler panicked: {message}");
+                    (Status::Failed, Bytes::from(format!("handler panicked: {message}")))
+                }
             },
             _ = tokio::time::sleep_until(deadline) => (Status::DeadlineExceeded, Bytes::new()),
             // Nobody is left to answer.
-            _ = inner.closed.cancelled() => return,
+            _ = inner.closed.cancelled() => {
+                inner.lock_handling().remove(&id);
+                return;
+            }
         };
+        inner.lock_handling().remove(&id);
         drop(permit);
         let _ = inner
             .outgoing
             .send(Frame::Response { id, status, body })
             .await;
     });
+    handling.insert(id, task.abort_handle());
+}
+
+/// What a panic said, if it said it as text.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
 }
