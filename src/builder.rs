@@ -4,8 +4,9 @@
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
+use ferry_control::inbox::{DEFAULT_INBOX_CAPACITY, DEFAULT_MAX_MESSAGE};
 use ferry_control::rpc::DEFAULT_MAX_RPC_PAYLOAD;
-use ferry_control::{ConnectionLimits, Endpoint, EndpointConfig, EndpointError, Rpc};
+use ferry_control::{ConnectionLimits, Endpoint, EndpointConfig, EndpointError, Messages, Rpc};
 use ferry_core::{NodeId, RdmaTransportLevel, RegionIds};
 use ferry_ibverbs::{IbvBackend, IbvConfig, IbvDevice};
 use ferry_tcp::{TcpBackend, TcpConfig};
@@ -60,6 +61,8 @@ pub struct NodeBuilder {
     ibverbs_config: IbvConfig,
     required: Vec<RdmaTransportLevel>,
     rpc_max_payload: usize,
+    message_max_len: usize,
+    inbox_capacity: usize,
 }
 
 impl Default for NodeBuilder {
@@ -73,6 +76,8 @@ impl Default for NodeBuilder {
             ibverbs_config: IbvConfig::default(),
             required: Vec::new(),
             rpc_max_payload: DEFAULT_MAX_RPC_PAYLOAD,
+            message_max_len: DEFAULT_MAX_MESSAGE,
+            inbox_capacity: DEFAULT_INBOX_CAPACITY,
         }
     }
 }
@@ -167,6 +172,21 @@ impl NodeBuilder {
         self
     }
 
+    /// The longest message this node sends or accepts (default 64 KiB,
+    /// [`DEFAULT_MAX_MESSAGE`]; at most the endpoint's frame limit less
+    /// 1 KiB). A longer one is refused before any byte is sent.
+    pub fn message_max_len(mut self, bytes: usize) -> Self {
+        self.message_max_len = bytes;
+        self
+    }
+
+    /// How many deliveries the node's inbox holds before senders wait
+    /// (default [`DEFAULT_INBOX_CAPACITY`]).
+    pub fn inbox_capacity(mut self, deliveries: usize) -> Self {
+        self.inbox_capacity = deliveries;
+        self
+    }
+
     /// The address to advertise: the builder's, else `FERRY_ADVERTISE`'s.
     fn advertised(&self) -> Result<Option<SocketAddr>, NodeError> {
         if self.advertise.is_some() {
@@ -209,6 +229,7 @@ impl NodeBuilder {
         let endpoint = Endpoint::bind(self.listen, self.advertised()?, id, self.endpoint).await?;
         let tcp = TcpBackend::start(&endpoint, self.tcp)?;
         let rpc = Rpc::start(&endpoint, self.rpc_max_payload)?;
+        let messages = Messages::start(&endpoint, self.message_max_len, self.inbox_capacity)?;
         let addr = endpoint.local();
         let (ibverbs, ibverbs_state) = match device {
             Ok(device) => {
@@ -253,6 +274,7 @@ impl NodeBuilder {
             tcp_meters: Meters::new("tcp"),
             ibverbs_meters: Meters::new("ibverbs"),
             rpc,
+            messages,
         });
         let actor = NodeActor::spawn(NodeActor::new(router.clone()));
         Ok(Node(Arc::new(NodeInner { router, actor })))

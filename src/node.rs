@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_control::{Endpoint, Rpc};
+use ferry_control::{Endpoint, Messages, Rpc};
 use ferry_core::{
     Access, Answer, Generation, MemoryBlock, NodeAddr, OpError, RdmaBackend, RdmaOp,
     RdmaTransportLevel, Region, RegionId, RegionIds, RegionParts, RegisterError, RegisterRegion,
@@ -32,6 +32,8 @@ pub(crate) struct Router {
     pub ibverbs_meters: Meters,
     /// Named handlers this node serves, and its calls of peers' handlers.
     pub rpc: Arc<Rpc>,
+    /// Messages this node sends, and its inbox.
+    pub messages: Arc<Messages>,
 }
 
 impl Router {

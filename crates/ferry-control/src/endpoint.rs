@@ -239,6 +239,9 @@ impl Endpoint {
     }
 
     /// Answers requests for `service`, on every session, with `handler`.
+    /// `handler` is called on the session's reader, in the order requests
+    /// arrive, and must return at once: its future does the work, in a task
+    /// of its own.
     pub fn serve<F, Fut>(&self, service: Service, handler: F) -> Result<(), EndpointError>
     where
         F: Fn(Request) -> Fut + Send + Sync + 'static,

@@ -55,6 +55,8 @@ impl Service {
     pub const IBVERBS_CONNECT: Service = Service(1);
     /// Calls of named handlers (`crate::rpc`).
     pub const RPC: Service = Service(2);
+    /// Messages into a node's inbox (`crate::inbox`).
+    pub const MESSAGE: Service = Service(3);
 }
 
 impl std::fmt::Display for Service {
@@ -62,6 +64,7 @@ impl std::fmt::Display for Service {
         match *self {
             Service::IBVERBS_CONNECT => f.write_str("ibverbs-connect"),
             Service::RPC => f.write_str("rpc"),
+            Service::MESSAGE => f.write_str("message"),
             Service(n) => write!(f, "service {n}"),
         }
     }

@@ -12,8 +12,9 @@
 //! direction: framed (tokio-util codec, see [`frame`]), versioned, with
 //! requests to named [`Service`]s multiplexed by request id, each with a
 //! deadline. The ibverbs queue-pair exchange is such a service, and so are
-//! calls of named handlers ([`rpc`]); later ones (notifications, messages,
-//! metadata) are new services or frame kinds on the same session.
+//! calls of named handlers ([`rpc`]) and messages into a node's [`inbox`];
+//! later ones (notifications, metadata) are new services or frame kinds on
+//! the same session.
 
 #![warn(missing_docs)]
 
@@ -21,6 +22,7 @@ mod endpoint;
 mod error;
 pub mod frame;
 pub mod hello;
+pub mod inbox;
 mod limits;
 pub mod rpc;
 mod session;
@@ -31,6 +33,7 @@ pub use endpoint::{Connection, Endpoint, EndpointConfig};
 pub use error::{ControlError, EndpointError};
 pub use frame::{DEFAULT_MAX_FRAME, Service};
 pub use hello::{Channel, HelloStatus, connect};
+pub use inbox::{Delivery, Inbox, MessageError, Messages};
 pub use limits::ConnectionLimits;
 pub use rpc::{Rpc, RpcError, RpcRequest};
 pub use session::{Request, ServiceFuture, Session};

@@ -68,6 +68,10 @@ struct Inner {
     outgoing: mpsc::Sender<Frame>,
     /// Requests of ours awaiting their response, by id.
     pending: Mutex<HashMap<u64, oneshot::Sender<(Status, Bytes)>>>,
+    /// Bounds our requests in flight to what the peer runs at once (both
+    /// use the same setting), so that a burst waits here for its turn,
+    /// within each request's deadline, instead of being refused `Busy`.
+    our_turns: Semaphore,
     /// The peer's requests whose handlers run here, by the peer's id, so
     /// that its `Cancel` can stop them.
     handling: Mutex<HashMap<u64, tokio::task::AbortHandle>>,
@@ -137,6 +141,11 @@ impl Session {
             after: timeout,
         };
         let closed = ControlError::SessionClosed { endpoint };
+        let _turn = match tokio::time::timeout_at(deadline, inner.our_turns.acquire()).await {
+            Ok(Ok(turn)) => turn,
+            Ok(Err(_)) => return Err(closed),
+            Err(_) => return Err(timed_out),
+        };
         let id = inner.next_request.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         inner.lock_pending().insert(id, tx);
@@ -297,6 +306,7 @@ pub(crate) async fn start(
         version,
         outgoing,
         pending: Mutex::default(),
+        our_turns: Semaphore::new(shared.config.max_requests_in_flight.max(1)),
         handling: Mutex::default(),
         next_request: AtomicU64::new(1),
         closed: shared.shutdown.child_token(),
@@ -442,21 +452,30 @@ async fn dispatch(
         let _ = inner.outgoing.send(refuse(Status::Busy)).await;
         return;
     };
+    let deadline = Instant::now() + deadline;
+    let request = Request {
+        session: Session(inner.clone()),
+        body,
+        deadline,
+    };
+    // The handler is called here, in the order requests arrive, and its
+    // future runs in a task: a service that must keep its requests in order
+    // (messages) takes each one's place in line before the handler returns.
+    let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(request)));
     let task_inner = inner.clone();
     // Registered under the lock the task takes to deregister itself, so a
     // handler that finishes at once cannot leave a stale entry behind.
     let mut handling = inner.lock_handling();
     let task = tokio::spawn(async move {
         let inner = task_inner;
-        let deadline = Instant::now() + deadline;
-        let request = Request {
-            session: Session(inner.clone()),
-            body,
-            deadline,
-        };
         // A panicking handler fails its request; the session and the node
         // go on.
-        let answer = std::panic::AssertUnwindSafe(handler(request)).catch_unwind();
+        let answer = async move {
+            match started {
+                Ok(future) => std::panic::AssertUnwindSafe(future).catch_unwind().await,
+                Err(panic) => Err(panic),
+            }
+        };
         let (status, body) = tokio::select! {
             answer = answer => match answer {
                 Ok(Ok(body)) => (Status::Ok, body),

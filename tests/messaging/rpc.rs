@@ -1,26 +1,17 @@
-//! RPC between two nodes over their control session (loopback TCP): answers,
-//! concurrency, every typed error, cancellation on the callee, and handlers
-//! that are kameo actors.
+//! RPC: answers, concurrency, every typed error, cancellation on the
+//! callee, and handlers that are kameo actors.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use ferry::prelude::*;
-use ferry::{Call, NodeAddr, RpcError, RpcRequest};
+use ferry::{Call, Node, NodeAddr, RpcError, RpcRequest};
 use kameo::Actor;
 use kameo::actor::Spawn;
 use kameo::message::{Context, Message};
 
-/// Every wait in these tests ends by then, pass or fail.
-const DEADLINE: Duration = Duration::from_secs(10);
-
-async fn two_nodes() -> (Node, Node) {
-    let server = Node::builder().spawn().await.unwrap();
-    let client = Node::builder().spawn().await.unwrap();
-    (server, client)
-}
+use crate::{DEADLINE, two_nodes};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_gets_the_handlers_answer_and_the_handler_sees_the_caller() {

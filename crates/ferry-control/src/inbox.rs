@@ -1,0 +1,327 @@
+//! Messages between nodes, and where they are delivered: each node has one
+//! bounded inbox that its application drains (as a stream of deliveries,
+//! or forwarded to a kameo actor by the facade).
+//!
+//! A message is one request of the session's [`Service::MESSAGE`]. The
+//! receiver answers it once the message is in its inbox, so a sender's `Ok`
+//! means delivered. Every message waits for room in the inbox until its
+//! deadline; a full inbox (nobody consuming) thus holds senders back, and a
+//! sender whose deadline passes gets `Timeout` and its message is not
+//! delivered. Messages from one sender keep their order: each session
+//! queues them, in arrival order, for one task that delivers them.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_core::NodeAddr;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::{ControlError, Endpoint, EndpointError, Request, Service, ServiceError, Session};
+
+/// Default bound on a message's length, in bytes.
+pub const DEFAULT_MAX_MESSAGE: usize = 64 << 10;
+/// Default number of deliveries an inbox holds before senders wait.
+pub const DEFAULT_INBOX_CAPACITY: usize = 1024;
+
+/// Something a peer sent this node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delivery {
+    /// The sender, as its control session names it.
+    pub from: NodeAddr,
+    /// What it sent.
+    pub body: Bytes,
+}
+
+/// Why a message was not delivered.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum MessageError {
+    /// Over the limit: refused before any byte was sent.
+    #[error("message of {len} bytes is over the {limit}-byte limit")]
+    TooLarge {
+        /// The message's length.
+        len: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// Not delivered within the deadline (the peer's inbox stayed full, or
+    /// the peer did not answer); the message is dropped on the peer.
+    #[error("message to {peer} not delivered within {after:?}")]
+    Timeout {
+        /// The peer's endpoint.
+        peer: SocketAddr,
+        /// The deadline.
+        after: Duration,
+    },
+    /// No control session to the peer could be opened.
+    #[error("peer {peer} unreachable: {reason}")]
+    Unreachable {
+        /// The peer's endpoint.
+        peer: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+    /// The session ended before the peer confirmed delivery.
+    #[error("connection to {peer} lost before the message was confirmed")]
+    ConnectionLost {
+        /// The peer's endpoint.
+        peer: SocketAddr,
+    },
+    /// The peer refused the message: it is shutting down, or serves none.
+    #[error("{peer} refused the message: {reason}")]
+    Refused {
+        /// The peer's endpoint.
+        peer: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+    /// The peer has as many requests of this node in flight as it allows.
+    #[error("{peer} is busy: too many requests in flight")]
+    Busy {
+        /// The peer's endpoint.
+        peer: SocketAddr,
+    },
+}
+
+/// The receiving end of a node's inbox: deliveries in the order they were
+/// accepted. A [`futures_core::Stream`], or drained with [`Inbox::recv`].
+#[derive(Debug)]
+pub struct Inbox {
+    /// A delivery given back ([`Inbox::put_back`]): it comes next.
+    head: Option<Delivery>,
+    receiver: mpsc::Receiver<Delivery>,
+}
+
+impl Inbox {
+    /// The next delivery; waits for one. `None` once the node has stopped.
+    pub async fn recv(&mut self) -> Option<Delivery> {
+        match self.head.take() {
+            Some(delivery) => Some(delivery),
+            None => self.receiver.recv().await,
+        }
+    }
+
+    /// The next delivery if one is waiting.
+    pub fn try_recv(&mut self) -> Option<Delivery> {
+        self.head.take().or_else(|| self.receiver.try_recv().ok())
+    }
+
+    /// Puts a delivery its consumer could not take back at the front, so
+    /// that the next consumer gets it first: nothing is lost.
+    pub fn put_back(&mut self, delivery: Delivery) {
+        debug_assert!(self.head.is_none(), "one delivery at a time is taken");
+        self.head = Some(delivery);
+    }
+}
+
+impl futures_core::Stream for Inbox {
+    type Item = Delivery;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Delivery>> {
+        match self.head.take() {
+            Some(delivery) => std::task::Poll::Ready(Some(delivery)),
+            None => self.receiver.poll_recv(cx),
+        }
+    }
+}
+
+/// A message waiting, in its session's line, for room in the inbox.
+struct Queued {
+    delivery: Delivery,
+    deadline: Instant,
+    delivered: oneshot::Sender<Result<(), ServiceError>>,
+}
+
+/// A node's messages: sending, and the inbox they are delivered to.
+pub struct Messages {
+    endpoint: Endpoint,
+    max_len: usize,
+    inbox: mpsc::Sender<Delivery>,
+    /// The receiving end, until the application takes it.
+    receiver: Mutex<Option<Inbox>>,
+    /// Per session (by id), the line its messages wait in.
+    lines: Mutex<HashMap<u64, mpsc::UnboundedSender<Queued>>>,
+}
+
+impl Messages {
+    /// Serves messages on `endpoint`'s sessions into an inbox of `capacity`
+    /// deliveries; messages are bounded by `max_len` bytes (and by the
+    /// endpoint's frame limit).
+    pub fn start(
+        endpoint: &Endpoint,
+        max_len: usize,
+        capacity: usize,
+    ) -> Result<Arc<Self>, EndpointError> {
+        let (inbox, receiver) = mpsc::channel(capacity.max(1));
+        let messages = Arc::new(Messages {
+            endpoint: endpoint.clone(),
+            max_len: max_len.min(endpoint.config().max_frame.saturating_sub(1024)),
+            inbox,
+            receiver: Mutex::new(Some(Inbox {
+                head: None,
+                receiver,
+            })),
+            lines: Mutex::default(),
+        });
+        // Weak: the endpoint holds its handlers, and must not keep this alive.
+        let weak = Arc::downgrade(&messages);
+        endpoint.serve(Service::MESSAGE, move |request| {
+            // Called in arrival order: the message takes its place in line
+            // here, before the handler returns.
+            let delivered = weak.upgrade().map(|m| m.queue(request));
+            async move {
+                let Some(delivered) = delivered else {
+                    return Err(ServiceError("the node is shutting down".into()));
+                };
+                match delivered.await {
+                    Ok(outcome) => outcome.map(|()| Bytes::new()),
+                    // Not delivered by its deadline (or its session ended):
+                    // the session answers `DeadlineExceeded` (or nothing).
+                    Err(_) => std::future::pending().await,
+                }
+            }
+        })?;
+        Ok(messages)
+    }
+
+    /// The bound on a message's length, in bytes.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// The inbox's receiving end; `None` while taken (there is one).
+    pub fn take_inbox(&self) -> Option<Inbox> {
+        self.receiver
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    }
+
+    /// Gives the inbox back (a subscriber that stopped), for the next
+    /// [`Messages::take_inbox`].
+    pub fn return_inbox(&self, inbox: Inbox) {
+        *self.receiver.lock().unwrap_or_else(|e| e.into_inner()) = Some(inbox);
+    }
+
+    /// Sends `body` to `peer`: `Ok` once it is in the peer's inbox, or a
+    /// typed error within `timeout` (opening the session counts against it).
+    pub async fn send(
+        &self,
+        peer: NodeAddr,
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<(), MessageError> {
+        if body.len() > self.max_len {
+            return Err(MessageError::TooLarge {
+                len: body.len(),
+                limit: self.max_len,
+            });
+        }
+        let deadline = Instant::now() + timeout;
+        let error = |e: ControlError| send_error(e, timeout);
+        let session = self.endpoint.session(peer, timeout).await.map_err(error)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        session
+            .request(Service::MESSAGE, body, left)
+            .await
+            .map(|_| ())
+            .map_err(error)
+    }
+
+    /// Puts a message in its session's line; resolves once it is delivered
+    /// (or its deadline passed).
+    fn queue(&self, request: Request) -> oneshot::Receiver<Result<(), ServiceError>> {
+        let (delivered, outcome) = oneshot::channel();
+        let queued = Queued {
+            delivery: Delivery {
+                from: request.session.peer(),
+                body: request.body,
+            },
+            deadline: request.deadline,
+            delivered,
+        };
+        let mut lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
+        // Lines of sessions that ended have no task left.
+        lines.retain(|_, line| !line.is_closed());
+        let line = lines.entry(request.session.id()).or_insert_with(|| {
+            let (line, waiting) = mpsc::unbounded_channel();
+            tokio::spawn(deliver_in_order(
+                waiting,
+                self.inbox.clone(),
+                request.session.clone(),
+            ));
+            line
+        });
+        // The line's task ends only when its session has ended.
+        let _ = line.send(queued);
+        outcome
+    }
+}
+
+/// Delivers one session's messages in the order they arrived, each
+/// waiting for room until its deadline. The number waiting is bounded by
+/// the session's limit on requests in flight.
+async fn deliver_in_order(
+    mut waiting: mpsc::UnboundedReceiver<Queued>,
+    inbox: mpsc::Sender<Delivery>,
+    session: Session,
+) {
+    loop {
+        let queued = tokio::select! {
+            biased;
+            queued = waiting.recv() => match queued {
+                Some(queued) => queued,
+                None => return,
+            },
+            _ = session.closed() => return,
+        };
+        // A message whose sender gave up (cancelled, or the session ended)
+        // is not delivered.
+        if queued.delivered.is_closed() {
+            continue;
+        }
+        let outcome = match tokio::time::timeout_at(queued.deadline, inbox.reserve()).await {
+            Ok(Ok(room)) if !queued.delivered.is_closed() => {
+                room.send(queued.delivery);
+                Ok(())
+            }
+            Ok(Ok(_)) => continue,
+            Ok(Err(_)) => Err(ServiceError("the node is shutting down".into())),
+            // The inbox stayed full: dropped undelivered; the session
+            // answers the sender `DeadlineExceeded`.
+            Err(_) => continue,
+        };
+        let _ = queued.delivered.send(outcome);
+    }
+}
+
+/// What a send learns from its session.
+fn send_error(e: ControlError, timeout: Duration) -> MessageError {
+    let peer = e.endpoint();
+    match e {
+        ControlError::Timeout { .. } => MessageError::Timeout {
+            peer,
+            after: timeout,
+        },
+        ControlError::SessionClosed { .. } => MessageError::ConnectionLost { peer },
+        ControlError::Busy { .. } => MessageError::Busy { peer },
+        ControlError::Failed { message, .. } => MessageError::Refused {
+            peer,
+            reason: message,
+        },
+        ControlError::NoSuchService { .. } => MessageError::Refused {
+            peer,
+            reason: "it serves no messages".into(),
+        },
+        other => MessageError::Unreachable {
+            peer,
+            reason: other.to_string(),
+        },
+    }
+}
