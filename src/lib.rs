@@ -37,7 +37,8 @@ pub use builder::{ADVERTISE_ENV, DISABLE_IBVERBS_ENV, NodeBuilder, NodeError};
 /// The node's endpoint and control plane, for direct use of its sessions.
 pub use ferry_control as control;
 pub use ferry_control::{
-    ConnectionLimits, Delivery, EndpointConfig, Inbox, MessageError, RpcError, RpcRequest,
+    ConnectionLimits, Delivery, DeliveryKind, EndpointConfig, Inbox, MessageError, RpcError,
+    RpcRequest,
 };
 pub use ferry_core::{
     Access, Generation, IbvRemote, LocalSlice, MemoryBlock, NodeAddr, NodeId, OpError, OpKind,
@@ -48,7 +49,7 @@ pub use ferry_core::{
 pub use ferry_ibverbs as ibverbs;
 /// The TCP fallback backend, for direct use of its actor and messages.
 pub use ferry_tcp as tcp;
-pub use messages::{InboxTaken, SendMessage};
+pub use messages::{InboxTaken, NotifyError, SendMessage, SubmitWithNotification};
 pub use node::{Node, NodeTransportInfo};
 pub use rpc::Call;
 pub use transports::{TransportState, TransportStatus};

@@ -1,13 +1,15 @@
-//! Messages between nodes, the facade's side: sending (from a [`Node`] or
-//! through its actor) and receiving, the plain way (the node's [`Inbox`],
-//! a stream) or the kameo way (every delivery told to a subscribed actor).
-//! Delivery itself is in [`ferry_control::inbox`].
+//! Messages and notifications between nodes, the facade's side: sending
+//! (from a [`Node`] or through its actor), notifying the owners of a
+//! batch's remote memory once it has completed, and receiving, the plain
+//! way (the node's [`Inbox`], a stream) or the kameo way (every delivery
+//! told to a subscribed actor). Delivery itself is in
+//! [`ferry_control::inbox`].
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_control::{Delivery, Inbox, MessageError};
-use ferry_core::NodeAddr;
+use ferry_core::{NodeAddr, RdmaOp, SubmitError};
 use kameo::Actor;
 use kameo::actor::ActorRef;
 use kameo::error::SendError;
@@ -15,7 +17,34 @@ use kameo::message::{Context, Message};
 use kameo::reply::DelegatedReply;
 use tracing::warn;
 
+use crate::node::Router;
 use crate::{Node, NodeActor};
+
+/// Why a submit with a notification failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NotifyError {
+    /// The batch failed or timed out; no notification was sent.
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    /// The notification is over the message limit: refused before any op
+    /// of the batch ran.
+    #[error("notification of {len} bytes is over the {limit}-byte limit")]
+    TooLarge {
+        /// The notification's length.
+        len: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// The batch completed, but this owner did not accept its notification
+    /// (within the deadline, or at all).
+    #[error("transfers done, but the notification to {} failed: {error}", owner.endpoint)]
+    Notification {
+        /// The owner not notified.
+        owner: NodeAddr,
+        /// Why.
+        error: MessageError,
+    },
+}
 
 /// The node's inbox has a consumer already: it has one at a time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -23,6 +52,22 @@ use crate::{Node, NodeActor};
 pub struct InboxTaken;
 
 impl Node {
+    /// Runs `ops` as [`Node::submit`] does and then delivers `notification`
+    /// to the inbox of every node whose memory the ops touch, each once,
+    /// and only after every op of the batch has completed: for writes, the
+    /// bytes are in the owner's memory when its application sees the
+    /// notification; for reads, the reads are done (the owner may reuse the
+    /// memory). `Ok` once every owner has accepted its notification, all
+    /// within `timeout`. A batch that fails or times out notifies nobody.
+    pub async fn submit_with_notification(
+        &self,
+        ops: Vec<RdmaOp>,
+        timeout: Duration,
+        notification: impl Into<Bytes>,
+    ) -> Result<(), NotifyError> {
+        submit_with_notification(&self.0.router, ops, timeout, notification.into()).await
+    }
+
     /// Sends `body` to `peer`'s inbox: `Ok` once it is there, or a typed
     /// error within `timeout`. Messages from one node to another arrive in
     /// the order they were sent; a full inbox holds the sender back until
@@ -81,6 +126,44 @@ impl Node {
     }
 }
 
+/// See [`Node::submit_with_notification`].
+async fn submit_with_notification(
+    router: &Router,
+    ops: Vec<RdmaOp>,
+    timeout: Duration,
+    notification: Bytes,
+) -> Result<(), NotifyError> {
+    let messages = &router.messages;
+    if notification.len() > messages.max_len() {
+        return Err(NotifyError::TooLarge {
+            len: notification.len(),
+            limit: messages.max_len(),
+        });
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut owners: Vec<NodeAddr> = Vec::with_capacity(1);
+    for op in &ops {
+        let owner = op.remote.owner();
+        if !owners.contains(&owner) {
+            owners.push(owner);
+        }
+    }
+    router.submit(ops, timeout).await?;
+    // The batch is complete on every owner: now tell them, at once.
+    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+    let notified = futures_util::future::join_all(owners.iter().map(|&owner| {
+        let notification = notification.clone();
+        async move {
+            messages
+                .notify(owner, notification, left)
+                .await
+                .map_err(|error| NotifyError::Notification { owner, error })
+        }
+    }))
+    .await;
+    notified.into_iter().collect()
+}
+
 /// Send a message to a peer's inbox through the node's actor (as
 /// [`Node::send_message`]).
 #[derive(Clone, Debug)]
@@ -91,6 +174,33 @@ pub struct SendMessage {
     pub body: Bytes,
     /// How long to wait for delivery.
     pub timeout: Duration,
+}
+
+/// Run a batch and notify its owners once it has completed, through the
+/// node's actor (as [`Node::submit_with_notification`]).
+#[derive(Debug)]
+pub struct SubmitWithNotification {
+    /// The batch.
+    pub ops: Vec<RdmaOp>,
+    /// For the batch and the notifications together.
+    pub timeout: Duration,
+    /// What each owner's inbox receives.
+    pub notification: Bytes,
+}
+
+impl Message<SubmitWithNotification> for NodeActor {
+    type Reply = DelegatedReply<Result<(), NotifyError>>;
+
+    async fn handle(
+        &mut self,
+        msg: SubmitWithNotification,
+        ctx: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        let router = self.router.clone();
+        ctx.spawn(async move {
+            submit_with_notification(&router, msg.ops, msg.timeout, msg.notification).await
+        })
+    }
 }
 
 impl Message<SendMessage> for NodeActor {

@@ -8,6 +8,7 @@
 mod common;
 mod counters;
 mod node_actor;
+mod notify;
 #[path = "../shared/workers.rs"]
 mod workers;
 

@@ -2,6 +2,7 @@
 //! TCP).
 
 mod messages;
+mod notifications;
 mod rpc;
 
 use std::time::Duration;

@@ -57,6 +57,9 @@ impl Service {
     pub const RPC: Service = Service(2);
     /// Messages into a node's inbox (`crate::inbox`).
     pub const MESSAGE: Service = Service(3);
+    /// Notifications of completed transfers into a node's inbox
+    /// (`crate::inbox`).
+    pub const NOTIFY: Service = Service(4);
 }
 
 impl std::fmt::Display for Service {
@@ -65,6 +68,7 @@ impl std::fmt::Display for Service {
             Service::IBVERBS_CONNECT => f.write_str("ibverbs-connect"),
             Service::RPC => f.write_str("rpc"),
             Service::MESSAGE => f.write_str("message"),
+            Service::NOTIFY => f.write_str("notification"),
             Service(n) => write!(f, "service {n}"),
         }
     }

@@ -1,6 +1,13 @@
-//! Messages between nodes, and where they are delivered: each node has one
-//! bounded inbox that its application drains (as a stream of deliveries,
-//! or forwarded to a kameo actor by the facade).
+//! Messages and notifications between nodes, and where they are
+//! delivered: each node has one bounded inbox that its application drains
+//! (as a stream of deliveries, or forwarded to a kameo actor by the
+//! facade).
+//!
+//! A notification is a message that says a batch of transfers into (or
+//! out of) this node's memory is complete; the facade sends it only after
+//! the batch has completed, so the data is in place when it is delivered.
+//! It travels as its own service ([`Service::NOTIFY`]) in the same line as
+//! messages, so the two keep their order.
 //!
 //! A message is one request of the session's [`Service::MESSAGE`]. The
 //! receiver answers it once the message is in its inbox, so a sender's `Ok`
@@ -27,11 +34,23 @@ pub const DEFAULT_MAX_MESSAGE: usize = 64 << 10;
 /// Default number of deliveries an inbox holds before senders wait.
 pub const DEFAULT_INBOX_CAPACITY: usize = 1024;
 
+/// What a delivery is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeliveryKind {
+    /// A message sent on its own.
+    Message,
+    /// The notification of a batch of transfers that completed on this
+    /// node's memory (for writes: the bytes are in place).
+    Notification,
+}
+
 /// Something a peer sent this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Delivery {
     /// The sender, as its control session names it.
     pub from: NodeAddr,
+    /// A message, or a notification.
+    pub kind: DeliveryKind,
     /// What it sent.
     pub body: Bytes,
 }
@@ -169,24 +188,31 @@ impl Messages {
             })),
             lines: Mutex::default(),
         });
-        // Weak: the endpoint holds its handlers, and must not keep this alive.
-        let weak = Arc::downgrade(&messages);
-        endpoint.serve(Service::MESSAGE, move |request| {
-            // Called in arrival order: the message takes its place in line
-            // here, before the handler returns.
-            let delivered = weak.upgrade().map(|m| m.queue(request));
-            async move {
-                let Some(delivered) = delivered else {
-                    return Err(ServiceError("the node is shutting down".into()));
-                };
-                match delivered.await {
-                    Ok(outcome) => outcome.map(|()| Bytes::new()),
-                    // Not delivered by its deadline (or its session ended):
-                    // the session answers `DeadlineExceeded` (or nothing).
-                    Err(_) => std::future::pending().await,
+        for (service, kind) in [
+            (Service::MESSAGE, DeliveryKind::Message),
+            (Service::NOTIFY, DeliveryKind::Notification),
+        ] {
+            // Weak: the endpoint holds its handlers, and must not keep this
+            // alive.
+            let weak = Arc::downgrade(&messages);
+            endpoint.serve(service, move |request| {
+                // Called in arrival order: the message takes its place in
+                // line here, before the handler returns.
+                let delivered = weak.upgrade().map(|m| m.queue(request, kind));
+                async move {
+                    let Some(delivered) = delivered else {
+                        return Err(ServiceError("the node is shutting down".into()));
+                    };
+                    match delivered.await {
+                        Ok(outcome) => outcome.map(|()| Bytes::new()),
+                        // Not delivered by its deadline (or its session
+                        // ended): the session answers `DeadlineExceeded`
+                        // (or nothing).
+                        Err(_) => std::future::pending().await,
+                    }
                 }
-            }
-        })?;
+            })?;
+        }
         Ok(messages)
     }
 
@@ -217,6 +243,29 @@ impl Messages {
         body: Bytes,
         timeout: Duration,
     ) -> Result<(), MessageError> {
+        self.deliver(peer, DeliveryKind::Message, body, timeout)
+            .await
+    }
+
+    /// Sends `body` to `peer` as a notification; the caller vouches that
+    /// the transfers it announces have completed. As [`Messages::send`].
+    pub async fn notify(
+        &self,
+        peer: NodeAddr,
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<(), MessageError> {
+        self.deliver(peer, DeliveryKind::Notification, body, timeout)
+            .await
+    }
+
+    async fn deliver(
+        &self,
+        peer: NodeAddr,
+        kind: DeliveryKind,
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<(), MessageError> {
         if body.len() > self.max_len {
             return Err(MessageError::TooLarge {
                 len: body.len(),
@@ -228,7 +277,14 @@ impl Messages {
         let session = self.endpoint.session(peer, timeout).await.map_err(error)?;
         let left = deadline.saturating_duration_since(Instant::now());
         session
-            .request(Service::MESSAGE, body, left)
+            .request(
+                match kind {
+                    DeliveryKind::Message => Service::MESSAGE,
+                    DeliveryKind::Notification => Service::NOTIFY,
+                },
+                body,
+                left,
+            )
             .await
             .map(|_| ())
             .map_err(error)
@@ -236,11 +292,16 @@ impl Messages {
 
     /// Puts a message in its session's line; resolves once it is delivered
     /// (or its deadline passed).
-    fn queue(&self, request: Request) -> oneshot::Receiver<Result<(), ServiceError>> {
+    fn queue(
+        &self,
+        request: Request,
+        kind: DeliveryKind,
+    ) -> oneshot::Receiver<Result<(), ServiceError>> {
         let (delivered, outcome) = oneshot::channel();
         let queued = Queued {
             delivery: Delivery {
                 from: request.session.peer(),
+                kind,
                 body: request.body,
             },
             deadline: request.deadline,

@@ -1,0 +1,26 @@
+//! Notifications attached to a submit, over RDMA: the same checks as the
+//! TCP suite (tests/shared/notify.rs), with nodes that run ibverbs.
+
+#[path = "../shared/notify.rs"]
+mod shared;
+
+use crate::rdma_node;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn written_bytes_are_in_place_when_the_owner_is_notified() {
+    let (owner, initiator) = (rdma_node().await, rdma_node().await);
+    shared::written_bytes_are_in_place_when_the_owner_is_notified(&owner, &initiator, 20).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn each_owner_is_notified_once_and_failures_notify_nobody() {
+    let owners = [rdma_node().await, rdma_node().await];
+    let initiator = rdma_node().await;
+    shared::each_owner_is_notified_once_and_failures_notify_nobody(
+        [&owners[0], &owners[1]],
+        &initiator,
+    )
+    .await;
+}
