@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use clap::{Args, ValueEnum};
+use ferry::SubmitWithNotification;
 use ferry::prelude::*;
 use kameo::actor::{ActorRef, Spawn};
 use serde::Serialize;
@@ -97,6 +99,11 @@ pub struct BenchArgs {
     /// How submits reach the node: its actor, or direct calls.
     #[arg(long, value_enum, default_value = "node")]
     pub via: Via,
+    /// Attach a notification of this many bytes to every submit: the
+    /// target's inbox receives it once the submit's ops have completed
+    /// (`submit_with_notification`).
+    #[arg(long, value_parser = parse_size)]
+    pub notify: Option<u64>,
     /// TCP connections per peer.
     #[arg(long, default_value_t = 4)]
     pub streams: usize,
@@ -197,6 +204,8 @@ pub struct Row {
     pub block: u64,
     /// Ops per submit.
     pub batch: usize,
+    /// Bytes of the notification attached to each submit (0: none).
+    pub notify: u64,
     /// Measured submits, all workers together.
     pub submits: usize,
     /// Bytes moved by them.
@@ -293,8 +302,9 @@ fn first_difference(
 /// Where a worker's submits go: the node, its actor, or nowhere (`Echo`).
 #[derive(Clone)]
 enum Submitter {
-    Node(Node),
-    Actor(ActorRef<NodeActor>),
+    /// With the notification to attach, if any.
+    Node(Node, Option<Bytes>),
+    Actor(ActorRef<NodeActor>, Option<Bytes>),
     Echo(ActorRef<Echo>),
 }
 
@@ -314,11 +324,23 @@ impl kameo::message::Message<Ping> for Echo {
 impl Submitter {
     async fn submit(&self, ops: Vec<RdmaOp>) -> Result<(), Failure> {
         match self {
-            Submitter::Node(node) => Ok(node.submit(ops, SUBMIT_TIMEOUT).await?),
-            Submitter::Actor(actor) => {
+            Submitter::Node(node, None) => Ok(node.submit(ops, SUBMIT_TIMEOUT).await?),
+            Submitter::Node(node, Some(notification)) => Ok(node
+                .submit_with_notification(ops, SUBMIT_TIMEOUT, notification.clone())
+                .await?),
+            Submitter::Actor(actor, None) => {
                 let submit = Submit {
                     ops,
                     timeout: SUBMIT_TIMEOUT,
+                };
+                actor.ask(submit).await?;
+                Ok(())
+            }
+            Submitter::Actor(actor, Some(notification)) => {
+                let submit = SubmitWithNotification {
+                    ops,
+                    timeout: SUBMIT_TIMEOUT,
+                    notification: notification.clone(),
                 };
                 actor.ask(submit).await?;
                 Ok(())
@@ -447,9 +469,12 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             "--transport ibverbs: not available here: {why}"
         )));
     }
+    // Fits usize: parse_size keeps it far below, and the node refuses what
+    // is over its message limit.
+    let notification = args.notify.map(|len| Bytes::from(vec![0x4E; len as usize]));
     let submitter = match args.via {
-        Via::Node => Submitter::Node(node.clone()),
-        Via::Actor => Submitter::Actor(node.actor().clone()),
+        Via::Node => Submitter::Node(node.clone(), notification),
+        Via::Actor => Submitter::Actor(node.actor().clone(), notification),
         Via::Echo => Submitter::Echo(Echo::spawn(Echo)),
     };
     let workers = args.workers.max(1);
@@ -532,6 +557,7 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             streams: args.streams,
             block,
             batch,
+            notify: args.notify.unwrap_or(0),
             submits,
             bytes,
             seconds,

@@ -1,5 +1,6 @@
 //! `ferry serve`: a node that registers one region and serves it to bench
-//! clients until stdin closes.
+//! clients until stdin closes, taking every message and notification its
+//! inbox receives (counted in the log).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -67,6 +68,22 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
             out.flush()?;
         }
     }
+    // Take what arrives, so that senders (e.g. `bench --notify`) are never
+    // held back by a full inbox, and log each (count and size).
+    let mut inbox = node.inbox().map_err(|e| Failure(format!("inbox: {e}")))?;
+    tokio::spawn(async move {
+        let mut count = 0u64;
+        while let Some(delivery) = inbox.recv().await {
+            count += 1;
+            tracing::info!(
+                count,
+                bytes = delivery.body.len(),
+                kind = ?delivery.kind,
+                from = %delivery.from.endpoint,
+                "inbox: delivery taken"
+            );
+        }
+    });
     eprintln!(
         "ferry serve: {} bytes registered at {}; stop with Ctrl-C or by closing stdin",
         args.size,

@@ -30,6 +30,15 @@ fn in_rxe_vm() -> bool {
 /// waits (with a deadline) until the handle is there. Closing the child's
 /// stdin stops it.
 fn spawn_serve(args: &[&str], handle: &std::path::Path) -> std::process::Child {
+    spawn_serve_logging(args, handle, std::process::Stdio::null())
+}
+
+/// `spawn_serve`, with its log (stderr) going to `log`.
+fn spawn_serve_logging(
+    args: &[&str],
+    handle: &std::path::Path,
+    log: impl Into<std::process::Stdio>,
+) -> std::process::Child {
     let bin = ferry_bin();
     let child = Command::new(&bin)
         .arg("serve")
@@ -37,7 +46,7 @@ fn spawn_serve(args: &[&str], handle: &std::path::Path) -> std::process::Child {
         .arg("--handle-file")
         .arg(handle)
         .stdin(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(log)
         .spawn()
         .unwrap();
     let started = std::time::Instant::now();
@@ -203,6 +212,55 @@ fn serve_and_bench_over_a_handle_file() {
         server.wait().unwrap().success(),
         "serve exits when its stdin closes"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `bench --notify` attaches a notification to every submit; the serving
+/// process takes each from its inbox exactly once and logs it (count and
+/// size), and bench reports the notification's size in its rows.
+#[test]
+fn bench_notifications_reach_serve_once_each() {
+    let dir = std::env::temp_dir().join(format!("ferry-cli-notify-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let handle = dir.join("handle.json");
+    let log = dir.join("serve.log");
+    let mut server = spawn_serve_logging(
+        &["--size", "1M"],
+        &handle,
+        std::fs::File::create(&log).unwrap(),
+    );
+    let h = handle.to_str().unwrap();
+    let out = ferry(&[
+        "bench", "--handle", h, "--block", "4K", "--op", "write", "--notify", "64", "--verify",
+        "--json", "--iters", "50", "--warmup", "2",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row: serde_json::Value =
+        serde_json::from_str(String::from_utf8(out.stdout).unwrap().trim()).unwrap();
+    assert_eq!(
+        (row["notify"].as_u64(), row["verified"].as_bool()),
+        (Some(64), Some(true))
+    );
+    drop(server.stdin.take());
+    assert!(server.wait().unwrap().success());
+    let log = std::fs::read_to_string(&log).unwrap();
+    let taken: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("inbox: delivery taken"))
+        .collect();
+    // 2 warm-up and 50 measured submits, one notification each.
+    assert_eq!(taken.len(), 52, "{log}");
+    assert!(
+        taken
+            .iter()
+            .all(|l| l.contains("bytes=64") && l.contains("kind=Notification")),
+        "{log}"
+    );
+    assert!(taken[51].contains("count=52"), "{log}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
