@@ -232,3 +232,45 @@ async fn messages_waiting_for_room_keep_their_order() {
         assert_eq!(send.await.unwrap(), Ok(()));
     }
 }
+
+/// Eight nodes send to one at once: each sender's messages arrive in the
+/// order it sent them, each exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_concurrent_senders_each_keep_their_order() {
+    let receiver = Node::builder().spawn().await.unwrap();
+    let mut inbox = receiver.inbox().unwrap();
+    let mut senders = Vec::new();
+    for _ in 0..8 {
+        senders.push(Node::builder().spawn().await.unwrap());
+    }
+    const EACH: u32 = 200;
+    let sends: Vec<_> = senders
+        .iter()
+        .cloned()
+        .map(|sender| {
+            let peer = receiver.addr();
+            tokio::spawn(async move {
+                for i in 0..EACH {
+                    sender
+                        .send_message(peer, i.to_le_bytes().to_vec(), DEADLINE)
+                        .await
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    let mut next_of = std::collections::HashMap::new();
+    for _ in 0..8 * EACH {
+        let delivery = next(&mut inbox).await;
+        let i = u32::from_le_bytes(delivery.body[..].try_into().unwrap());
+        let expected = next_of.entry(delivery.from.id).or_insert(0u32);
+        assert_eq!(i, *expected, "out of order from {:?}", delivery.from);
+        *expected += 1;
+    }
+    for send in sends {
+        send.await.unwrap();
+    }
+    assert_eq!(next_of.len(), 8);
+    assert!(next_of.values().all(|&n| n == EACH));
+    assert_eq!(inbox.try_recv(), None);
+}

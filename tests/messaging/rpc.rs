@@ -52,13 +52,13 @@ async fn concurrent_calls_are_answered_in_any_order_each_with_its_own_answer() {
             async move {
                 let i = request.body[0];
                 // Later calls finish first.
-                tokio::time::sleep(Duration::from_millis(5 * (40 - u64::from(i)))).await;
+                tokio::time::sleep(Duration::from_millis(5 * (64 - u64::from(i)))).await;
                 order.lock().unwrap().push(i);
                 Ok(request.body)
             }
         })
         .unwrap();
-    let calls: Vec<_> = (0..40u8)
+    let calls: Vec<_> = (0..64u8)
         .map(|i| {
             let (client, peer) = (client.clone(), server.addr());
             tokio::spawn(
@@ -71,7 +71,7 @@ async fn concurrent_calls_are_answered_in_any_order_each_with_its_own_answer() {
         assert_eq!(answer.unwrap()[..], [i]);
     }
     let finished = finished.lock().unwrap().clone();
-    assert_eq!(finished.len(), 40);
+    assert_eq!(finished.len(), 64);
     assert!(
         finished.windows(2).any(|w| w[0] > w[1]),
         "the handlers finished in call order, so answers were never reordered: {finished:?}"

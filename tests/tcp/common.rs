@@ -163,6 +163,15 @@ impl PeerProcess {
         }
     }
 
+    /// The peer serves RPC `name` with a handler that never answers.
+    #[allow(dead_code)] // tests/ibverbs shares this file and does not use it
+    pub async fn serve_forever(&mut self, name: &str) {
+        assert_eq!(
+            self.command(&format!("serve-forever {name}")).await,
+            "serving"
+        );
+    }
+
     /// The peer writes its whole region `local` to `remote` (a handle to
     /// another node's memory) in one op: `Err` holds the error's `Display`.
     #[allow(dead_code)] // tests/ibverbs shares this file and does not use it
@@ -296,6 +305,12 @@ pub fn peer_main() {
                     "dropped".to_string()
                 }
                 ["addr"] => serde_json::to_string(&node.addr()).unwrap(),
+                // An RPC handler that never answers (until the process dies).
+                ["serve-forever", name] => {
+                    node.serve_rpc(name, |_| std::future::pending())
+                        .expect("serve");
+                    "serving".to_string()
+                }
                 // One op over the whole local region; the rest of the line
                 // is the remote handle as JSON.
                 [kind @ ("write" | "read"), index, _, ..] => {

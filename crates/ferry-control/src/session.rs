@@ -402,6 +402,12 @@ async fn read_loop(
             Some(Err(e)) => return Err(format!("protocol error: {e}")),
         };
         match frame {
+            // Ids are issued in order: one not issued yet was never sent.
+            Frame::Response { id, .. } if id >= inner.next_request.load(Ordering::Relaxed) => {
+                return Err(format!(
+                    "protocol error: a response to request {id}, never sent"
+                ));
+            }
             Frame::Response { id, status, body } => match inner.lock_pending().remove(&id) {
                 // The requester may have given up meanwhile; then nobody waits.
                 Some(waiter) => drop(waiter.send((status, body))),

@@ -10,8 +10,8 @@ use bytes::Bytes;
 use ferry_control::frame::{ControlCodec, Frame, SESSION_VERSIONS};
 use ferry_control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
 use ferry_control::{
-    Channel, ConnectionLimits, ControlError, Endpoint, EndpointConfig, EndpointError, HelloStatus,
-    Service, ServiceError,
+    Channel, ConnectionLimits, ControlError, DEFAULT_MAX_FRAME, Endpoint, EndpointConfig,
+    EndpointError, HelloStatus, Service, ServiceError,
 };
 use ferry_core::{NodeAddr, NodeId};
 use futures_util::{SinkExt, StreamExt};
@@ -206,15 +206,10 @@ async fn a_dropped_peer_closes_the_session_and_fails_its_requests() {
     assert!(a.session(peer, Duration::from_secs(2)).await.is_err());
 }
 
-/// A bad frame ends that session, with a typed error at its requests; the
-/// endpoint goes on serving everyone else.
-#[tokio::test]
-async fn a_malformed_frame_ends_only_its_own_session() {
-    let b = endpoint().await;
-    let a = endpoint().await;
-    let good = a.session(b.local(), T).await.unwrap();
-
-    let mut raw = TcpStream::connect(b.local().endpoint).await.unwrap();
+/// A raw control connection to `to` that has said hello and exchanged
+/// `Open` frames: the next bytes written are frames of the session.
+async fn raw_session(to: &Endpoint) -> TcpStream {
+    let mut raw = TcpStream::connect(to.local().endpoint).await.unwrap();
     let hello = Hello {
         version: VERSION,
         channel: Channel::CONTROL,
@@ -228,7 +223,7 @@ async fn a_malformed_frame_ends_only_its_own_session() {
     framed
         .send(Frame::Open {
             min_version: 1,
-            max_version: 1,
+            max_version: SESSION_VERSIONS.1,
             node: NodeAddr {
                 id: hello.node,
                 endpoint: "127.0.0.1:9".parse().unwrap(),
@@ -237,17 +232,54 @@ async fn a_malformed_frame_ends_only_its_own_session() {
         .await
         .unwrap();
     assert!(matches!(framed.next().await, Some(Ok(Frame::Open { .. }))));
-    // A frame of an unknown kind.
-    let mut raw = framed.into_inner();
-    let mut garbage = vec![0u8; 4 + 16];
-    garbage[..4].copy_from_slice(&16u32.to_be_bytes());
-    garbage[4] = 0xEE;
-    raw.write_all(&garbage).await.unwrap();
-    let mut rest = Vec::new();
-    let closed = tokio::time::timeout(T, raw.read_to_end(&mut rest)).await;
-    assert!(closed.is_ok(), "the endpoint hangs up on a malformed frame");
+    framed.into_inner()
+}
 
-    assert!(good.request(ECHO, Bytes::new(), T).await.is_ok());
+/// A length-prefixed frame of `len` bytes: `kind`, then zeros.
+fn frame_bytes(kind: u8, len: usize) -> Vec<u8> {
+    let mut bytes = vec![0u8; 4 + len];
+    bytes[..4].copy_from_slice(&(len as u32).to_be_bytes());
+    if len > 0 {
+        bytes[4] = kind;
+    }
+    bytes
+}
+
+/// Every kind of bad frame ends that session (the endpoint hangs up); the
+/// endpoint goes on serving everyone else.
+#[tokio::test]
+async fn a_malformed_frame_ends_only_its_own_session() {
+    let b = endpoint().await;
+    let a = endpoint().await;
+    let good = a.session(b.local(), T).await.unwrap();
+    let mut response_never_sent = frame_bytes(3, 16);
+    response_never_sent[4 + 8..4 + 16].copy_from_slice(&999u64.to_le_bytes());
+    let mut oversized = vec![0u8; 4];
+    oversized.copy_from_slice(&((DEFAULT_MAX_FRAME + 1) as u32).to_be_bytes());
+    let bad: [(&str, Vec<u8>); 5] = [
+        ("unknown kind", frame_bytes(0xEE, 16)),
+        ("truncated cancel", frame_bytes(4, 5)),
+        ("truncated request", frame_bytes(2, 9)),
+        ("length over the frame limit", oversized),
+        ("response to a request never sent", response_never_sent),
+    ];
+    for (what, bytes) in bad {
+        let mut raw = raw_session(&b).await;
+        raw.write_all(&bytes).await.unwrap();
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(T, raw.read_to_end(&mut rest)).await;
+        assert!(closed.is_ok(), "{what}: the endpoint did not hang up");
+        assert!(good.request(ECHO, Bytes::new(), T).await.is_ok(), "{what}");
+    }
+    // A Cancel of a request that is not running is no error: it may have
+    // finished just before the caller gave up.
+    let mut raw = raw_session(&b).await;
+    let mut cancel = frame_bytes(4, 16);
+    cancel[4 + 8..4 + 16].copy_from_slice(&5u64.to_le_bytes());
+    raw.write_all(&cancel).await.unwrap();
+    let mut byte = [0u8; 1];
+    let still_open = tokio::time::timeout(Duration::from_millis(300), raw.read(&mut byte)).await;
+    assert!(still_open.is_err(), "a stray Cancel ended the session");
 }
 
 #[tokio::test]
