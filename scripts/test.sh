@@ -11,6 +11,9 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --all-targets --locked
 cargo test --workspace --doc --locked
+# The examples a newcomer runs first exit non-zero when anything is wrong.
+cargo run --locked -q --example workers >/dev/null
+cargo run --locked -q --example kv_handoff >/dev/null
 
 # Real RDMA: the ibverbs tests inside a soft-RoCE VM (no NIC or KVM needed;
 # downloads Debian's kernel, QEMU and rdma-core into ~/.cache/ferry-rxe once).
