@@ -10,15 +10,15 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::{Args, ValueEnum};
-use ferry::SubmitWithNotification;
 use ferry::prelude::*;
-use kameo::actor::{ActorRef, Spawn};
+use kameo::actor::Spawn;
 use serde::Serialize;
 
+use crate::submitter::{Echo, Submitter};
 use crate::{Failure, export_metrics, parse_size};
 
 /// Deadline of any single submit.
-const SUBMIT_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const SUBMIT_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long `--loopback` waits for the server it started to print its handle.
 const SERVE_START: Duration = Duration::from_secs(30);
 
@@ -42,6 +42,11 @@ pub enum Op {
     Write,
     /// The target's bytes into local memory.
     Read,
+    /// A call of the target's `echo` RPC handler with --block bytes, which
+    /// answers them back (checked with --verify).
+    Rpc,
+    /// A --block-byte message into the target's inbox.
+    Message,
 }
 
 impl Op {
@@ -49,6 +54,8 @@ impl Op {
         match self {
             Op::Write => "write",
             Op::Read => "read",
+            Op::Rpc => "rpc",
+            Op::Message => "message",
         }
     }
 }
@@ -299,64 +306,15 @@ fn first_difference(
     Ok(None)
 }
 
-/// Where a worker's submits go: the node, its actor, or nowhere (`Echo`).
-#[derive(Clone)]
-enum Submitter {
-    /// With the notification to attach, if any.
-    Node(Node, Option<Bytes>),
-    Actor(ActorRef<NodeActor>, Option<Bytes>),
-    Echo(ActorRef<Echo>),
-}
-
-/// The do-nothing actor of `--via echo`.
-#[derive(kameo::Actor)]
-struct Echo;
-
-/// The empty message `Echo` answers.
-struct Ping;
-
-impl kameo::message::Message<Ping> for Echo {
-    type Reply = ();
-
-    async fn handle(&mut self, _: Ping, _: &mut kameo::message::Context<Self, ()>) {}
-}
-
-impl Submitter {
-    async fn submit(&self, ops: Vec<RdmaOp>) -> Result<(), Failure> {
-        match self {
-            Submitter::Node(node, None) => Ok(node.submit(ops, SUBMIT_TIMEOUT).await?),
-            Submitter::Node(node, Some(notification)) => Ok(node
-                .submit_with_notification(ops, SUBMIT_TIMEOUT, notification.clone())
-                .await?),
-            Submitter::Actor(actor, None) => {
-                let submit = Submit {
-                    ops,
-                    timeout: SUBMIT_TIMEOUT,
-                };
-                actor.ask(submit).await?;
-                Ok(())
-            }
-            Submitter::Actor(actor, Some(notification)) => {
-                let submit = SubmitWithNotification {
-                    ops,
-                    timeout: SUBMIT_TIMEOUT,
-                    notification: notification.clone(),
-                };
-                actor.ask(submit).await?;
-                Ok(())
-            }
-            Submitter::Echo(echo) => Ok(echo.ask(Ping).await?),
-        }
-    }
-}
-
 /// One worker's share of a block size's run: `batch` blocks from `first`.
 #[derive(Clone)]
-struct Share {
+pub(crate) struct Share {
     local: Region,
-    remote: RemoteBuffer,
+    pub remote: RemoteBuffer,
     first: u64,
     batch: usize,
+    /// What an RPC or message run sends: --block bytes (else empty).
+    pub payload: Bytes,
     block: u64,
 }
 
@@ -365,16 +323,17 @@ impl Share {
         self.first..self.first + self.batch as u64 * self.block
     }
 
-    fn ops(&self, kind: Op) -> Result<Vec<RdmaOp>, Failure> {
+    pub fn ops(&self, kind: Op) -> Result<Vec<RdmaOp>, Failure> {
         (0..self.batch as u64)
             .map(|i| {
                 let at = self.first + i * self.block;
                 let l = self.local.slice(at..at + self.block)?;
                 let r = self.remote.slice(at..at + self.block)?;
-                Ok(match kind {
-                    Op::Write => RdmaOp::write(l, r),
-                    Op::Read => RdmaOp::read(l, r),
-                })
+                match kind {
+                    Op::Write => Ok(RdmaOp::write(l, r)),
+                    Op::Read => Ok(RdmaOp::read(l, r)),
+                    Op::Rpc | Op::Message => Err(Failure("not a transfer".into())),
+                }
             })
             .collect()
     }
@@ -401,7 +360,7 @@ async fn work(
 ) -> Result<Vec<f64>, Failure> {
     let warm = async {
         for _ in 0..warmup {
-            submitter.submit(share.ops(op)?).await?;
+            submitter.run(&share, op).await?;
         }
         Ok::<_, Failure>(())
     }
@@ -412,9 +371,8 @@ async fn work(
     let started = Instant::now();
     let mut latencies = Vec::new();
     loop {
-        let ops = share.ops(op)?;
         let t = Instant::now();
-        submitter.submit(ops).await?;
+        submitter.run(&share, op).await?;
         latencies.push(t.elapsed().as_secs_f64() * 1e6);
         progress.inc(1);
         let done = match until {
@@ -460,8 +418,14 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
     let level = node
         .route(&probe)
         .ok_or_else(|| Failure("no transport shared with the target".into()))?;
-    let transport = level.backend();
-    if args.transport == Transport::Ibverbs && level != RdmaTransportLevel::Nic {
+    let transport = match args.op {
+        // Calls and messages go over the control session, whatever the data
+        // transports are.
+        Op::Rpc | Op::Message => "control",
+        Op::Write | Op::Read => level.backend(),
+    };
+    let transfers = matches!(args.op, Op::Write | Op::Read);
+    if transfers && args.transport == Transport::Ibverbs && level != RdmaTransportLevel::Nic {
         let why = node
             .unavailable(RdmaTransportLevel::Nic)
             .unwrap_or("the target has no RDMA device");
@@ -491,14 +455,24 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
                  {size}-byte target region holds"
             )));
         }
-        let batch = args.batch.unwrap_or(per_worker).clamp(1, per_worker);
+        // A call or a message is one unit of work.
+        let batch = match transfers {
+            true => args.batch.unwrap_or(per_worker).clamp(1, per_worker),
+            false => 1,
+        };
         let seed = block as u8;
+        let payload = match args.op {
+            // Fits usize: a block of the region this process allocated.
+            Op::Rpc | Op::Message => Bytes::from(vec![seed; block as usize]),
+            Op::Write | Op::Read => Bytes::new(),
+        };
         let shares: Vec<Share> = (0..workers)
             .map(|w| Share {
                 local: local.clone(),
                 remote: remote.clone(),
                 first: (w * per_worker) as u64 * block,
                 batch,
+                payload: payload.clone(),
                 block,
             })
             .collect();
@@ -544,8 +518,12 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             latencies.extend(task.await??);
         }
         let seconds = started.elapsed().as_secs_f64();
-        let verified =
-            args.verify && args.via != Via::Echo && verify(&node, &shares, seed, args.op).await?;
+        let verified = match (args.via, args.op) {
+            (Via::Echo, _) | (_, Op::Message) => false,
+            // Every answer was compared with what was sent.
+            (_, Op::Rpc) => true,
+            _ => args.verify && verify(&node, &shares, seed, args.op).await?,
+        };
         let submits = latencies.len();
         let bytes = submits as u64 * batch as u64 * block;
         latencies.sort_by(f64::total_cmp);
@@ -618,6 +596,8 @@ async fn verify(node: &Node, shares: &[Share], seed: u8, op: Op) -> Result<bool,
                 node.submit(vec![read], SUBMIT_TIMEOUT).await?;
                 first_difference(&back, range.start, range, seed)?
             }
+            // Not transfers: nothing in memory to compare.
+            Op::Rpc | Op::Message => None,
         };
         if let Some(at) = difference {
             return Err(Failure(format!(

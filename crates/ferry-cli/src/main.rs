@@ -5,6 +5,7 @@
 
 mod bench;
 mod serve;
+mod submitter;
 
 use std::process::ExitCode;
 

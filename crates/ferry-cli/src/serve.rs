@@ -68,6 +68,10 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
             out.flush()?;
         }
     }
+    // `bench --op rpc` calls this.
+    node.serve_rpc(crate::submitter::ECHO_RPC, |request| async move {
+        Ok(request.body)
+    })?;
     // Take what arrives, so that senders (e.g. `bench --notify`) are never
     // held back by a full inbox, and log each (count and size).
     let mut inbox = node.inbox().map_err(|e| Failure(format!("inbox: {e}")))?;

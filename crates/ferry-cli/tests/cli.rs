@@ -264,6 +264,48 @@ fn bench_notifications_reach_serve_once_each() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `bench --op rpc` calls serve's echo handler (every answer compared);
+/// `--op message` fills serve's inbox, which serve drains.
+#[test]
+fn bench_calls_and_messages_go_over_the_control_session() {
+    for (op, verified) in [("rpc", true), ("message", false)] {
+        let out = ferry(&[
+            "bench",
+            "--loopback",
+            "--op",
+            op,
+            "--block",
+            "64,4K",
+            "--size",
+            "1M",
+            "--workers",
+            "4",
+            "--iters",
+            "50",
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{op}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 2, "{op}");
+        for row in rows {
+            assert_eq!(row["transport"], "control");
+            assert_eq!(row["verified"], verified);
+            assert_eq!(
+                (row["batch"].as_u64(), row["submits"].as_u64()),
+                (Some(1), Some(200))
+            );
+        }
+    }
+}
+
 #[test]
 fn bench_errors_are_one_line_and_non_zero() {
     let dir = std::env::temp_dir().join(format!("ferry-cli-bad-{}", std::process::id()));
