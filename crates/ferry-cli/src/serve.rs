@@ -59,15 +59,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
     let node = builder.spawn().await?;
     let region = node.alloc(args.size, Access::ReadWrite).await?;
     let handle = serde_json::to_string(&region.remote())?;
-    match &args.handle_file {
-        Some(path) => std::fs::write(path, format!("{handle}\n"))
-            .map_err(|e| Failure(format!("cannot write {}: {e}", path.display())))?,
-        None => {
-            let mut out = std::io::stdout();
-            writeln!(out, "{handle}")?;
-            out.flush()?;
-        }
-    }
+    // Ready before the handle goes out: a client may call or send at once.
     // `bench --op rpc` calls this.
     node.serve_rpc(crate::submitter::ECHO_RPC, |request| async move {
         Ok(request.body)
@@ -88,6 +80,15 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
             );
         }
     });
+    match &args.handle_file {
+        Some(path) => std::fs::write(path, format!("{handle}\n"))
+            .map_err(|e| Failure(format!("cannot write {}: {e}", path.display())))?,
+        None => {
+            let mut out = std::io::stdout();
+            writeln!(out, "{handle}")?;
+            out.flush()?;
+        }
+    }
     eprintln!(
         "ferry serve: {} bytes registered at {}; stop with Ctrl-C or by closing stdin",
         args.size,
