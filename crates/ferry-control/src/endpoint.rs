@@ -199,6 +199,13 @@ impl Endpoint {
         self.0.shared.config
     }
 
+    /// The longest payload a service on its sessions may accept: the frame
+    /// limit, less 1 KiB for the frame's header and what a service puts
+    /// before the payload (an RPC's name).
+    pub fn max_payload(&self) -> usize {
+        self.0.shared.config.max_frame.saturating_sub(1024)
+    }
+
     /// Starts accepting connections (once; later calls do nothing).
     pub fn start(&self) {
         let listener = self

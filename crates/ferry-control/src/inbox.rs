@@ -180,7 +180,7 @@ impl Messages {
         let (inbox, receiver) = mpsc::channel(capacity.max(1));
         let messages = Arc::new(Messages {
             endpoint: endpoint.clone(),
-            max_len: max_len.min(endpoint.config().max_frame.saturating_sub(1024)),
+            max_len: max_len.min(endpoint.max_payload()),
             inbox,
             receiver: Mutex::new(Some(Inbox {
                 head: None,

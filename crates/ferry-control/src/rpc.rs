@@ -154,7 +154,7 @@ impl Rpc {
     /// Serves calls on `endpoint`'s sessions; arguments and answers are
     /// bounded by `max_payload` bytes (and by the endpoint's frame limit).
     pub fn start(endpoint: &Endpoint, max_payload: usize) -> Result<Arc<Self>, EndpointError> {
-        let max_payload = max_payload.min(endpoint.config().max_frame.saturating_sub(1024));
+        let max_payload = max_payload.min(endpoint.max_payload());
         let rpc = Arc::new(Rpc {
             endpoint: endpoint.clone(),
             handlers: RwLock::default(),
