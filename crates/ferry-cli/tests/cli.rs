@@ -22,6 +22,22 @@ fn ferry(args: &[&str]) -> Output {
         .expect("run the ferry binary")
 }
 
+/// Runs `ferry bench` with `args` (which include `--json`): its rows, after
+/// checking it succeeded. `what` names the run in failure messages.
+fn bench_rows(what: &str, args: &[&str]) -> Vec<serde_json::Value> {
+    let out = ferry(&[&["bench"], args].concat());
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 fn in_rxe_vm() -> bool {
     std::env::var_os("FERRY_RXE").is_some()
 }
@@ -165,29 +181,21 @@ fn serve_and_bench_over_a_handle_file() {
     let mut server = spawn_serve(&["--size", "4M"], &handle);
     for op in ["write", "read"] {
         let h = handle.to_str().unwrap();
-        let out = ferry(&[
-            "bench",
-            "--handle",
-            h,
-            "--block",
-            "4K,64K,1M",
-            "--op",
+        let rows = bench_rows(
             op,
-            "--verify",
-            "--json",
-            "--iters",
-            "3",
-        ]);
-        assert!(
-            out.status.success(),
-            "{op}: {}",
-            String::from_utf8_lossy(&out.stderr)
+            &[
+                "--handle",
+                h,
+                "--block",
+                "4K,64K,1M",
+                "--op",
+                op,
+                "--verify",
+                "--json",
+                "--iters",
+                "3",
+            ],
         );
-        let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
         assert_eq!(
             rows.iter()
                 .map(|r| r["block"].as_u64().unwrap())
@@ -230,17 +238,16 @@ fn bench_notifications_reach_serve_once_each() {
         std::fs::File::create(&log).unwrap(),
     );
     let h = handle.to_str().unwrap();
-    let out = ferry(&[
-        "bench", "--handle", h, "--block", "4K", "--op", "write", "--notify", "64", "--verify",
-        "--json", "--iters", "50", "--warmup", "2",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let rows = bench_rows(
+        "notify",
+        &[
+            "--handle", h, "--block", "4K", "--op", "write", "--notify", "64", "--verify",
+            "--json", "--iters", "50", "--warmup", "2",
+        ],
     );
-    let row: serde_json::Value =
-        serde_json::from_str(String::from_utf8(out.stdout).unwrap().trim()).unwrap();
+    let [row] = rows.as_slice() else {
+        panic!("one block size, one row: {rows:?}")
+    };
     assert_eq!(
         (row["notify"].as_u64(), row["verified"].as_bool()),
         (Some(64), Some(true))
@@ -269,31 +276,23 @@ fn bench_notifications_reach_serve_once_each() {
 #[test]
 fn bench_calls_and_messages_go_over_the_control_session() {
     for (op, verified) in [("rpc", true), ("message", false)] {
-        let out = ferry(&[
-            "bench",
-            "--loopback",
-            "--op",
+        let rows = bench_rows(
             op,
-            "--block",
-            "64,4K",
-            "--size",
-            "1M",
-            "--workers",
-            "4",
-            "--iters",
-            "50",
-            "--json",
-        ]);
-        assert!(
-            out.status.success(),
-            "{op}: {}",
-            String::from_utf8_lossy(&out.stderr)
+            &[
+                "--loopback",
+                "--op",
+                op,
+                "--block",
+                "64,4K",
+                "--size",
+                "1M",
+                "--workers",
+                "4",
+                "--iters",
+                "50",
+                "--json",
+            ],
         );
-        let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
         assert_eq!(rows.len(), 2, "{op}");
         for row in rows {
             assert_eq!(row["transport"], "control");
@@ -399,36 +398,25 @@ fn serve_metrics_count_exactly_the_bytes_bench_moved() {
     let mut moved = [0u64; 2];
     for (i, op) in ["write", "read"].into_iter().enumerate() {
         let h = handle.to_str().unwrap();
-        let out = ferry(&[
-            "bench",
-            "--handle",
-            h,
-            "--transport",
-            "tcp",
-            "--op",
+        let rows = bench_rows(
             op,
-            "--block",
-            "4K,64K",
-            "--warmup",
-            "0",
-            "--iters",
-            "3",
-            "--json",
-        ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+            &[
+                "--handle",
+                h,
+                "--transport",
+                "tcp",
+                "--op",
+                op,
+                "--block",
+                "4K,64K",
+                "--warmup",
+                "0",
+                "--iters",
+                "3",
+                "--json",
+            ],
         );
-        moved[i] = String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["bytes"]
-                    .as_u64()
-                    .unwrap()
-            })
-            .sum();
+        moved[i] = rows.iter().map(|r| r["bytes"].as_u64().unwrap()).sum();
     }
     let after = http_get(&metrics, "/metrics");
     assert_eq!(
