@@ -227,9 +227,9 @@ impl NodeBuilder {
             }
         }
         let endpoint = Endpoint::bind(self.listen, self.advertised()?, id, self.endpoint).await?;
-        let tcp = TcpBackend::start(&endpoint, self.tcp)?;
         let rpc = Rpc::start(&endpoint, self.rpc_max_payload)?;
         let messages = Messages::start(&endpoint, self.message_max_len, self.inbox_capacity)?;
+        let tcp = TcpBackend::start(&endpoint, self.tcp, Arc::downgrade(&messages))?;
         let addr = endpoint.local();
         let (ibverbs, ibverbs_state) = match device {
             Ok(device) => {

@@ -9,14 +9,17 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_control::{Delivery, Inbox, MessageError};
-use ferry_core::{NodeAddr, RdmaOp, SubmitError};
+use ferry_core::{NodeAddr, OpError, RdmaOp, RdmaTransportLevel, SubmitError};
+use ferry_tcp::frame::NotifyOutcome;
 use kameo::Actor;
 use kameo::actor::ActorRef;
 use kameo::error::SendError;
 use kameo::message::{Context, Message};
 use kameo::reply::DelegatedReply;
+use tokio::time::Instant;
 use tracing::warn;
 
+use crate::meters::Submitted;
 use crate::node::Router;
 use crate::{Node, NodeActor};
 
@@ -58,7 +61,13 @@ impl Node {
     /// bytes are in the owner's memory when its application sees the
     /// notification; for reads, the reads are done (the owner may reuse the
     /// memory). `Ok` once every owner has accepted its notification, all
-    /// within `timeout`. A batch that fails or times out notifies nobody.
+    /// within `timeout`. A batch that fails or times out notifies nobody
+    /// (except where the deadline passes just after the notification left:
+    /// like any send that times out, it may still arrive).
+    ///
+    /// Over TCP, a batch to a single owner carries its notification on the
+    /// data connection behind its chunks, at no extra round trip; other
+    /// batches notify over the control session once they have completed.
     pub async fn submit_with_notification(
         &self,
         ops: Vec<RdmaOp>,
@@ -140,7 +149,7 @@ async fn submit_with_notification(
             limit: messages.max_len(),
         });
     }
-    let deadline = tokio::time::Instant::now() + timeout;
+    let deadline = Instant::now() + timeout;
     let mut owners: Vec<NodeAddr> = Vec::with_capacity(1);
     for op in &ops {
         let owner = op.remote.owner();
@@ -148,16 +157,107 @@ async fn submit_with_notification(
             owners.push(owner);
         }
     }
+    // One owner knows by itself whether the batch succeeded: its
+    // notification can follow the data. Several must each hear only once
+    // all have succeeded, which the initiator learns first.
+    if owners.len() == 1
+        && ops
+            .iter()
+            .all(|op| router.route(op) == Some(RdmaTransportLevel::Tcp))
+    {
+        return notify_behind_tcp(router, ops, timeout, notification).await;
+    }
     router.submit(ops, timeout).await?;
     // The batch is complete on every owner: now tell them, at once.
-    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+    let left = deadline.saturating_duration_since(Instant::now());
     let notified = futures_util::future::join_all(owners.iter().map(|&owner| {
         let notification = notification.clone();
         async move {
             messages
                 .notify(owner, notification, left)
                 .await
-                .map_err(|error| NotifyError::Notification { owner, error })
+                .map_err(|error| notification_failed(owner, error, timeout))
+        }
+    }))
+    .await;
+    notified.into_iter().collect()
+}
+
+/// A notification not delivered to `owner`; a timeout names the submit's
+/// whole deadline, of which the notification had what was left.
+fn notification_failed(owner: NodeAddr, error: MessageError, timeout: Duration) -> NotifyError {
+    let error = match error {
+        MessageError::Timeout { peer, .. } => MessageError::Timeout {
+            peer,
+            after: timeout,
+        },
+        other => other,
+    };
+    NotifyError::Notification { owner, error }
+}
+
+/// A batch all over TCP: the owner's notification follows its chunks on
+/// their connection, so it costs no round trip of its own, and the owner
+/// drops it if it refused a chunk. An owner whose inbox was full gets it
+/// over the control session instead, where the sender waits for room until
+/// the deadline.
+async fn notify_behind_tcp(
+    router: &Router,
+    ops: Vec<RdmaOp>,
+    timeout: Duration,
+    notification: Bytes,
+) -> Result<(), NotifyError> {
+    let deadline = Instant::now() + timeout;
+    let submitted = Submitted::new(&ops);
+    let result = router
+        .tcp
+        .submit_notified(ops, timeout, notification.clone())
+        .await;
+    submitted.finish(
+        &router.tcp_meters,
+        &result.as_ref().map(|_| ()).map_err(Clone::clone),
+    );
+    let mut waiting = Vec::new();
+    for (owner, outcome) in result? {
+        let peer = owner.endpoint;
+        let error = match outcome {
+            Ok(NotifyOutcome::Delivered) => continue,
+            Ok(NotifyOutcome::InboxFull) => {
+                waiting.push(owner);
+                continue;
+            }
+            Ok(NotifyOutcome::TooLarge { limit }) => MessageError::TooLarge {
+                len: notification.len(),
+                limit: usize::try_from(limit).unwrap_or(usize::MAX),
+            },
+            Ok(NotifyOutcome::NoInbox) => MessageError::Refused {
+                peer,
+                reason: "it takes no notifications (it is shutting down)".into(),
+            },
+            // Only ever the answer to a failed batch, which is not `Ok`.
+            Ok(other @ (NotifyOutcome::BatchFailed | NotifyOutcome::Discarded)) => {
+                MessageError::Refused {
+                    peer,
+                    reason: format!("it answered {other:?} for a batch that succeeded"),
+                }
+            }
+            Err(OpError::ConnectionLost { .. }) => MessageError::ConnectionLost { peer },
+            Err(e) => MessageError::Unreachable {
+                peer,
+                reason: e.to_string(),
+            },
+        };
+        return Err(NotifyError::Notification { owner, error });
+    }
+    let left = deadline.saturating_duration_since(Instant::now());
+    let messages = &router.messages;
+    let notified = futures_util::future::join_all(waiting.into_iter().map(|owner| {
+        let notification = notification.clone();
+        async move {
+            messages
+                .notify(owner, notification, left)
+                .await
+                .map_err(|error| notification_failed(owner, error, timeout))
         }
     }))
     .await;

@@ -8,6 +8,8 @@
 mod common;
 mod counters;
 mod node_actor;
+#[path = "../shared/notified_batches.rs"]
+mod notified_batches;
 mod notify;
 #[path = "../shared/workers.rs"]
 mod workers;

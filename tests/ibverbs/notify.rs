@@ -24,3 +24,16 @@ async fn each_owner_is_notified_once_and_failures_notify_nobody() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn ten_thousand_notified_writes_from_a_peer_process_find_their_bytes_in_place() {
+    crate::notified_batches::notified_writes_each_find_their_bytes_in_place(&rdma_node().await)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn ten_thousand_notified_reads_from_a_peer_process_are_done_when_the_owner_hears() {
+    crate::notified_batches::notified_reads_are_done_when_the_owner_hears(&rdma_node().await).await;
+}

@@ -1,7 +1,12 @@
 //! Notifications attached to a submit, over TCP (the checks are shared with
 //! the RDMA suite: tests/shared/notify.rs).
 
-use ferry::Node;
+use std::time::Duration;
+
+use ferry::prelude::*;
+use ferry::{DeliveryKind, MessageError, Node, NotifyError};
+
+use crate::DEADLINE;
 
 #[path = "../shared/notify.rs"]
 mod notify;
@@ -25,4 +30,104 @@ async fn each_owner_is_notified_once_and_failures_notify_nobody() {
         &initiator,
     )
     .await;
+}
+
+/// A write of one pattern byte per round into `target`, notified with
+/// `[round]`.
+async fn notified_write(
+    initiator: &Node,
+    target: &ferry::prelude::Region,
+    round: u8,
+    timeout: Duration,
+) -> Result<(), NotifyError> {
+    let src = initiator.alloc(64, Access::ReadWrite).await.unwrap();
+    src.write_at(0, &[round; 64]).unwrap();
+    let ops = vec![RdmaOp::write(src.whole(), target.remote())];
+    initiator
+        .submit_with_notification(ops, timeout, vec![round])
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_inbox_holds_notified_submits_back_until_their_deadline() {
+    let owner = Node::builder()
+        .ibverbs(false)
+        .inbox_capacity(2)
+        .spawn()
+        .await
+        .unwrap();
+    let initiator = tcp_node().await;
+    let target = owner.alloc(64, Access::ReadWrite).await.unwrap();
+    for round in 0..2 {
+        notified_write(&initiator, &target, round, DEADLINE)
+            .await
+            .unwrap();
+    }
+    // Nobody consumes: the third batch's bytes land, but its notification
+    // waits for room, then times out undelivered.
+    let short = Duration::from_millis(300);
+    assert_eq!(
+        notified_write(&initiator, &target, 2, short).await,
+        Err(NotifyError::Notification {
+            owner: owner.addr(),
+            error: MessageError::Timeout {
+                peer: owner.addr().endpoint,
+                after: short
+            }
+        })
+    );
+    assert_eq!(target.to_vec(), [2; 64]);
+    // A fourth waits until the consumer makes room, then is delivered.
+    let waiting = tokio::spawn({
+        let (initiator, target) = (initiator.clone(), target.clone());
+        async move { notified_write(&initiator, &target, 3, DEADLINE).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!waiting.is_finished(), "delivered into a full inbox");
+    let mut inbox = owner.inbox().unwrap();
+    let mut bodies = Vec::new();
+    for _ in 0..3 {
+        let delivery = tokio::time::timeout(DEADLINE, inbox.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(delivery.kind, DeliveryKind::Notification);
+        bodies.push(delivery.body[0]);
+    }
+    assert_eq!(waiting.await.unwrap(), Ok(()));
+    assert_eq!(
+        bodies,
+        [0, 1, 3],
+        "the timed-out notification was delivered"
+    );
+    assert_eq!(inbox.try_recv(), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notification_over_the_owners_own_limit_is_refused_by_it() {
+    let owner = Node::builder()
+        .ibverbs(false)
+        .message_max_len(100)
+        .spawn()
+        .await
+        .unwrap();
+    let initiator = tcp_node().await;
+    let target = owner.alloc(64, Access::ReadWrite).await.unwrap();
+    let src = initiator.alloc(64, Access::ReadWrite).await.unwrap();
+    let ops = vec![RdmaOp::write(src.whole(), target.remote())];
+    assert_eq!(
+        initiator
+            .submit_with_notification(ops, DEADLINE, vec![7; 101])
+            .await,
+        Err(NotifyError::Notification {
+            owner: owner.addr(),
+            error: MessageError::TooLarge {
+                len: 101,
+                limit: 100
+            }
+        })
+    );
+    let mut inbox = owner.inbox().unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(inbox.try_recv(), None);
 }

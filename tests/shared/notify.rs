@@ -131,6 +131,56 @@ pub async fn each_owner_is_notified_once_and_failures_notify_nobody(
         "{result:?}"
     );
 
+    // Op 3 of four to one owner reaches a region that is gone: the owner
+    // refuses it, the batch fails, and the owner is not notified, though
+    // it served the other three.
+    let gone = owners[0].alloc(len, Access::ReadWrite).await.unwrap();
+    let stale = gone.remote();
+    drop(gone);
+    let quarter = len / 4;
+    let mut failing: Vec<RdmaOp> = (0..3)
+        .map(|i| {
+            let range = i * quarter..(i + 1) * quarter;
+            RdmaOp::write(
+                src.slice(range.clone()).unwrap(),
+                targets[0].remote().slice(range).unwrap(),
+            )
+        })
+        .collect();
+    failing.push(RdmaOp::write(
+        src.slice(0..quarter).unwrap(),
+        stale.slice(0..quarter).unwrap(),
+    ));
+    let result = initiator
+        .submit_with_notification(failing, WAIT, &b"never"[..])
+        .await;
+    assert!(
+        matches!(
+            result,
+            Err(NotifyError::Submit(SubmitError::Op { index: 3, .. }))
+        ),
+        "{result:?}"
+    );
+    // The same over two owners: the one whose op succeeded is not
+    // notified either.
+    let gone = owners[1].alloc(len, Access::ReadWrite).await.unwrap();
+    let stale = gone.remote();
+    drop(gone);
+    let failing = vec![
+        RdmaOp::write(src.whole(), targets[0].remote()),
+        RdmaOp::write(src.whole(), stale),
+    ];
+    let result = initiator
+        .submit_with_notification(failing, WAIT, &b"never"[..])
+        .await;
+    assert!(
+        matches!(
+            result,
+            Err(NotifyError::Submit(SubmitError::Op { index: 1, .. }))
+        ),
+        "{result:?}"
+    );
+
     // Over the limit: refused before any op runs.
     src.write_at(0, &pattern(len, 2)).unwrap();
     let ops = vec![RdmaOp::write(src.whole(), targets[0].remote())];

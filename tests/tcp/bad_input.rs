@@ -6,7 +6,9 @@ use ferry::NodeId;
 use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
 use ferry::control::{Channel, HelloStatus};
 use ferry::prelude::*;
-use ferry::tcp::frame::{RESPONSE_LEN, Refusal, Request, RequestKind, Response};
+use ferry::tcp::frame::{
+    MAX_CHUNK, Notify, NotifyOutcome, RESPONSE_LEN, Refusal, Request, RequestKind, Response,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -358,6 +360,7 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
         addr: target.handle.addr(),
         len,
         token,
+        tag: 0,
     };
     // A silent client holds its connection open through all of this.
     let _silent = TcpStream::connect(endpoint).await.unwrap();
@@ -441,6 +444,68 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
     let mut data = [0; 16];
     s.read_exact(&mut data).await.unwrap();
     assert_eq!(data[..], target.original()[..16]);
+
+    // Notifications: a refused chunk of batch 5 makes the owner drop
+    // batch 5's notification; a discard is only acknowledged; another
+    // batch's is delivered. All on one connection, which stays usable.
+    let notify = |id, tag, len, discard| Notify {
+        id,
+        tag,
+        len,
+        discard,
+        from: node.addr(),
+    };
+    let mut s = TcpStream::connect(endpoint).await.unwrap();
+    hello(&mut s, VERSION).await;
+    let mut refused = request(RequestKind::Write, 16, token ^ 1);
+    refused.tag = 5;
+    s.write_all(&refused.encode()).await.unwrap();
+    s.write_all(&[0xAB; 16]).await.unwrap();
+    s.write_all(&notify(10, 5, 3, false).encode())
+        .await
+        .unwrap();
+    s.write_all(b"bad").await.unwrap();
+    s.write_all(&notify(11, 6, 0, true).encode()).await.unwrap();
+    s.write_all(&notify(12, 7, 2, false).encode())
+        .await
+        .unwrap();
+    s.write_all(b"ok").await.unwrap();
+    assert!(matches!(
+        response(&mut s).await,
+        Response::Refused {
+            refusal: Refusal::AccessDenied,
+            ..
+        }
+    ));
+    for (id, outcome) in [
+        (10, NotifyOutcome::BatchFailed),
+        (11, NotifyOutcome::Discarded),
+        (12, NotifyOutcome::Delivered),
+    ] {
+        assert_eq!(response(&mut s).await, Response::Notified { id, outcome });
+    }
+    // A notification longer than any frame, and one whose sender address
+    // has an unknown family: framing is lost, the connection ends.
+    for edit in [
+        (|b: &mut [u8; 64]| b[32..40].copy_from_slice(&(MAX_CHUNK + 1).to_le_bytes()))
+            as fn(&mut [u8; 64]),
+        |b| b[4] = 5,
+    ] {
+        let mut s = TcpStream::connect(endpoint).await.unwrap();
+        hello(&mut s, VERSION).await;
+        let mut bad = notify(13, 1, 0, false).encode();
+        edit(&mut bad);
+        s.write_all(&bad).await.unwrap();
+        assert_eq!(
+            response(&mut s).await,
+            Response::Refused {
+                id: 13,
+                refusal: Refusal::Malformed,
+                len: 0
+            }
+        );
+        assert_closed(&mut s).await;
+    }
 
     // None of it touched the region, and a well-behaved node is still served.
     assert_untouched(&mut peer, &target, &local).await;

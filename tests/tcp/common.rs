@@ -56,6 +56,17 @@ pub fn digest(bytes: &[u8]) -> u64 {
     h
 }
 
+/// Bytes per batch of the notified-batch commands: batch `i` covers
+/// `[i * SLOT, (i + 1) * SLOT)` of both regions.
+pub const SLOT: usize = 4096;
+
+/// What batch `i` writes into its slot (or finds in an untouched one).
+pub fn slot_bytes(i: usize) -> Vec<u8> {
+    (0..SLOT)
+        .map(|j| ((j * 131 + i * 7919) % 251) as u8)
+        .collect()
+}
+
 pub struct PeerProcess {
     child: Child,
     stdin: ChildStdin,
@@ -237,6 +248,27 @@ impl PeerProcess {
         );
     }
 
+    /// Has the peer run `batches` notified batches against `remote`, at
+    /// most `in_flight` at once: batch `i` writes [`slot_bytes`]`(i)` into
+    /// slot `i` (`"write"`), or reads slot `i` back (`"read"`), in two ops
+    /// of half a slot each, with the notification `i` as 4 bytes LE. For
+    /// reads, the peer then checks that it read [`slot_bytes`]`(i)` in every
+    /// slot. Answers `ok`, or the first error.
+    #[allow(dead_code)] // tests/ibverbs shares this file and may not use it
+    pub async fn notified_batches(
+        &mut self,
+        kind: &str,
+        batches: usize,
+        in_flight: usize,
+        remote: &RemoteBuffer,
+    ) -> Result<(), String> {
+        let json = serde_json::to_string(remote).unwrap();
+        let reply = self
+            .command(&format!("notified {kind} {batches} {in_flight} {json}"))
+            .await;
+        if reply == "ok" { Ok(()) } else { Err(reply) }
+    }
+
     pub async fn kill(&mut self) {
         self.child.kill().await.expect("kill peer");
     }
@@ -311,6 +343,18 @@ pub fn peer_main() {
                         .expect("serve");
                     "serving".to_string()
                 }
+                ["notified", kind, batches, in_flight, _, ..] => {
+                    let handle = line.trim().splitn(5, ' ').nth(4).unwrap_or_default();
+                    let remote: RemoteBuffer = serde_json::from_str(handle).expect("handle JSON");
+                    notified_batches(
+                        &node,
+                        kind,
+                        batches.parse().unwrap(),
+                        in_flight.parse().unwrap(),
+                        remote,
+                    )
+                    .await
+                }
                 // One op over the whole local region; the rest of the line
                 // is the remote handle as JSON.
                 [kind @ ("write" | "read"), index, _, ..] => {
@@ -337,6 +381,70 @@ pub fn peer_main() {
     });
     // stdin closed: the test is over.
     std::process::exit(0);
+}
+
+/// The peer's side of [`PeerProcess::notified_batches`].
+async fn notified_batches(
+    node: &Node,
+    kind: &str,
+    batches: usize,
+    in_flight: usize,
+    remote: RemoteBuffer,
+) -> String {
+    use futures_util::StreamExt;
+
+    let local = node
+        .alloc((batches * SLOT) as u64, Access::ReadWrite)
+        .await
+        .expect("peer alloc");
+    if kind == "write" {
+        for i in 0..batches {
+            local.write_at((i * SLOT) as u64, &slot_bytes(i)).unwrap();
+        }
+    }
+    let half = (SLOT / 2) as u64;
+    let results: Vec<Result<(), String>> = futures_util::stream::iter(0..batches)
+        .map(|i| {
+            let ops: Vec<RdmaOp> = [0, half]
+                .into_iter()
+                .map(|at| {
+                    let range = (i * SLOT) as u64 + at..(i * SLOT) as u64 + at + half;
+                    let (local, remote) = (
+                        local.slice(range.clone()).unwrap(),
+                        remote.slice(range).unwrap(),
+                    );
+                    if kind == "write" {
+                        RdmaOp::write(local, remote)
+                    } else {
+                        RdmaOp::read(local, remote)
+                    }
+                })
+                .collect();
+            async move {
+                node.submit_with_notification(
+                    ops,
+                    PEER_OP_DEADLINE,
+                    (i as u32).to_le_bytes().to_vec(),
+                )
+                .await
+                .map_err(|e| format!("batch {i}: {e}"))
+            }
+        })
+        .buffer_unordered(in_flight)
+        .collect()
+        .await;
+    if let Some(Err(e)) = results.into_iter().find(Result::is_err) {
+        return e;
+    }
+    if kind == "read" {
+        let read = local.to_vec();
+        for i in 0..batches {
+            if read[i * SLOT..(i + 1) * SLOT] != slot_bytes(i)[..] {
+                return format!("batch {i} read bytes the owner had already overwritten");
+            }
+        }
+    }
+    "ok".to_string()
 }
 
 /// Runs one batch of `sizes.len()` ops against a fresh peer region, covering

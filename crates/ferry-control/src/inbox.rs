@@ -4,10 +4,14 @@
 //! facade).
 //!
 //! A notification is a message that says a batch of transfers into (or
-//! out of) this node's memory is complete; the facade sends it only after
-//! the batch has completed, so the data is in place when it is delivered.
-//! It travels as its own service ([`Service::NOTIFY`]) in the same line as
-//! messages, so the two keep their order.
+//! out of) this node's memory is complete, so the data is in place when it
+//! is delivered. It arrives one of two ways: on a data channel, right
+//! behind the transfers it announces, offered to the inbox without waiting
+//! ([`Messages::offer_notification`]); or, once the sender has seen the
+//! batch complete, as its own service ([`Service::NOTIFY`]) in the same
+//! line as messages, waiting for room like them. Notifications and
+//! messages of one sender are therefore not ordered with respect to each
+//! other.
 //!
 //! A message is one request of the session's [`Service::MESSAGE`]. The
 //! receiver answers it once the message is in its inbox, so a sender's `Ok`
@@ -150,6 +154,17 @@ impl futures_core::Stream for Inbox {
     }
 }
 
+/// Why [`Messages::offer_notification`] did not deliver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OfferError {
+    /// The inbox is full right now.
+    #[error("the inbox is full")]
+    Full,
+    /// The node is shutting down.
+    #[error("the node is shutting down")]
+    Closed,
+}
+
 /// A message waiting, in its session's line, for room in the inbox.
 struct Queued {
     delivery: Delivery,
@@ -288,6 +303,23 @@ impl Messages {
             .await
             .map(|_| ())
             .map_err(error)
+    }
+
+    /// Delivers a notification that arrived on a data channel (behind the
+    /// transfers it announces) if the inbox has room now. It never waits:
+    /// a data connection must not stall on a consumer, so a sender told
+    /// [`OfferError::Full`] waits for room over its control session.
+    pub fn offer_notification(&self, from: NodeAddr, body: Bytes) -> Result<(), OfferError> {
+        self.inbox
+            .try_send(Delivery {
+                from,
+                kind: DeliveryKind::Notification,
+                body,
+            })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => OfferError::Full,
+                mpsc::error::TrySendError::Closed(_) => OfferError::Closed,
+            })
     }
 
     /// Puts a message in its session's line; resolves once it is delivered

@@ -16,8 +16,11 @@ pub type Answer = Box<dyn FnOnce(Result<(), SubmitError>) + Send>;
 /// chunk, RDMA work request) its ops were split into. Every backend answers a
 /// submit from one of these, so they agree on what the caller is told.
 pub struct BatchProgress {
-    /// Pieces still unfinished, per op.
+    /// Pieces still unfinished, per op (then per notification, see
+    /// [`BatchProgress::with_notifications`]).
     op_pieces: Vec<AtomicU32>,
+    /// How many entries of `op_pieces` are the batch's ops.
+    ops: usize,
     remaining: AtomicUsize,
     /// Lowest-indexed failure so far.
     error: Mutex<Option<(usize, OpError)>>,
@@ -34,13 +37,24 @@ pub struct BatchProgress {
 impl BatchProgress {
     /// `pieces[i]` is how many pieces op `i` was split into.
     pub fn new(pieces: impl IntoIterator<Item = u32>) -> Self {
-        let op_pieces: Vec<AtomicU32> = pieces.into_iter().map(AtomicU32::new).collect();
+        Self::with_notifications(pieces, 0)
+    }
+
+    /// As [`BatchProgress::new`], plus one piece per notification after the
+    /// ops: notification `k` finishes as op `ops + k`, so a failed op (a
+    /// lower index) is what the batch reports first. A timeout counts only
+    /// the ops.
+    pub fn with_notifications(pieces: impl IntoIterator<Item = u32>, notifications: usize) -> Self {
+        let mut op_pieces: Vec<AtomicU32> = pieces.into_iter().map(AtomicU32::new).collect();
+        let ops = op_pieces.len();
+        op_pieces.extend((0..notifications).map(|_| AtomicU32::new(1)));
         let remaining = op_pieces
             .iter()
             .map(|c| c.load(Ordering::Relaxed) as usize)
             .sum();
         BatchProgress {
             op_pieces,
+            ops,
             remaining: AtomicUsize::new(remaining),
             error: Mutex::new(None),
             failed: AtomicBool::new(false),
@@ -154,12 +168,11 @@ impl BatchProgress {
         self.abandon();
         self.outcome().err().unwrap_or(SubmitError::Timeout {
             timeout,
-            unfinished: self
-                .op_pieces
+            unfinished: self.op_pieces[..self.ops]
                 .iter()
                 .filter(|c| c.load(Ordering::Acquire) > 0)
                 .count(),
-            total: self.op_pieces.len(),
+            total: self.ops,
         })
     }
 }

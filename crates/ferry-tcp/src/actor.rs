@@ -3,10 +3,11 @@
 //! pools to peers.
 
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use ferry_control::{Channel, Endpoint, EndpointError};
+use bytes::Bytes;
+use ferry_control::{Channel, Endpoint, EndpointError, Messages};
 use ferry_core::{
     Answer, Generation, NodeAddr, RdmaBackend, RdmaOp, RdmaTransportLevel, RegionId, RegisterError,
     SubmitError, TcpRemote, random_u128,
@@ -19,7 +20,9 @@ use kameo::message::{Context, Message};
 use kameo::reply::DelegatedReply;
 use tracing::info;
 
-use crate::client::{ClientConfig, Peers};
+use crate::client::{ClientConfig, Notified, Peers};
+#[cfg(doc)]
+use crate::frame::NotifyOutcome;
 use crate::table::{RegionTable, TcpRegistration};
 
 /// Tuning of the TCP data plane.
@@ -228,8 +231,15 @@ pub struct TcpBackend {
 
 impl TcpBackend {
     /// Serves the data channel of `endpoint` and spawns the manager actor on
-    /// the current tokio runtime.
-    pub fn start(endpoint: &Endpoint, config: TcpConfig) -> Result<Self, EndpointError> {
+    /// the current tokio runtime. Notifications that peers send behind their
+    /// transfers go to `inbox` (weak: the endpoint holds this backend's
+    /// handler, and the inbox holds the endpoint); without one (or once it
+    /// is gone) they are answered [`NotifyOutcome::NoInbox`].
+    pub fn start(
+        endpoint: &Endpoint,
+        config: TcpConfig,
+        inbox: Weak<Messages>,
+    ) -> Result<Self, EndpointError> {
         let mut config = config;
         config.chunk_size = config.chunk_size.clamp(1, crate::frame::MAX_CHUNK as usize);
         config.window = config.window.max(1);
@@ -237,10 +247,12 @@ impl TcpBackend {
         let table = Arc::new(RegionTable::default());
         endpoint.handle(Channel::TCP_DATA, {
             let table = table.clone();
-            move |connection| crate::server::serve_connection(connection, table.clone())
+            move |connection| {
+                crate::server::serve_connection(connection, table.clone(), inbox.clone())
+            }
         })?;
         let peers = Peers::new(ClientConfig {
-            node: local.id,
+            local,
             connections: config.connections_per_peer,
             chunk_size: config.chunk_size,
             queue_depth: config.queue_depth,
@@ -298,6 +310,29 @@ impl TcpBackend {
     /// a task per submit waiting for each transfer.
     pub async fn submit_with_answer(&self, ops: Vec<RdmaOp>, timeout: Duration, answer: Answer) {
         self.shared.peers.start(ops, timeout, answer).await
+    }
+
+    /// Runs a batch and hands `notification` to the owner of its remote
+    /// regions right behind its chunks, on the same connection: the owner
+    /// delivers it once it has served every chunk, and not at all if it
+    /// refused one. `Err` if an op failed or the deadline passed (then no
+    /// owner delivers it, unless the deadline passed just after it was
+    /// sent); otherwise what each owner did with it: an owner whose inbox
+    /// was full answers [`NotifyOutcome::InboxFull`] without waiting, and
+    /// the caller may wait for room over the control session. Each owner
+    /// judges only its own chunks: in a batch over several owners, one may
+    /// deliver while another refused a chunk, so a caller that needs
+    /// all-or-nothing sends such batches otherwise (the node facade does).
+    pub async fn submit_notified(
+        &self,
+        ops: Vec<RdmaOp>,
+        timeout: Duration,
+        notification: Bytes,
+    ) -> Result<Notified, SubmitError> {
+        self.shared
+            .peers
+            .submit_notified(ops, timeout, notification)
+            .await
     }
 }
 

@@ -1,32 +1,29 @@
 //! The initiator side: splits ops into chunks, spreads them over a pool of
-//! connections per peer, and completes each submit when every chunk is
-//! acknowledged, refused, lost, or the deadline passes.
+//! connections per peer (see [`crate::connection`]), and completes each
+//! submit when every chunk is acknowledged, refused, lost, or the deadline
+//! passes.
 
 use std::collections::HashMap;
-use std::io;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::hash_map::Entry;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use ferry_control::Channel;
-use ferry_core::{
-    Answer, BatchProgress, NodeAddr, NodeId, OpError, OpKind, RdmaOp, Region, SubmitError,
-};
-use tokio::net::TcpStream;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use bytes::Bytes;
+use ferry_core::{Answer, BatchProgress, NodeAddr, OpError, OpKind, RdmaOp, SubmitError};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, debug_span};
 
+use crate::connection::{Chunk, Conn, Local, connect};
 use crate::deadline::Deadlines;
-use crate::frame::{RESPONSE_LEN, Request, RequestKind, Response};
-use crate::io::{FrameReader, IoVecs};
+use crate::frame::{ClientFrame, Notify, NotifyOutcome, Request, RequestKind};
 
 /// Initiator tuning; see `TcpConfig` for what each knob trades.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ClientConfig {
-    pub node: NodeId,
+    /// This node, as notifications name their sender.
+    pub local: NodeAddr,
     pub connections: usize,
     pub chunk_size: usize,
     pub queue_depth: usize,
@@ -34,72 +31,19 @@ pub(crate) struct ClientConfig {
     pub window: u32,
 }
 
-/// Most chunks one connection writes with a single `sendmsg`.
-const MAX_CHUNKS_PER_SEND: usize = 128;
+/// What one owner did with a batch's notification, or why it was not asked.
+pub type NotificationResult = Result<NotifyOutcome, OpError>;
 
-/// A piece of one op, at most `chunk_size` bytes, travelling as one request.
-///
-/// It holds a `Region` clone: the local bytes stay registered and allocated
-/// for as long as the chunk exists, whichever task holds it. Dropping a chunk
-/// without `finish` counts it as lost, so a submit can never wait on a chunk
-/// that no longer exists.
-struct Chunk {
-    op: usize,
-    kind: OpKind,
-    region: Region,
-    offset: usize,
-    request: Request,
-    submit: Option<Arc<BatchProgress>>,
-    endpoint: SocketAddr,
-}
+/// A notified batch's outcome per owner, in the order the batch first
+/// names them.
+pub type Notified = Vec<(NodeAddr, NotificationResult)>;
 
-impl Chunk {
-    fn len(&self) -> usize {
-        self.request.len as usize
-    }
-
-    /// What the chunk takes of its connection's window while in flight: its
-    /// bytes, capped at the window so that any chunk fits on its own.
-    fn cost(&self, window: u32) -> u32 {
-        self.request.len.min(window.into()).max(1) as u32
-    }
-
-    /// First byte of the local range this chunk reads from or writes to.
-    fn local_ptr(&self) -> *mut u8 {
-        // SAFETY: `offset + len` lies within the region (the op's local slice
-        // was bounds-checked and chunks partition it).
-        unsafe { self.region.memory().as_ptr().add(self.offset) }
-    }
-
-    fn is_abandoned(&self) -> bool {
-        self.submit.as_ref().is_some_and(|s| s.is_abandoned())
-    }
-
-    fn finish(mut self, result: Result<(), OpError>) {
-        if let Some(submit) = self.submit.take() {
-            submit.piece_done(self.op, result);
-        }
-    }
-}
-
-impl Drop for Chunk {
-    fn drop(&mut self) {
-        if let Some(submit) = self.submit.take() {
-            submit.piece_done(
-                self.op,
-                Err(OpError::ConnectionLost {
-                    endpoint: self.endpoint,
-                }),
-            );
-        }
-    }
-}
-
-/// Sending half of one data connection; the connection task owns the rest.
-#[derive(Clone)]
-struct Conn {
-    tx: mpsc::Sender<Chunk>,
-    closed: CancellationToken,
+/// The notification a batch carries, and where each owner's answer goes.
+struct Notification {
+    body: Bytes,
+    tag: u64,
+    owners: Vec<NodeAddr>,
+    outcomes: Vec<Arc<OnceLock<NotificationResult>>>,
 }
 
 struct Peer {
@@ -113,6 +57,8 @@ pub(crate) struct Peers {
     config: ClientConfig,
     peers: Mutex<HashMap<NodeAddr, Arc<Peer>>>,
     deadlines: Arc<Deadlines>,
+    /// The last tag given to a notified batch.
+    tags: AtomicU64,
 }
 
 impl Peers {
@@ -122,6 +68,7 @@ impl Peers {
             config,
             peers: Mutex::default(),
             deadlines: Deadlines::start(),
+            tags: AtomicU64::new(0),
         }
     }
 
@@ -163,6 +110,63 @@ impl Peers {
     /// passed; the answer may come before or after. A caller that is an
     /// actor answers its own caller this way without a task per submit.
     pub async fn start(&self, ops: Vec<RdmaOp>, timeout: Duration, answer: Answer) {
+        self.run(ops, timeout, None, answer).await
+    }
+
+    /// Runs one batch and sends `body` to the owner of its remote regions,
+    /// each on the connection that carried its chunks, right behind them:
+    /// the owner delivers it once it has served them all, and not at all if
+    /// it refused one. `Err` if an op failed or the deadline passed (then
+    /// no owner delivers it, unless the deadline passed after it was sent);
+    /// otherwise what each owner did with it.
+    pub async fn submit_notified(
+        &self,
+        ops: Vec<RdmaOp>,
+        timeout: Duration,
+        body: Bytes,
+    ) -> Result<Notified, SubmitError> {
+        let mut owners: Vec<NodeAddr> = Vec::with_capacity(1);
+        for op in &ops {
+            let owner = op.remote.owner();
+            if !owners.contains(&owner) {
+                owners.push(owner);
+            }
+        }
+        let ops_len = ops.len();
+        let outcomes: Vec<_> = owners.iter().map(|_| Arc::default()).collect();
+        let notification = Notification {
+            body,
+            tag: self.tags.fetch_add(1, Ordering::Relaxed) + 1,
+            owners: owners.clone(),
+            outcomes: outcomes.clone(),
+        };
+        let (tx, rx) = oneshot::channel();
+        let answer = Box::new(move |result| _ = tx.send(result));
+        self.run(ops, timeout, Some(notification), answer).await;
+        match rx.await.unwrap_or(Err(SubmitError::BackendStopped)) {
+            Ok(()) => {}
+            // Every op completed, but a notification failed: said per owner.
+            Err(SubmitError::Op { index, .. }) if index >= ops_len => {}
+            Err(e) => return Err(e),
+        }
+        Ok(owners
+            .into_iter()
+            .zip(outcomes)
+            .map(|(owner, outcome)| {
+                let endpoint = owner.endpoint;
+                let lost = Err(OpError::ConnectionLost { endpoint });
+                (owner, outcome.get().cloned().unwrap_or(lost))
+            })
+            .collect())
+    }
+
+    async fn run(
+        &self,
+        ops: Vec<RdmaOp>,
+        timeout: Duration,
+        notification: Option<Notification>,
+        answer: Answer,
+    ) {
         let deadline = Instant::now() + timeout;
         let bytes: u64 = ops.iter().map(RdmaOp::len).sum();
         // A batch usually goes to one peer; name the first.
@@ -173,6 +177,7 @@ impl Peers {
             peer = ?peer,
             ops = ops.len(),
             bytes,
+            notified = notification.is_some(),
             outcome = tracing::field::Empty
         );
         let answer: Answer = {
@@ -194,8 +199,9 @@ impl Peers {
             return answer(Err(SubmitError::Op { index, error }));
         }
         let chunk_size = self.config.chunk_size.max(1) as u64;
-        let state = Arc::new(BatchProgress::new(
+        let state = Arc::new(BatchProgress::with_notifications(
             ops.iter().map(|op| op.len().div_ceil(chunk_size) as u32),
+            notification.as_ref().map_or(0, |n| n.owners.len()),
         ));
         if state.total_pieces() == 0 {
             return answer(Ok(()));
@@ -208,7 +214,14 @@ impl Peers {
         }));
 
         let enqueue = async {
-            // A peer that could not be reached is not retried for every chunk.
+            let ops_len = ops.len();
+            let tag = notification.as_ref().map_or(0, |n| n.tag);
+            // Where each peer's chunks go: per chunk round robin, except
+            // that a notified batch keeps each owner's chunks, and its
+            // notification, on one connection, whose order the
+            // notification relies on. A peer that could not be reached is
+            // not retried for every chunk.
+            let mut pinned: HashMap<NodeAddr, Result<Conn, OpError>> = HashMap::new();
             let mut unreachable: HashMap<NodeAddr, OpError> = HashMap::new();
             for (index, op) in ops.into_iter().enumerate() {
                 let peer = self.peer(op.remote.owner());
@@ -220,33 +233,88 @@ impl Peers {
                 let mut queued = 0;
                 while queued < op.len() {
                     let len = chunk_size.min(op.len() - queued);
-                    let chunk = Chunk {
-                        op: index,
-                        kind: op.kind,
+                    let request = Request {
+                        kind,
+                        id: 0,
+                        region: op.remote.region(),
+                        generation: op.remote.generation(),
+                        addr: op.remote.addr() + queued,
+                        len,
+                        token: tcp.token,
+                        tag,
+                    };
+                    let local = Local::Region {
                         region: op.local.region().clone(),
                         // Inside the local slice, so below the region's
                         // length, which fits usize.
                         offset: (op.local.offset() + queued) as usize,
-                        request: Request {
-                            kind,
-                            id: 0,
-                            region: op.remote.region(),
-                            generation: op.remote.generation(),
-                            addr: op.remote.addr() + queued,
-                            len,
-                            token: tcp.token,
-                        },
-                        submit: Some(state.clone()),
-                        endpoint: peer.addr.endpoint,
                     };
+                    let chunk = Chunk::new(
+                        index,
+                        ClientFrame::Op(request),
+                        local,
+                        &state,
+                        peer.addr.endpoint,
+                    );
                     queued += len;
+                    if notification.is_some() {
+                        if let Entry::Vacant(slot) = pinned.entry(peer.addr) {
+                            slot.insert(peer.connection(self.config).await);
+                        }
+                        match &pinned[&peer.addr] {
+                            Ok(conn) => conn.queue(chunk).await,
+                            Err(e) => chunk.finish(Err(e.clone())),
+                        }
+                        continue;
+                    }
                     if let Some(e) = unreachable.get(&peer.addr) {
                         chunk.finish(Err(e.clone()));
                         continue;
                     }
-                    if let Err(e) = peer.send(chunk, self.config).await {
-                        unreachable.insert(peer.addr, e);
+                    match peer.connection(self.config).await {
+                        Ok(conn) => conn.queue(chunk).await,
+                        Err(e) => {
+                            chunk.finish(Err(e.clone()));
+                            unreachable.insert(peer.addr, e);
+                        }
                     }
+                }
+            }
+            let Some(notification) = &notification else {
+                return;
+            };
+            for (k, (owner, outcome)) in notification
+                .owners
+                .iter()
+                .zip(&notification.outcomes)
+                .enumerate()
+            {
+                let notify = Notify {
+                    id: 0,
+                    tag,
+                    len: notification.body.len() as u64,
+                    discard: false,
+                    from: self.config.local,
+                };
+                let local = Local::Notification {
+                    body: notification.body.clone(),
+                    outcome: outcome.clone(),
+                };
+                let chunk = Chunk::new(
+                    ops_len + k,
+                    ClientFrame::Notify(notify),
+                    local,
+                    &state,
+                    owner.endpoint,
+                );
+                let conn = match pinned.remove(owner) {
+                    Some(conn) => conn,
+                    // Only zero-length ops for this owner: nothing to follow.
+                    None => self.peer(*owner).connection(self.config).await,
+                };
+                match conn {
+                    Ok(conn) => conn.queue(chunk).await,
+                    Err(e) => chunk.finish(Err(e)),
                 }
             }
         };
@@ -279,263 +347,13 @@ impl Peer {
             .count()
     }
 
-    /// Queues `chunk` on the next connection, connecting it first if needed.
-    /// A connection failure finishes the chunk and is returned too.
-    async fn send(&self, chunk: Chunk, config: ClientConfig) -> Result<(), OpError> {
+    /// The next connection in turn, connected first if needed.
+    async fn connection(&self, config: ClientConfig) -> Result<Conn, OpError> {
         let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-        let conn = {
-            let mut guard = self.slots[slot].lock().await;
-            match &*guard {
-                Some(conn) if !conn.closed.is_cancelled() => conn.clone(),
-                _ => match connect(self.addr, config).await {
-                    Ok(conn) => guard.insert(conn).clone(),
-                    Err(e) => {
-                        chunk.finish(Err(e.clone()));
-                        return Err(e);
-                    }
-                },
-            }
-        };
-        if let Err(mpsc::error::SendError(chunk)) = conn.tx.send(chunk).await {
-            // The connection ended between the check above and now.
-            let endpoint = chunk.endpoint;
-            chunk.finish(Err(OpError::ConnectionLost { endpoint }));
+        let mut guard = self.slots[slot].lock().await;
+        match &*guard {
+            Some(conn) if !conn.closed.is_cancelled() => Ok(conn.clone()),
+            _ => Ok(guard.insert(connect(self.addr, config).await?).clone()),
         }
-        Ok(())
-    }
-}
-
-async fn connect(addr: NodeAddr, config: ClientConfig) -> Result<Conn, OpError> {
-    let stream = ferry_control::connect(addr, config.node, Channel::TCP_DATA).await?;
-    let endpoint = addr.endpoint;
-    let (tx, rx) = mpsc::channel(config.queue_depth.max(1));
-    let closed = CancellationToken::new();
-    tokio::spawn(run_connection(
-        stream,
-        rx,
-        closed.clone(),
-        endpoint,
-        config.window.max(1),
-    ));
-    debug!(%endpoint, node = ?addr.id, "data connection open");
-    Ok(Conn { tx, closed })
-}
-
-/// Drives one connection until either direction fails or every sender is gone.
-///
-/// At most `window` bytes of requests are in flight (sent and not yet
-/// answered): enough to keep the link busy, and all that a submit which
-/// times out still moves on this connection, since what it has not sent by
-/// then is dropped unsent.
-async fn run_connection(
-    stream: TcpStream,
-    mut rx: mpsc::Receiver<Chunk>,
-    closed: CancellationToken,
-    endpoint: SocketAddr,
-    window: u32,
-) {
-    let pending = Mutex::new(HashMap::<u64, Chunk>::new());
-    let room = Semaphore::new(window as usize);
-    let mut reader = FrameReader::default();
-    let writing = async {
-        let r = write_loop(&stream, &mut rx, &pending, &closed, (&room, window)).await;
-        closed.cancel();
-        r
-    };
-    let reading = async {
-        let r = read_loop(&stream, &mut reader, &pending, &closed, (&room, window)).await;
-        closed.cancel();
-        r
-    };
-    let (w, r) = tokio::join!(writing, reading);
-    if let Err(e) = w.and(r) {
-        debug!(%endpoint, error = %e, "data connection lost");
-    }
-    // Both loops have returned, so nothing reaches region memory through this
-    // connection any more: only now may the chunks (and their pins) go.
-    let lost = || Err(OpError::ConnectionLost { endpoint });
-    let orphans: Vec<Chunk> = pending
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .drain()
-        .map(|(_, c)| c)
-        .collect();
-    orphans.into_iter().for_each(|c| c.finish(lost()));
-    rx.close();
-    while let Ok(chunk) = rx.try_recv() {
-        chunk.finish(lost());
-    }
-}
-
-/// Sends queued chunks, as many per `sendmsg` as are queued and fit in the
-/// window, skipping (and finishing) those whose submit has timed out.
-async fn write_loop(
-    stream: &TcpStream,
-    rx: &mut mpsc::Receiver<Chunk>,
-    pending: &Mutex<HashMap<u64, Chunk>>,
-    closed: &CancellationToken,
-    (room, window): (&Semaphore, u32),
-) -> io::Result<()> {
-    let mut next_id = 0u64;
-    let mut batch = Vec::with_capacity(MAX_CHUNKS_PER_SEND);
-    let mut headers = Vec::with_capacity(MAX_CHUNKS_PER_SEND);
-    // (pin, payload pointer as integer, payload length) per chunk in flight
-    let mut payloads: Vec<(Region, usize, usize)> = Vec::with_capacity(MAX_CHUNKS_PER_SEND);
-    let mut iov = IoVecs::default();
-    // A chunk taken from the queue that did not fit in the window yet.
-    let mut deferred: Option<Chunk> = None;
-    loop {
-        let first = match deferred.take() {
-            Some(chunk) => chunk,
-            None => tokio::select! {
-                biased;
-                _ = closed.cancelled() => return Ok(()),
-                chunk = rx.recv() => match chunk {
-                    Some(chunk) => chunk,
-                    None => return Ok(()),
-                },
-            },
-        };
-        // Nothing can go before the round's first chunk: it waits for room.
-        if first.is_abandoned() {
-            // Its submit already returned Timeout; never put it on the wire.
-            first.finish(Ok(()));
-        } else {
-            let cost = first.cost(window);
-            tokio::select! {
-                biased;
-                _ = closed.cancelled() => return Ok(()),
-                permit = room.acquire_many(cost) => match permit {
-                    Ok(permit) => permit.forget(),
-                    Err(_) => return Ok(()),
-                },
-            }
-            // The wait may have been long.
-            if first.is_abandoned() {
-                room.add_permits(cost as usize);
-                first.finish(Ok(()));
-            } else {
-                batch.push(first);
-            }
-        }
-        // Then whatever is queued and fits now.
-        while batch.len() < MAX_CHUNKS_PER_SEND {
-            let Ok(chunk) = rx.try_recv() else { break };
-            if chunk.is_abandoned() {
-                chunk.finish(Ok(()));
-                continue;
-            }
-            match room.try_acquire_many(chunk.cost(window)) {
-                Ok(permit) => {
-                    permit.forget();
-                    batch.push(chunk);
-                }
-                Err(_) => {
-                    deferred = Some(chunk);
-                    break;
-                }
-            }
-        }
-        if batch.is_empty() {
-            continue;
-        }
-        {
-            let mut pending = pending.lock().unwrap_or_else(|e| e.into_inner());
-            for mut chunk in batch.drain(..) {
-                next_id += 1;
-                chunk.request.id = next_id;
-                headers.push(chunk.request.encode());
-                let payload_len = if chunk.kind == OpKind::Write {
-                    chunk.len()
-                } else {
-                    0
-                };
-                // The writer keeps its own pin: a (buggy or hostile) early
-                // response must not free memory that sendmsg is still reading.
-                payloads.push((
-                    chunk.region.clone(),
-                    chunk.local_ptr() as usize,
-                    payload_len,
-                ));
-                pending.insert(next_id, chunk);
-            }
-        }
-        for (header, (_, ptr, len)) in headers.iter().zip(&payloads) {
-            // SAFETY: `headers` is not modified until the send below is done,
-            // and each payload range is pinned by the Region clone beside it.
-            unsafe {
-                iov.push(header.as_ptr(), header.len());
-                iov.push(*ptr as *const u8, *len);
-            }
-        }
-        let sent = tokio::select! {
-            biased;
-            _ = closed.cancelled() => return Ok(()),
-            sent = iov.send_all(stream) => sent,
-        };
-        iov.clear();
-        headers.clear();
-        payloads.clear();
-        sent?;
-    }
-}
-
-/// Applies responses; each answered chunk gives its bytes back to the window.
-async fn read_loop(
-    stream: &TcpStream,
-    reader: &mut FrameReader,
-    pending: &Mutex<HashMap<u64, Chunk>>,
-    closed: &CancellationToken,
-    (room, window): (&Semaphore, u32),
-) -> io::Result<()> {
-    let protocol = |msg: &str| io::Error::new(io::ErrorKind::InvalidData, msg.to_string());
-    loop {
-        let header = tokio::select! {
-            biased;
-            _ = closed.cancelled() => return Ok(()),
-            header = reader.header::<RESPONSE_LEN>(stream) => header?,
-        };
-        let Some(header) = header else {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "peer closed the connection",
-            ));
-        };
-        let response = Response::decode(&header).map_err(|e| protocol(&e.to_string()))?;
-        let chunk = pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&response.id())
-            .ok_or_else(|| protocol("response to a request never sent"))?;
-        let cost = chunk.cost(window);
-        match response {
-            Response::ReadData { len, .. } => {
-                if chunk.kind != OpKind::Read || len != chunk.request.len {
-                    return Err(protocol("read data does not match its request"));
-                }
-                let dst = chunk.local_ptr();
-                // SAFETY: `chunk` holds a Region clone, keeping `dst..dst+len`
-                // (inside the op's bounds-checked local slice) allocated and
-                // registered until after this call.
-                let received = tokio::select! {
-                    biased;
-                    _ = closed.cancelled() => return Ok(()),
-                    r = unsafe { reader.payload(stream, dst, len as usize) } => r,
-                };
-                received?;
-                chunk.finish(Ok(()));
-            }
-            Response::WriteAck { .. } => {
-                if chunk.kind != OpKind::Write {
-                    return Err(protocol("write ack for a read request"));
-                }
-                chunk.finish(Ok(()));
-            }
-            Response::Refused { refusal, .. } => {
-                let error = refusal.into_op_error(chunk.request.generation, chunk.request.len);
-                chunk.finish(Err(error));
-            }
-        }
-        room.add_permits(cost as usize);
     }
 }

@@ -18,6 +18,7 @@
 
 mod actor;
 mod client;
+mod connection;
 mod deadline;
 pub mod frame;
 mod io;
@@ -28,6 +29,7 @@ pub use actor::{
     DeregisterRegion, RegisteredRegions, TcpBackend, TcpConfig, TcpManagerActor, TcpRegistered,
     TcpTransportInfo,
 };
+pub use client::{NotificationResult, Notified};
 /// The messages all managers share, re-exported where users look for them.
 pub use ferry_core::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 pub use table::TcpRegistration;

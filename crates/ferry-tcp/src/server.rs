@@ -2,14 +2,17 @@
 //! regions on each data connection the endpoint hands over. A misbehaving
 //! client loses its own connection and nothing else.
 
+use std::collections::HashSet;
 use std::io;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
-use ferry_control::Connection;
+use ferry_control::{Connection, Messages, OfferError};
 use tokio::net::TcpStream;
 use tracing::debug;
 
-use crate::frame::{REQUEST_LEN, RESPONSE_LEN, Refusal, Request, RequestKind, Response};
+use crate::frame::{
+    ClientFrame, Notify, NotifyOutcome, REQUEST_LEN, RESPONSE_LEN, Refusal, RequestKind, Response,
+};
 use crate::io::{FrameReader, IoVecs, MAX_IOV};
 use crate::table::RegionTable;
 
@@ -18,23 +21,33 @@ const MAX_PENDING_ACKS: usize = 64;
 // A read response shares its system call with the staged acks.
 const _: () = assert!(MAX_PENDING_ACKS + 2 <= MAX_IOV);
 
+/// Tags of notified batches with a refused chunk whose notification has not
+/// come yet, per connection. A well-behaved client sends every tagged
+/// batch's notification (or its discard) behind its chunks, so this holds
+/// only batches in flight; one that grows past this is hostile.
+const MAX_FAILED_TAGS: usize = 1 << 16;
+
 /// Serves one data connection (after its hello) until the client closes it
-/// or breaks the protocol.
-pub(crate) async fn serve_connection(connection: Connection, table: Arc<RegionTable>) {
+/// or breaks the protocol. Notifications go to `inbox`, if the node has one.
+pub(crate) async fn serve_connection(
+    connection: Connection,
+    table: Arc<RegionTable>,
+    inbox: Weak<Messages>,
+) {
     let Connection {
         stream,
         node,
         remote,
     } = connection;
     debug!(%remote, client = ?node, "data connection open");
-    if let Err(e) = serve(&stream, &table).await {
+    if let Err(e) = serve(&stream, &table, &inbox).await {
         debug!(%remote, error = %e, "data connection closed with an error");
     }
 }
 
-async fn serve(stream: &TcpStream, table: &RegionTable) -> io::Result<()> {
+async fn serve(stream: &TcpStream, table: &RegionTable, inbox: &Weak<Messages>) -> io::Result<()> {
     let mut reader = FrameReader::default();
-
+    let mut failed_tags = HashSet::new();
     let mut out = Outgoing::default();
     loop {
         // About to block on the socket: first send the acks we owe, so a
@@ -45,8 +58,20 @@ async fn serve(stream: &TcpStream, table: &RegionTable) -> io::Result<()> {
         let Some(bytes) = reader.header::<REQUEST_LEN>(stream).await? else {
             return out.flush(stream).await;
         };
-        let req = match Request::decode(&bytes) {
-            Ok(req) => req,
+        let req = match ClientFrame::decode(&bytes) {
+            Ok(ClientFrame::Op(req)) => req,
+            Ok(ClientFrame::Notify(notify)) => {
+                let outcome =
+                    notified(stream, &mut reader, &notify, &mut failed_tags, inbox).await?;
+                out.acks.push(
+                    Response::Notified {
+                        id: notify.id,
+                        outcome,
+                    }
+                    .encode(),
+                );
+                continue;
+            }
             Err((id, e)) => {
                 // The payload length cannot be trusted: refuse and hang up.
                 out.refuse(id, Refusal::Malformed, 0);
@@ -92,9 +117,58 @@ async fn serve(stream: &TcpStream, table: &RegionTable) -> io::Result<()> {
                 }
                 metrics::counter!("ferry_served_refusals_total", "transport" => "tcp").increment(1);
                 out.refuse(req.id, refusal, req.len);
+                if req.tag != 0 {
+                    if failed_tags.len() >= MAX_FAILED_TAGS {
+                        out.flush(stream).await?;
+                        return Err(invalid("too many failed batches without a notification"));
+                    }
+                    failed_tags.insert(req.tag);
+                }
             }
         }
     }
+}
+
+/// Reads a notification's body and hands it to the inbox, unless a chunk of
+/// its batch was refused on this connection. Every chunk the client sent
+/// before it has been served by now: frames are served in order.
+async fn notified(
+    stream: &TcpStream,
+    reader: &mut FrameReader,
+    notify: &Notify,
+    failed_tags: &mut HashSet<u64>,
+    inbox: &Weak<Messages>,
+) -> io::Result<NotifyOutcome> {
+    let inbox = inbox.upgrade();
+    let len = notify.len as usize;
+    let failed = failed_tags.remove(&notify.tag);
+    let limit = inbox.as_ref().map_or(0, |inbox| inbox.max_len());
+    let outcome = if notify.discard {
+        NotifyOutcome::Discarded
+    } else if failed {
+        NotifyOutcome::BatchFailed
+    } else if inbox.is_none() {
+        NotifyOutcome::NoInbox
+    } else if len > limit {
+        NotifyOutcome::TooLarge {
+            limit: limit as u64,
+        }
+    } else {
+        NotifyOutcome::Delivered
+    };
+    let (NotifyOutcome::Delivered, Some(inbox)) = (outcome, inbox) else {
+        reader.discard(stream, len).await?;
+        return Ok(outcome);
+    };
+    let mut body = vec![0u8; len];
+    // SAFETY: `body` is `len` bytes long and lives across the call.
+    unsafe { reader.payload(stream, body.as_mut_ptr(), len).await? };
+    metrics::counter!("ferry_served_notifications_total", "transport" => "tcp").increment(1);
+    Ok(match inbox.offer_notification(notify.from, body.into()) {
+        Ok(()) => NotifyOutcome::Delivered,
+        Err(OfferError::Full) => NotifyOutcome::InboxFull,
+        Err(OfferError::Closed) => NotifyOutcome::NoInbox,
+    })
 }
 
 /// Counts bytes and requests this node served to peers (one-sided ops leave

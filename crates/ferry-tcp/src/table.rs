@@ -149,6 +149,7 @@ mod tests {
             addr,
             len,
             token,
+            tag: 0,
         }
     }
 
