@@ -493,7 +493,10 @@ fn bench_metrics_expose_initiator_counters_while_it_runs() {
     // up to the few submits that finished in between.
     let blocks = bytes / 65536;
     assert!(
-        bytes % 65536 == 0 && blocks % 8 == 0 && ops % 8 == 0 && ops.abs_diff(blocks) <= 64,
+        bytes.is_multiple_of(65536)
+            && blocks.is_multiple_of(8)
+            && ops.is_multiple_of(8)
+            && ops.abs_diff(blocks) <= 64,
         "every counted op moved one 64 KiB block (ops {ops}, bytes {bytes}):\n{page}"
     );
     assert!(
