@@ -274,3 +274,32 @@ async fn eight_concurrent_senders_each_keep_their_order() {
     assert!(next_of.values().all(|&n| n == EACH));
     assert_eq!(inbox.try_recv(), None);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_messages_keep_their_order_through_a_small_inbox() {
+    // Many messages of one sender in flight at once, while a slow consumer
+    // keeps a 2-slot inbox full: they wait for room, and arrive in the
+    // order they were sent.
+    let receiver = Node::builder().inbox_capacity(2).spawn().await.unwrap();
+    let sender = Node::builder().spawn().await.unwrap();
+    let peer = receiver.addr();
+    // Polled in order, so the requests go out (and arrive) in order.
+    let sends = futures_util::future::join_all(
+        (0..200u32).map(|i| sender.send_message(peer, i.to_le_bytes().to_vec(), DEADLINE)),
+    );
+    let consume = async {
+        let mut inbox = receiver.inbox().unwrap();
+        let mut bodies = Vec::new();
+        for i in 0..200u32 {
+            if i % 16 == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let body = next(&mut inbox).await.body;
+            bodies.push(u32::from_le_bytes(body[..].try_into().unwrap()));
+        }
+        bodies
+    };
+    let (sent, bodies) = tokio::join!(sends, consume);
+    assert!(sent.iter().all(Result::is_ok), "{sent:?}");
+    assert_eq!(bodies, (0..200).collect::<Vec<_>>());
+}
