@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use ferry_control::{Delivery, Inbox, MessageError};
+use ferry_control::{Delivery, Inbox, MessageError, Messages};
 use ferry_core::{NodeAddr, OpError, RdmaOp, RdmaTransportLevel, SubmitError};
 use ferry_tcp::frame::NotifyOutcome;
 use kameo::Actor;
@@ -169,8 +169,20 @@ async fn submit_with_notification(
     }
     router.submit(ops, timeout).await?;
     // The batch is complete on every owner: now tell them, at once.
+    notify_over_control(messages, owners, notification, deadline, timeout).await
+}
+
+/// Notifies each of `owners` over its control session, all at once, with
+/// what is left until `deadline` of the submit's `timeout`.
+async fn notify_over_control(
+    messages: &Messages,
+    owners: Vec<NodeAddr>,
+    notification: Bytes,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<(), NotifyError> {
     let left = deadline.saturating_duration_since(Instant::now());
-    let notified = futures_util::future::join_all(owners.iter().map(|&owner| {
+    let notified = futures_util::future::join_all(owners.into_iter().map(|owner| {
         let notification = notification.clone();
         async move {
             messages
@@ -249,19 +261,7 @@ async fn notify_behind_tcp(
         };
         return Err(NotifyError::Notification { owner, error });
     }
-    let left = deadline.saturating_duration_since(Instant::now());
-    let messages = &router.messages;
-    let notified = futures_util::future::join_all(waiting.into_iter().map(|owner| {
-        let notification = notification.clone();
-        async move {
-            messages
-                .notify(owner, notification, left)
-                .await
-                .map_err(|error| notification_failed(owner, error, timeout))
-        }
-    }))
-    .await;
-    notified.into_iter().collect()
+    notify_over_control(&router.messages, waiting, notification, deadline, timeout).await
 }
 
 /// Send a message to a peer's inbox through the node's actor (as

@@ -33,6 +33,25 @@ async fn nothing_more(inbox: &mut Inbox) {
     assert_eq!(inbox.try_recv(), None, "an unexpected delivery");
 }
 
+/// A handle to a region of `node` that was dropped: its owner refuses it.
+async fn stale_handle(node: &Node, len: u64) -> RemoteBuffer {
+    node.alloc(len, Access::ReadWrite).await.unwrap().remote()
+}
+
+/// Runs a notified batch that must fail at op `index`, and so notify nobody.
+async fn fails_at(initiator: &Node, ops: Vec<RdmaOp>, index: usize) {
+    let result = initiator
+        .submit_with_notification(ops, WAIT, &b"never"[..])
+        .await;
+    assert!(
+        matches!(
+            result,
+            Err(NotifyError::Submit(SubmitError::Op { index: i, .. })) if i == index
+        ),
+        "expected op {index} to fail: {result:?}"
+    );
+}
+
 /// In each of `rounds` rounds the initiator writes a fresh 8 MiB pattern
 /// into the owner's region with a notification, and the owner checks its
 /// memory the moment the notification is handed to it: every byte is
@@ -120,23 +139,12 @@ pub async fn each_owner_is_notified_once_and_failures_notify_nobody(
         RdmaOp::write(src.whole(), targets[0].remote()),
         RdmaOp::write(src.whole(), read_only.remote()),
     ];
-    let result = initiator
-        .submit_with_notification(failing, WAIT, &b"never"[..])
-        .await;
-    assert!(
-        matches!(
-            result,
-            Err(NotifyError::Submit(SubmitError::Op { index: 1, .. }))
-        ),
-        "{result:?}"
-    );
+    fails_at(initiator, failing, 1).await;
 
     // Op 3 of four to one owner reaches a region that is gone: the owner
     // refuses it, the batch fails, and the owner is not notified, though
     // it served the other three.
-    let gone = owners[0].alloc(len, Access::ReadWrite).await.unwrap();
-    let stale = gone.remote();
-    drop(gone);
+    let stale = stale_handle(owners[0], len).await;
     let quarter = len / 4;
     let mut failing: Vec<RdmaOp> = (0..3)
         .map(|i| {
@@ -151,35 +159,15 @@ pub async fn each_owner_is_notified_once_and_failures_notify_nobody(
         src.slice(0..quarter).unwrap(),
         stale.slice(0..quarter).unwrap(),
     ));
-    let result = initiator
-        .submit_with_notification(failing, WAIT, &b"never"[..])
-        .await;
-    assert!(
-        matches!(
-            result,
-            Err(NotifyError::Submit(SubmitError::Op { index: 3, .. }))
-        ),
-        "{result:?}"
-    );
+    fails_at(initiator, failing, 3).await;
     // The same over two owners: the one whose op succeeded is not
     // notified either.
-    let gone = owners[1].alloc(len, Access::ReadWrite).await.unwrap();
-    let stale = gone.remote();
-    drop(gone);
+    let stale = stale_handle(owners[1], len).await;
     let failing = vec![
         RdmaOp::write(src.whole(), targets[0].remote()),
         RdmaOp::write(src.whole(), stale),
     ];
-    let result = initiator
-        .submit_with_notification(failing, WAIT, &b"never"[..])
-        .await;
-    assert!(
-        matches!(
-            result,
-            Err(NotifyError::Submit(SubmitError::Op { index: 1, .. }))
-        ),
-        "{result:?}"
-    );
+    fails_at(initiator, failing, 1).await;
 
     // Over the limit: refused before any op runs.
     src.write_at(0, &pattern(len, 2)).unwrap();
