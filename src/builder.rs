@@ -235,7 +235,7 @@ impl NodeBuilder {
             Ok(device) => {
                 let detail = device.describe();
                 info!(node = %id, endpoint = %addr.endpoint, "ferry node running on ibverbs ({detail}) with TCP fallback");
-                let backend = IbvBackend::start(device, &endpoint)?;
+                let backend = IbvBackend::start(device, &endpoint, messages.notification_sink())?;
                 (Some(backend), TransportState::Running { detail })
             }
             Err(reason) => {

@@ -10,6 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use ferry_control::{Delivery, Inbox, MessageError, Messages};
 use ferry_core::{NodeAddr, OpError, RdmaOp, RdmaTransportLevel, SubmitError};
+use ferry_ibverbs::QpNotification;
 use ferry_tcp::frame::NotifyOutcome;
 use kameo::Actor;
 use kameo::actor::ActorRef;
@@ -65,9 +66,17 @@ impl Node {
     /// (except where the deadline passes just after the notification left:
     /// like any send that times out, it may still arrive).
     ///
-    /// Over TCP, a batch to a single owner carries its notification on the
-    /// data connection behind its chunks, at no extra round trip; other
-    /// batches notify over the control session once they have completed.
+    /// A batch to a single owner carries its notification behind its data,
+    /// at no extra round trip: over TCP on the data connection after its
+    /// chunks; over ibverbs as a SEND on the queue pair after its work
+    /// requests, into receive buffers the owner posted for it (which add
+    /// up to `IbvConfig::notify_slots` notifications per initiator to the
+    /// inbox's capacity before senders are held back). Batches over several
+    /// owners, or over both transports, notify over the control session
+    /// once they have completed; so does a notification the data path has
+    /// no room for, and may then overtake earlier notifications still
+    /// waiting on the data path. Notifications and messages are not ordered
+    /// with each other.
     pub async fn submit_with_notification(
         &self,
         ops: Vec<RdmaOp>,
@@ -160,12 +169,19 @@ async fn submit_with_notification(
     // One owner knows by itself whether the batch succeeded: its
     // notification can follow the data. Several must each hear only once
     // all have succeeded, which the initiator learns first.
-    if owners.len() == 1
-        && ops
-            .iter()
-            .all(|op| router.route(op) == Some(RdmaTransportLevel::Tcp))
-    {
-        return notify_behind_tcp(router, ops, timeout, notification).await;
+    if let [owner] = owners[..] {
+        let route = router.route(&ops[0]);
+        if ops.iter().all(|op| router.route(op) == route) {
+            match route {
+                Some(RdmaTransportLevel::Tcp) => {
+                    return notify_behind_tcp(router, ops, timeout, notification).await;
+                }
+                Some(RdmaTransportLevel::Nic) => {
+                    return notify_on_qp(router, owner, ops, timeout, notification).await;
+                }
+                _ => {}
+            }
+        }
     }
     router.submit(ops, timeout).await?;
     // The batch is complete on every owner: now tell them, at once.
@@ -262,6 +278,57 @@ async fn notify_behind_tcp(
         return Err(NotifyError::Notification { owner, error });
     }
     notify_over_control(&router.messages, waiting, notification, deadline, timeout).await
+}
+
+/// A batch all over ibverbs to one owner: its notification is a SEND on
+/// the owner's queue pair behind the batch's work requests. One the queue
+/// pair had no room for goes over the control session, once the batch has
+/// completed.
+async fn notify_on_qp(
+    router: &Router,
+    owner: NodeAddr,
+    ops: Vec<RdmaOp>,
+    timeout: Duration,
+    notification: Bytes,
+) -> Result<(), NotifyError> {
+    let Some(ibverbs) = &router.ibverbs else {
+        return Err(SubmitError::BackendStopped.into());
+    };
+    let deadline = Instant::now() + timeout;
+    let submitted = Submitted::new(&ops);
+    let result = ibverbs
+        .submit_notified(ops, timeout, notification.clone())
+        .await;
+    submitted.finish(
+        &router.ibverbs_meters,
+        &result.as_ref().map(|_| ()).map_err(Clone::clone),
+    );
+    match result? {
+        QpNotification::Accepted => Ok(()),
+        QpNotification::NotSent => {
+            notify_over_control(
+                &router.messages,
+                vec![owner],
+                notification,
+                deadline,
+                timeout,
+            )
+            .await
+        }
+        // It may have arrived: sending it again could deliver it twice.
+        QpNotification::Failed(error) => Err(NotifyError::Notification {
+            owner,
+            error: match error {
+                OpError::ConnectionLost { endpoint } => {
+                    MessageError::ConnectionLost { peer: endpoint }
+                }
+                e => MessageError::Unreachable {
+                    peer: owner.endpoint,
+                    reason: e.to_string(),
+                },
+            },
+        }),
+    }
 }
 
 /// Send a message to a peer's inbox through the node's actor (as

@@ -4,6 +4,9 @@
 #[path = "../shared/notify.rs"]
 mod shared;
 
+use ferry::ibverbs;
+use ferry::prelude::*;
+
 use crate::rdma_node;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -36,4 +39,25 @@ async fn ten_thousand_notified_writes_from_a_peer_process_find_their_bytes_in_pl
 #[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
 async fn ten_thousand_notified_reads_from_a_peer_process_are_done_when_the_owner_hears() {
     crate::notified_batches::notified_reads_are_done_when_the_owner_hears(&rdma_node().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn a_stalled_consumer_holds_senders_back_and_resumes() {
+    let owner = Node::builder().inbox_capacity(2).spawn().await.unwrap();
+    let initiator = rdma_node().await;
+    // Each notification rides the queue pair into a receive buffer the
+    // owner posted, one credit each, and its credit comes back only once
+    // the inbox took it: the owner holds exactly its buffers' worth (the
+    // control session, which would hold back at the inbox's 2, is never
+    // used). The inbox is smaller than a credit return (a quarter ring).
+    let room = usize::from(ibverbs::IbvConfig::default().notify_slots);
+    shared::a_stalled_consumer_holds_senders_back_and_resumes(&owner, &initiator, room).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn a_timed_out_notified_batch_notifies_nobody() {
+    let (owner, initiator) = (rdma_node().await, rdma_node().await);
+    shared::a_timed_out_notified_batch_notifies_nobody(&owner, &initiator).await;
 }

@@ -131,3 +131,22 @@ async fn a_notification_over_the_owners_own_limit_is_refused_by_it() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(inbox.try_recv(), None);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_consumer_holds_senders_back_and_resumes() {
+    let owner = Node::builder()
+        .ibverbs(false)
+        .inbox_capacity(2)
+        .spawn()
+        .await
+        .unwrap();
+    let initiator = tcp_node().await;
+    // Over TCP the owner holds nothing beyond its inbox.
+    notify::a_stalled_consumer_holds_senders_back_and_resumes(&owner, &initiator, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_notified_batch_notifies_nobody() {
+    let (owner, initiator) = (tcp_node().await, tcp_node().await);
+    notify::a_timed_out_notified_batch_notifies_nobody(&owner, &initiator).await;
+}

@@ -190,3 +190,127 @@ pub async fn each_owner_is_notified_once_and_failures_notify_nobody(
         nothing_more(inbox).await;
     }
 }
+
+/// One notified 64-byte write of `[round; 64]` into `target`, notified
+/// with `[round]`.
+async fn notified_round(
+    initiator: &Node,
+    src: &Region,
+    target: &Region,
+    round: u8,
+    timeout: Duration,
+) -> Result<(), NotifyError> {
+    src.write_at(0, &[round; 64]).unwrap();
+    let ops = vec![RdmaOp::write(src.whole(), target.remote())];
+    initiator
+        .submit_with_notification(ops, timeout, vec![round])
+        .await
+}
+
+/// A consumer that stops reading holds senders back, twice over: exactly
+/// `room` notified submits are accepted (what the owner holds for one
+/// initiator: its inbox, and over ibverbs the receive buffers it posted),
+/// the next times out with a typed error, its bytes landed but its
+/// notification never delivered. Once the consumer drains, every accepted
+/// one arrives once, in order; then the same again, so whatever the owner
+/// held back (its receive credits) came back. `owner`'s inbox must be empty
+/// and hold fewer than `room` deliveries.
+pub async fn a_stalled_consumer_holds_senders_back_and_resumes(
+    owner: &Node,
+    initiator: &Node,
+    room: usize,
+) {
+    let target = owner.alloc(64, Access::ReadWrite).await.unwrap();
+    let src = initiator.alloc(64, Access::ReadWrite).await.unwrap();
+    let short = Duration::from_millis(300);
+    let mut round = 0u8;
+    for pass in 0..2 {
+        let first = round;
+        loop {
+            match notified_round(initiator, &src, &target, round, short).await {
+                Ok(()) => round += 1,
+                Err(e) => {
+                    assert_eq!(
+                        e,
+                        NotifyError::Notification {
+                            owner: owner.addr(),
+                            error: ferry::MessageError::Timeout {
+                                peer: owner.addr().endpoint,
+                                after: short
+                            }
+                        }
+                    );
+                    break;
+                }
+            }
+            assert!(
+                usize::from(round - first) <= room,
+                "pass {pass}: more than {room} accepted with nobody reading"
+            );
+        }
+        assert_eq!(
+            usize::from(round - first),
+            room,
+            "pass {pass}: accepted before the first timeout"
+        );
+        assert_eq!(target.to_vec(), [round; 64], "the timed-out batch's bytes");
+        let timed_out = round;
+        round += 1;
+        // The owner's copy of the deadline ends a one-way trip after the
+        // sender's, and the sender's cancel takes as long to arrive: a
+        // consumer reading within that window could still be handed the
+        // timed-out notification (documented on submit_with_notification).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut inbox = owner.inbox().unwrap();
+        for expected in first..timed_out {
+            assert_eq!(
+                &next_notification(&mut inbox, initiator).await[..],
+                [expected]
+            );
+        }
+        nothing_more(&mut inbox).await;
+        owner.return_inbox(inbox);
+    }
+}
+
+/// A notified batch that times out notifies nobody: a 64 MiB write given
+/// 1 ms, far less than either transport needs, so the notification behind
+/// it is never sent (over TCP: discarded; over ibverbs: flushed with the
+/// queue pair); the next notified batch is delivered normally.
+pub async fn a_timed_out_notified_batch_notifies_nobody(owner: &Node, initiator: &Node) {
+    let len = 64 << 20;
+    let target = owner.alloc(len, Access::ReadWrite).await.unwrap();
+    let src = initiator.alloc(len, Access::ReadWrite).await.unwrap();
+    let mut inbox = owner.inbox().unwrap();
+    let small = || {
+        vec![RdmaOp::write(
+            src.slice(0..4096).unwrap(),
+            target.remote().slice(0..4096).unwrap(),
+        )]
+    };
+    // Connected first: 1 ms is too short to set up a session or a QP.
+    initiator
+        .submit_with_notification(small(), WAIT, &b"warm"[..])
+        .await
+        .unwrap();
+    assert_eq!(&next_notification(&mut inbox, initiator).await[..], b"warm");
+    let timeout = Duration::from_millis(1);
+    let ops = vec![RdmaOp::write(src.whole(), target.remote())];
+    let result = initiator
+        .submit_with_notification(ops, timeout, &b"late"[..])
+        .await;
+    assert!(
+        matches!(
+            result,
+            Err(NotifyError::Submit(SubmitError::Timeout { timeout: t, .. })) if t == timeout
+        ),
+        "{result:?}"
+    );
+    nothing_more(&mut inbox).await;
+    initiator
+        .submit_with_notification(small(), WAIT, &b"next"[..])
+        .await
+        .unwrap();
+    assert_eq!(&next_notification(&mut inbox, initiator).await[..], b"next");
+    owner.return_inbox(inbox);
+}

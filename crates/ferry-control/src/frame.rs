@@ -60,6 +60,9 @@ impl Service {
     /// Notifications of completed transfers into a node's inbox
     /// (`crate::inbox`).
     pub const NOTIFY: Service = Service(4);
+    /// Receive credits for notifications sent on a queue pair, returned by
+    /// the node that holds the receive buffers (`ferry-ibverbs`).
+    pub const IBVERBS_CREDITS: Service = Service(5);
 }
 
 impl std::fmt::Display for Service {
@@ -69,6 +72,7 @@ impl std::fmt::Display for Service {
             Service::RPC => f.write_str("rpc"),
             Service::MESSAGE => f.write_str("message"),
             Service::NOTIFY => f.write_str("notification"),
+            Service::IBVERBS_CREDITS => f.write_str("ibverbs-credits"),
             Service(n) => write!(f, "service {n}"),
         }
     }

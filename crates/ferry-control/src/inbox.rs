@@ -165,6 +165,51 @@ pub enum OfferError {
     Closed,
 }
 
+/// The inbox, as a data plane that receives notifications behind their
+/// transfers sees it: on its own receive buffers (the ibverbs queue pairs),
+/// where a notification is already accepted when it arrives, and waits
+/// here for room. Made by [`Messages::notification_sink`]. Cheap to clone.
+#[derive(Clone)]
+pub struct NotificationSink {
+    inbox: mpsc::Sender<Delivery>,
+    max_len: usize,
+}
+
+impl NotificationSink {
+    /// The node's bound on a notification's length, in bytes.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Delivers `body` if the inbox has room now.
+    pub fn offer(&self, from: NodeAddr, body: Bytes) -> Result<(), OfferError> {
+        self.inbox
+            .try_send(notification(from, body))
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => OfferError::Full,
+                mpsc::error::TrySendError::Closed(_) => OfferError::Closed,
+            })
+    }
+
+    /// Delivers `body`, waiting for room for as long as the inbox exists:
+    /// for a notification already accepted, whose sender was told so. Fails
+    /// only with [`OfferError::Closed`], once the node's inbox is gone.
+    pub async fn deliver(&self, from: NodeAddr, body: Bytes) -> Result<(), OfferError> {
+        self.inbox
+            .send(notification(from, body))
+            .await
+            .map_err(|_| OfferError::Closed)
+    }
+}
+
+fn notification(from: NodeAddr, body: Bytes) -> Delivery {
+    Delivery {
+        from,
+        kind: DeliveryKind::Notification,
+        body,
+    }
+}
+
 /// A message waiting, in its session's line, for room in the inbox.
 struct Queued {
     delivery: Delivery,
@@ -310,16 +355,16 @@ impl Messages {
     /// a data connection must not stall on a consumer, so a sender told
     /// [`OfferError::Full`] waits for room over its control session.
     pub fn offer_notification(&self, from: NodeAddr, body: Bytes) -> Result<(), OfferError> {
-        self.inbox
-            .try_send(Delivery {
-                from,
-                kind: DeliveryKind::Notification,
-                body,
-            })
-            .map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => OfferError::Full,
-                mpsc::error::TrySendError::Closed(_) => OfferError::Closed,
-            })
+        self.notification_sink().offer(from, body)
+    }
+
+    /// Where a data plane hands the notifications it receives itself. It
+    /// does not keep this node's messages alive.
+    pub fn notification_sink(&self) -> NotificationSink {
+        NotificationSink {
+            inbox: self.inbox.clone(),
+            max_len: self.max_len,
+        }
     }
 
     /// Puts a message in its session's line; resolves once it is delivered

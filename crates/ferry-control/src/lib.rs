@@ -33,7 +33,9 @@ pub use endpoint::{Connection, Endpoint, EndpointConfig};
 pub use error::{ControlError, EndpointError};
 pub use frame::{DEFAULT_MAX_FRAME, Service};
 pub use hello::{Channel, HelloStatus, connect};
-pub use inbox::{Delivery, DeliveryKind, Inbox, MessageError, Messages, OfferError};
+pub use inbox::{
+    Delivery, DeliveryKind, Inbox, MessageError, Messages, NotificationSink, OfferError,
+};
 pub use limits::ConnectionLimits;
 pub use rpc::{Rpc, RpcError, RpcRequest};
 pub use session::{Request, ServiceFuture, Session};

@@ -3,11 +3,13 @@
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::Poll;
 use std::time::Duration;
 
-use ferry_control::{Endpoint, EndpointError, Service};
+use bytes::Bytes;
+use ferry_control::{Endpoint, EndpointError, NotificationSink, Request, Service, ServiceError};
 use ferry_core::{
     BatchProgress, Generation, IbvRemote, NodeAddr, OpError, OpKind, RdmaBackend, RdmaOp,
     RdmaTransportLevel, RegionId, RegisterError, SubmitError,
@@ -22,10 +24,11 @@ use tokio::time::Instant;
 use tracing::{Instrument, debug, debug_span, info};
 
 pub use crate::connection::FOREIGN_WR_ID_BIT;
-use crate::connection::{self, PeerQp, Piece, QpSession};
+use crate::connection::{self, PeerQp, Piece, Pin, QpSession};
 use crate::device::{Device, IbvConfig};
-use crate::exchange::{self, PassiveQps};
+use crate::exchange;
 use crate::info::{IbvRegionKeys, IbvTransportInfo};
+use crate::passive::{self, PassiveQps};
 use crate::verbs::{MemoryRegion, RdmaOpcode, VerbsError, WorkRequest};
 
 /// How long a submitting task polls for its own completions before it waits
@@ -135,9 +138,47 @@ struct Shared {
     passive: Arc<PassiveQps>,
 }
 
+/// How a notification attached to a submit went on the queue pair (see
+/// [`IbvBackend::submit_notified`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum QpNotification {
+    /// The owner's NIC acknowledged it, after every op of the batch: it is
+    /// in a receive buffer the owner posted for it, and its node hands it
+    /// to the inbox.
+    Accepted,
+    /// Not sent on the queue pair: the batch spans several owners, or the
+    /// owner posted no receive buffers, or none is free (the owner's inbox
+    /// is full), or the notification is larger than one. The batch ran
+    /// without it: notify the owner another way.
+    NotSent,
+    /// The batch's ops completed, but the SEND behind them failed: the
+    /// queue pair broke just then. The owner may or may not have received
+    /// it, so it must not be sent again.
+    Failed(OpError),
+}
+
+/// A notification waiting to be put behind its batch's pieces.
+struct PendingNotification {
+    payload: Bytes,
+    /// Its index in the batch's progress: right after the ops.
+    index: usize,
+    /// Whether the batch reads: the SEND must wait for the reads' data.
+    fence: bool,
+}
+
 impl Shared {
     /// Runs one batch to completion or deadline, in a tracing span.
     async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        self.submit_notified(ops, timeout, None).await.map(|_| ())
+    }
+
+    /// As `submit`, with a notification to put behind a single owner's ops.
+    async fn submit_notified(
+        &self,
+        ops: Vec<RdmaOp>,
+        timeout: Duration,
+        notification: Option<Bytes>,
+    ) -> Result<QpNotification, SubmitError> {
         // (Fields are only evaluated when the span is enabled.) A batch
         // usually goes to one peer; name the first.
         let span = debug_span!(
@@ -147,23 +188,57 @@ impl Shared {
             ops = ops.len(),
             bytes = ops.iter().map(RdmaOp::len).sum::<u64>()
         );
-        let result = self.run(ops, timeout).instrument(span.clone()).await;
+        let result = self
+            .run(ops, timeout, notification)
+            .instrument(span.clone())
+            .await;
         debug!(parent: &span, ?result, "submit finished");
         result
     }
 
-    async fn run(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+    async fn run(
+        &self,
+        ops: Vec<RdmaOp>,
+        timeout: Duration,
+        notification: Option<Bytes>,
+    ) -> Result<QpNotification, SubmitError> {
         let started = Instant::now();
         let deadline = started + timeout;
         let mut groups = self.prepare(&ops)?;
+        // Only a single owner can be notified on its QP: it alone cannot
+        // know whether another owner's share of the batch failed.
+        let notification =
+            notification.filter(|_| groups.len() == 1 && !groups[0].pieces.is_empty());
         let max_msg = u64::from(self.device.max_msg);
-        let progress = Arc::new(BatchProgress::new(
+        let progress = Arc::new(BatchProgress::with_notifications(
             ops.iter().map(|op| op.len().div_ceil(max_msg) as u32),
+            usize::from(notification.is_some()),
         ));
+        let notify_index = notification.as_ref().map(|_| ops.len());
+        if let Some(payload) = notification {
+            groups[0].notification = Some(PendingNotification {
+                payload,
+                index: ops.len(),
+                fence: ops.iter().any(|op| op.kind == OpKind::Read),
+            });
+        }
         drop(ops);
         if progress.total_pieces() == 0 {
-            return Ok(());
+            return Ok(QpNotification::NotSent);
         }
+        // Set once the notification is posted behind the ops.
+        let sent = AtomicBool::new(false);
+        let finish = |outcome: Result<(), SubmitError>| {
+            let sent = sent.load(Ordering::Acquire);
+            match outcome {
+                Ok(()) if sent => Ok(QpNotification::Accepted),
+                Ok(()) => Ok(QpNotification::NotSent),
+                Err(SubmitError::Op { index, error }) if sent && Some(index) == notify_index => {
+                    Ok(QpNotification::Failed(error))
+                }
+                Err(e) => Err(e),
+            }
+        };
         // Small transfers finish within microseconds: the submitter polls
         // for them itself rather than sleep until the poller task wakes it,
         // which costs several thread wake-ups. Bounded; then the poller task
@@ -178,38 +253,42 @@ impl Shared {
         // The common case waits for nothing: one peer, its QP connected,
         // credits free for every piece, done within the inline window. It
         // runs right here; what it leaves, the async work below picks up.
-        if single_peer && self.try_now(&mut groups[0], &progress, spin_until) {
-            return progress.outcome();
+        if single_peer && self.try_now(&mut groups[0], &progress, &sent, spin_until) {
+            return finish(progress.outcome());
         }
         let work = async {
             for group in &mut groups {
-                let pieces = std::mem::take(&mut group.pieces);
-                if pieces.is_empty() {
-                    // Posted already, or only zero-length ops: no QP needed.
-                    continue;
-                }
-                // A session try_now began is used as it is.
-                if group.session.is_none() {
+                // A session try_now began is used as it is. Without
+                // pieces (posted already, or only zero-length ops) no QP
+                // is needed.
+                if group.session.is_none() && !group.pieces.is_empty() {
                     match self
                         .peers
                         .get(&self.device, &self.endpoint, group.peer, deadline)
                         .await
                     {
                         Ok(qp) => {
+                            attach_notification(group, &qp, &progress, &sent);
                             let session = group.session.insert(QpSession::new(qp));
                             if single_peer {
                                 session.start_polling();
                             }
                         }
                         Err(e) => {
-                            pieces
+                            std::mem::take(&mut group.pieces)
                                 .into_iter()
                                 .for_each(|p| progress.piece_done(p.op, Err(e.clone())));
+                            if let Some(n) = group.notification.take() {
+                                progress.piece_done(n.index, Ok(()));
+                            }
                             continue;
                         }
                     }
                 }
-                let session = group.session.as_mut().expect("set above");
+                let pieces = std::mem::take(&mut group.pieces);
+                let Some(session) = group.session.as_mut().filter(|_| !pieces.is_empty()) else {
+                    continue;
+                };
                 session
                     .post_all(pieces, &progress, spin_until, deadline)
                     .await;
@@ -238,7 +317,7 @@ impl Shared {
         // inline): only one still running after it needs a timer.
         let first = std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await;
         if first.is_ready() || tokio::time::timeout_at(deadline, work).await.is_ok() {
-            return progress.outcome();
+            return finish(progress.outcome());
         }
         let error = progress.timed_out(timeout);
         // Flush what is still outstanding: the flush completions release the
@@ -261,11 +340,13 @@ impl Shared {
         &self,
         group: &mut PeerGroup,
         progress: &Arc<BatchProgress>,
+        sent: &AtomicBool,
         spin_until: Instant,
     ) -> bool {
         let Some(qp) = self.peers.connected(group.peer) else {
             return false;
         };
+        attach_notification(group, &qp, progress, sent);
         let session = group.session.insert(QpSession::new(qp));
         session.start_polling();
         session.post_now(&mut group.pieces, progress)
@@ -304,6 +385,7 @@ impl Shared {
                         peer,
                         pieces: Vec::with_capacity(ops.len() - index),
                         session: None,
+                        notification: None,
                     });
                     groups.len() - 1
                 }
@@ -326,8 +408,9 @@ impl Shared {
                         remote_addr: op.remote.addr() + at as u64,
                         rkey: remote.rkey,
                         signaled: false,
+                        fence: false,
                     },
-                    pin: region.clone(),
+                    pin: Pin::Region(region.clone()),
                 });
             }
         }
@@ -347,6 +430,58 @@ struct PeerGroup {
     pieces: Vec<Piece>,
     /// The submitter's use of the peer's QP, once connected.
     session: Option<QpSession>,
+    /// To post behind `pieces` once the QP is known.
+    notification: Option<PendingNotification>,
+}
+
+/// Puts `group`'s notification, if it has one, behind its pieces as a SEND
+/// on `qp` (setting `sent`) when the peer has a free credit and a buffer
+/// large enough for it; otherwise finishes its piece unsent, for the caller
+/// to notify another way.
+fn attach_notification(
+    group: &mut PeerGroup,
+    qp: &PeerQp,
+    progress: &BatchProgress,
+    sent: &AtomicBool,
+) {
+    let Some(notification) = group.notification.take() else {
+        return;
+    };
+    match qp
+        .notify_lane()
+        .and_then(|lane| lane.take(&notification.payload))
+    {
+        Some((mut wr, slot)) => {
+            wr.fence = notification.fence;
+            group.pieces.push(Piece {
+                op: notification.index,
+                wr,
+                pin: Pin::Notification(slot),
+            });
+            sent.store(true, Ordering::Release);
+        }
+        None => progress.piece_done(notification.index, Ok(())),
+    }
+}
+
+/// Credits a peer returns for the notification receive buffers it posted
+/// for one of our QPs (the `IBVERBS_CREDITS` service). Credits for a QP
+/// that is gone, replaced by a newer one, are ignored.
+fn take_credits(shared: &Weak<Shared>, request: &Request) -> Result<Bytes, ServiceError> {
+    let (qpn, count) = passive::decode_credits(&request.body)
+        .ok_or_else(|| ServiceError("malformed credit return".into()))?;
+    let owner = request.session.peer();
+    let qp = shared.upgrade().and_then(|shared| {
+        shared
+            .peers
+            .all()
+            .into_iter()
+            .find(|qp| qp.qpn() == qpn && qp.peer().id == owner.id)
+    });
+    if let Some(lane) = qp.as_ref().and_then(|qp| qp.notify_lane()) {
+        lane.return_credits(count);
+    }
+    Ok(Bytes::new())
 }
 
 /// The ibverbs data plane's manager actor. It accepts the shared
@@ -498,14 +633,19 @@ impl IbvDevice {
 
 impl IbvBackend {
     /// Serves queue-pair exchanges on `endpoint`'s control sessions and
-    /// spawns the manager on the current tokio runtime.
-    pub fn start(device: IbvDevice, endpoint: &Endpoint) -> Result<Self, EndpointError> {
+    /// spawns the manager on the current tokio runtime. Notifications that
+    /// peers send on their queue pairs go to `sink` (the node's inbox).
+    pub fn start(
+        device: IbvDevice,
+        endpoint: &Endpoint,
+        sink: NotificationSink,
+    ) -> Result<Self, EndpointError> {
         let device = device.0;
         let name = device.context.name().to_string();
         let passive = Arc::new(PassiveQps::default());
         endpoint.serve(Service::IBVERBS_CONNECT, {
             let (device, passive) = (device.clone(), passive.clone());
-            move |request| exchange::accept(device.clone(), passive.clone(), request)
+            move |request| passive::accept(device.clone(), passive.clone(), sink.clone(), request)
         })?;
         info!(
             device = %name,
@@ -513,6 +653,7 @@ impl IbvBackend {
             gid_index = device.gid_index,
             mtu = 128u32 << device.mtu,
             max_send_wr = device.max_send_wr,
+            notify_slots = device.notify_slots,
             "ibverbs transport ready"
         );
         let shared = Arc::new(Shared {
@@ -522,6 +663,12 @@ impl IbvBackend {
             registry: Arc::default(),
             passive,
         });
+        // Weak: the endpoint holds its handlers, and `Shared` the endpoint.
+        let weak = Arc::downgrade(&shared);
+        endpoint.serve(Service::IBVERBS_CREDITS, move |request| {
+            let answer = take_credits(&weak, &request);
+            async move { answer }
+        })?;
         let actor = IbvManagerActor::spawn(IbvManagerActor {
             shared: shared.clone(),
         });
@@ -530,6 +677,24 @@ impl IbvBackend {
             shared,
             device: name,
         })
+    }
+
+    /// Runs `ops` as [`RdmaBackend::submit`] does and, if they all go to
+    /// one owner, puts `notification` behind them on its queue pair: the
+    /// owner receives it only after every op has been executed there (for
+    /// reads, after their data has come back), and never if one failed.
+    /// It is delivered to the owner's inbox from there; a batch that fails
+    /// or times out sends none. See [`QpNotification`] for when it is not
+    /// sent, and must go another way.
+    pub async fn submit_notified(
+        &self,
+        ops: Vec<RdmaOp>,
+        timeout: Duration,
+        notification: Bytes,
+    ) -> Result<QpNotification, SubmitError> {
+        self.shared
+            .submit_notified(ops, timeout, Some(notification))
+            .await
     }
 
     /// The manager actor, for workers that send it messages.

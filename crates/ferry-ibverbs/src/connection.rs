@@ -5,7 +5,8 @@
 //! # Memory safety
 //!
 //! Every posted work request has a record in `Inflight::records`, in post
-//! order, holding a `Region` clone of its local memory. A record is dropped
+//! order, holding its local memory: a `Region` clone, or for a
+//! notification the send buffer it was copied into. A record is dropped
 //! only when the completion of that request, or of a later signaled one on the
 //! same QP (RC completes in order), has been polled — including flush
 //! completions after the QP entered the error state. So no local byte a
@@ -25,6 +26,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
+use crate::notify::{NotifyLane, SendSlot};
 use crate::verbs::{
     Completion, CompletionChannel, CompletionQueue, PostBuffers, QueuePair, VerbsError, WorkRequest,
 };
@@ -47,11 +49,21 @@ const IDLE_CHECK: Duration = Duration::from_millis(100);
 /// the raw handles must set it, so its completions are told apart.
 pub const FOREIGN_WR_ID_BIT: u64 = 1 << 63;
 
-/// One piece of an op, ready to post.
+/// One piece of an op (or a batch's notification), ready to post.
 pub(crate) struct Piece {
     pub op: usize,
     pub wr: WorkRequest,
-    pub pin: Region,
+    pub pin: Pin,
+}
+
+/// What keeps a work request's local memory registered until the NIC is
+/// done with it: held only to be dropped then.
+#[expect(dead_code, reason = "never read: it is held for its drop")]
+pub(crate) enum Pin {
+    /// An op's local region.
+    Region(Region),
+    /// The send buffer a notification was copied into.
+    Notification(SendSlot),
 }
 
 struct Posted {
@@ -59,7 +71,7 @@ struct Posted {
     op: usize,
     progress: Arc<BatchProgress>,
     /// Keeps the local memory registered while the NIC may touch it.
-    pin: Region,
+    pin: Pin,
 }
 
 #[derive(Default)]
@@ -122,6 +134,8 @@ pub(crate) struct PeerQp {
     /// Cancelled when the QP is broken: stops the control-stream watcher,
     /// which closes the stream and so lets the peer destroy its QP.
     closed: CancellationToken,
+    /// Notifications on this QP, if the peer posted receive buffers for it.
+    notify: Option<NotifyLane>,
 }
 
 /// One submitter's use of a QP: it posts its pieces through this and, while
@@ -287,7 +301,7 @@ impl Drop for QpSession {
 
 /// The completion channel's fd for tokio's reactor. Owning the channel means
 /// the fd stays open for as long as the reactor watches it.
-struct ChannelFd(Arc<CompletionChannel>);
+pub(crate) struct ChannelFd(pub Arc<CompletionChannel>);
 
 impl AsRawFd for ChannelFd {
     fn as_raw_fd(&self) -> RawFd {
@@ -310,6 +324,11 @@ impl PeerQp {
 
     pub fn is_broken(&self) -> bool {
         self.broken.load(Ordering::Acquire)
+    }
+
+    /// Notifications on this QP, if the peer takes them here.
+    pub fn notify_lane(&self) -> Option<&NotifyLane> {
+        self.notify.as_ref()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inflight> {
@@ -557,13 +576,15 @@ impl PeerQp {
 
 impl PeerQp {
     /// Wraps a queue pair brought to RTS for `peer`, with `credits` send-queue
-    /// slots, and starts its completion poller.
+    /// slots (and `notify`, if the peer posted receive buffers for our
+    /// notifications), and starts its completion poller.
     pub(crate) fn start(
         peer: NodeAddr,
         qp: QueuePair,
         cq: Arc<CompletionQueue>,
         channel: Arc<CompletionChannel>,
         credits: usize,
+        notify: Option<NotifyLane>,
     ) -> Arc<PeerQp> {
         let conn = Arc::new(PeerQp {
             peer,
@@ -576,6 +597,7 @@ impl PeerQp {
             inline_pollers: AtomicUsize::new(0),
             poller_wake: Notify::new(),
             closed: CancellationToken::new(),
+            notify,
         });
         tokio::spawn(conn.clone().poll_completions(cq, channel));
         conn
@@ -633,7 +655,7 @@ mod tests {
                 wr_id,
                 op,
                 progress: progress.clone(),
-                pin,
+                pin: Pin::Region(pin),
             });
         }
         (progress, released)
@@ -644,6 +666,7 @@ mod tests {
             wr_id,
             status,
             qp_num: 7,
+            ..Completion::default()
         }
     }
 

@@ -21,6 +21,13 @@ pub struct IbvConfig {
     /// split. The port's maximum message size when `None`, and never more.
     /// A smaller cap keeps one huge op from holding the send queue alone.
     pub max_wr_bytes: Option<u32>,
+    /// Receive buffers this node posts, per initiator, for notifications
+    /// that ride the initiator's queue pair: how many it may have in flight
+    /// (its credits). 0 takes every notification over the control session.
+    pub notify_slots: u16,
+    /// Bytes per notification receive buffer: larger notifications (up to
+    /// the node's message limit) go over the control session.
+    pub notify_slot_len: u32,
 }
 
 impl Default for IbvConfig {
@@ -31,6 +38,8 @@ impl Default for IbvConfig {
             gid_index: None,
             max_send_wr: 1024,
             max_wr_bytes: None,
+            notify_slots: 32,
+            notify_slot_len: 4096,
         }
     }
 }
@@ -47,6 +56,9 @@ pub(crate) struct Device {
     /// Largest message one work request may carry on this port.
     pub max_msg: u32,
     pub max_send_wr: u32,
+    /// Notification receive buffers per initiator, and their size.
+    pub notify_slots: u16,
+    pub notify_slot_len: u32,
 }
 
 impl Device {
@@ -97,6 +109,10 @@ impl Device {
             max_send_wr: config
                 .max_send_wr
                 .clamp(1, limits.max_qp_wr.saturating_sub(1).max(1)),
+            notify_slots: config
+                .notify_slots
+                .min(limits.max_qp_wr.min(u32::from(u16::MAX)) as u16),
+            notify_slot_len: config.notify_slot_len,
             context,
         })
     }

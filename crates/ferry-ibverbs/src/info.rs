@@ -57,8 +57,11 @@ pub struct IbvRegionKeys {
 /// [`FOREIGN_WR_ID_BIT`] set (ferry's poller skips such completions — it also
 /// polls the CQ, so do not rely on seeing them yourself; signal nothing, or
 /// check the remote result); post only on a QP ferry is idle on, since send
-/// queue slots are not coordinated; and keep the memory you post registered
-/// (hold its `Region`) until the work has completed.
+/// queue slots are not coordinated; post RDMA READ and WRITE only (a SEND
+/// would land in a receive buffer the peer posted for ferry's
+/// notifications, and be delivered to its inbox as one); and keep the
+/// memory you post registered (hold its `Region`) until the work has
+/// completed.
 pub struct IbvTransportInfo {
     /// The device's name, e.g. `rxe0`.
     pub device: String,

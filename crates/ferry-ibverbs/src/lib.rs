@@ -21,12 +21,15 @@ mod connection;
 mod device;
 mod exchange;
 mod info;
+mod notify;
+mod passive;
 mod report;
 pub mod verbs;
 mod wire;
 
 pub use backend::{
     FOREIGN_WR_ID_BIT, IbvBackend, IbvDevice, IbvManagerActor, IbvRegistered, IbvRegistration,
+    QpNotification,
 };
 pub use device::IbvConfig;
 /// The messages all managers share, re-exported where users look for them.

@@ -1,6 +1,8 @@
 //! The queue-pair exchange on a node's `Control` channel: the initiator sends
 //! its QP details, the owner answers with those of the QP it created for it.
-//! Both are one fixed-size little-endian frame.
+//! Both are one fixed-size little-endian frame. The owner's answer also
+//! says how many notification receive buffers it posted on its QP, and
+//! their size (zero: it takes notifications over the control session only).
 
 use crate::verbs::QpEndpoint;
 
@@ -14,6 +16,11 @@ pub struct QpInfo {
     /// `ibv_mtu` value of the sender's port.
     pub mtu: u8,
     pub endpoint: QpEndpoint,
+    /// Receive buffers posted for notifications: the initiator's credits.
+    pub recv_slots: u16,
+    /// Bytes each of those buffers holds: the largest notification that
+    /// may ride the queue pair.
+    pub recv_slot_len: u32,
 }
 
 impl QpInfo {
@@ -26,6 +33,8 @@ impl QpInfo {
         b[8..12].copy_from_slice(&self.endpoint.qpn.to_le_bytes());
         b[12..16].copy_from_slice(&self.endpoint.psn.to_le_bytes());
         b[16..32].copy_from_slice(&self.endpoint.gid);
+        b[32..34].copy_from_slice(&self.recv_slots.to_le_bytes());
+        b[36..40].copy_from_slice(&self.recv_slot_len.to_le_bytes());
         b
     }
 
@@ -42,6 +51,8 @@ impl QpInfo {
                 psn: u32::from_le_bytes(b[12..16].try_into().unwrap()),
                 gid: b[16..32].try_into().unwrap(),
             },
+            recv_slots: u16::from_le_bytes([b[32], b[33]]),
+            recv_slot_len: u32::from_le_bytes(b[36..40].try_into().unwrap()),
         })
     }
 }
@@ -61,6 +72,8 @@ mod tests {
                 gid: [7; 16],
                 lid: 5,
             },
+            recv_slots: 16,
+            recv_slot_len: 4096,
         };
         assert_eq!(QpInfo::decode(&info.encode()), Some(info));
         assert_eq!(QpInfo::decode(&[0; QP_INFO_LEN]), None);

@@ -66,8 +66,8 @@ fn connected_pair(ctx: &Arc<Context>) -> Pair {
     let (gid_index, gid) = ctx.ipv4_gid(port).unwrap();
     let pd = ProtectionDomain::new(ctx).unwrap();
     let cq = CompletionQueue::new(ctx, 1024, None).unwrap();
-    let a = QueuePair::new_rc(&pd, &cq, 128).unwrap();
-    let b = QueuePair::new_rc(&pd, &cq, 128).unwrap();
+    let a = QueuePair::new_rc(&pd, &cq, 128, 16).unwrap();
+    let b = QueuePair::new_rc(&pd, &cq, 128, 16).unwrap();
     let path = PathConfig {
         port,
         gid_index,
@@ -134,6 +134,7 @@ fn wr(
         remote_addr: remote.memory().addr() + offset as u64,
         rkey: remote.rkey(),
         signaled: false,
+        fence: false,
     }
 }
 
@@ -180,6 +181,54 @@ fn rc_write_chain_and_read_move_the_bytes() {
         "RDMA READ returned other bytes"
     );
     drop(p.ctx);
+}
+
+/// A SEND posted behind a WRITE on one RC QP: the peer's posted receive
+/// completes with the SEND's length and bytes, and by then the WRITE's
+/// bytes are in place. Behind a WRITE the peer refuses, the SEND is never
+/// received: the peer's receive only flushes.
+#[test]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+fn a_send_behind_writes_is_received_only_after_them() {
+    let Some(ctx) = open_device("a_send_behind_writes_is_received_only_after_them") else {
+        return;
+    };
+    for refused in [false, true] {
+        let p = connected_pair(&ctx);
+        let len = 256 * 1024;
+        let src = region(&p.pd, len, Access::ReadWrite, 0x5A);
+        let dst = region(&p.pd, len, Access::ReadWrite, 0);
+        let message = region(&p.pd, 64, Access::ReadWrite, 0);
+        message.memory().write_at(0, b"landed").unwrap();
+        let block = Arc::new(MemoryBlock::alloc(4096).unwrap());
+        let inbox = MemoryRegion::register_local(&p.pd, block).unwrap();
+        // SAFETY: `inbox` outlives the QP's use of it: its completion is
+        // polled (or the QP destroyed) before it is dropped at the end.
+        unsafe { p.b.post_recv(7, inbox.memory().addr(), 4096, inbox.lkey()) }.unwrap();
+        let mut write = wr(RdmaOpcode::Write, &src, &dst, 0, len);
+        if refused {
+            write.rkey ^= 0x5a5a;
+        }
+        let mut send = wr(RdmaOpcode::Send, &message, &dst, 0, 6);
+        send.wr_id = 99;
+        send.signaled = true;
+        // SAFETY: every MR lives until after the completions are polled.
+        unsafe { p.a.post(&[write, send], &mut PostBuffers::default()) }.unwrap();
+        let done = wait_for(&p.cq, if refused { 3 } else { 2 });
+        let received = done.iter().find(|c| c.qp_num == p.b.qpn()).unwrap();
+        assert_eq!(received.wr_id, 7);
+        if refused {
+            assert!(received.is_flush(), "{}", received.status_str());
+            assert!(done.iter().any(|c| c.is_remote_access_error()));
+            continue;
+        }
+        assert!(received.is_success(), "{}", received.status_str());
+        assert_eq!(received.byte_len, 6);
+        assert_eq!(&inbox.memory().to_vec()[..6], b"landed");
+        assert!(dst.memory().to_vec().iter().all(|&b| b == 0x5A));
+        let sent = done.iter().find(|c| c.qp_num == p.a.qpn()).unwrap();
+        assert_eq!((sent.wr_id, sent.is_success()), (99, true));
+    }
 }
 
 #[test]

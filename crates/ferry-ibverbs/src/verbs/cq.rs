@@ -77,6 +77,8 @@ pub struct Completion {
     pub status: u32,
     /// Number of the local queue pair the request was posted on.
     pub qp_num: u32,
+    /// For a receive: how many bytes the peer's SEND placed in the buffer.
+    pub byte_len: u32,
 }
 
 impl Completion {
@@ -200,6 +202,7 @@ impl CompletionQueue {
                     wr_id: wc.wr_id,
                     status: wc.status,
                     qp_num: wc.qp_num,
+                    byte_len: wc.byte_len,
                 };
             }
             total += n;

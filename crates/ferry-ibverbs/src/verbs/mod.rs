@@ -342,6 +342,24 @@ impl MemoryRegion {
         if access.allows_write() {
             flags |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
         }
+        Self::register_with(pd, memory, flags)
+    }
+
+    /// Registers the whole block for this node's own work requests only
+    /// (local write: receive buffers, SEND sources): no key a peer could
+    /// name it with grants any remote access.
+    pub fn register_local(
+        pd: &Arc<ProtectionDomain>,
+        memory: Arc<MemoryBlock>,
+    ) -> Result<Self, VerbsError> {
+        Self::register_with(pd, memory, ibv_access_flags::IBV_ACCESS_LOCAL_WRITE)
+    }
+
+    fn register_with(
+        pd: &Arc<ProtectionDomain>,
+        memory: Arc<MemoryBlock>,
+        flags: ibv_access_flags,
+    ) -> Result<Self, VerbsError> {
         // SAFETY: the block's range is valid memory for as long as `memory`
         // lives, and this MR holds `memory` until it is deregistered.
         let raw = unsafe {

@@ -46,16 +46,19 @@ unsafe impl Send for QueuePair {}
 // SAFETY: as above.
 unsafe impl Sync for QueuePair {}
 
-/// Direction of a one-sided work request.
+/// What a work request does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RdmaOpcode {
     /// `IBV_WR_RDMA_READ`: remote bytes into local memory.
     Read,
     /// `IBV_WR_RDMA_WRITE`: local bytes into remote memory.
     Write,
+    /// `IBV_WR_SEND`: local bytes into the buffer of the peer's next posted
+    /// receive (the remote address and key are unused).
+    Send,
 }
 
-/// One one-sided work request, as ferry posts it.
+/// One work request, as ferry posts it.
 #[derive(Clone, Copy, Debug)]
 pub struct WorkRequest {
     /// Returned in the request's [`Completion`].
@@ -75,6 +78,9 @@ pub struct WorkRequest {
     /// Whether the request gets a completion of its own; an unsignaled one
     /// is retired by the next signaled request on the queue pair.
     pub signaled: bool,
+    /// `IBV_SEND_FENCE`: the request starts only once every RDMA READ
+    /// posted before it on this queue pair has completed.
+    pub fence: bool,
 }
 
 /// Space for [`QueuePair::post`] to build its linked list in, reused from
@@ -91,11 +97,14 @@ pub struct PostBuffers {
 unsafe impl Send for PostBuffers {}
 
 impl QueuePair {
-    /// Creates an RC QP whose send and receive completions go to `cq`.
+    /// Creates an RC QP whose send and receive completions go to `cq`, with
+    /// room for `max_send_wr` outstanding sends and `max_recv_wr` posted
+    /// receives.
     pub fn new_rc(
         pd: &Arc<ProtectionDomain>,
         cq: &Arc<CompletionQueue>,
         max_send_wr: u32,
+        max_recv_wr: u32,
     ) -> Result<Self, VerbsError> {
         // SAFETY: ibv_qp_init_attr is plain data; all-zero is a valid value.
         let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
@@ -104,7 +113,7 @@ impl QueuePair {
         init.qp_type = ibv_qp_type::IBV_QPT_RC;
         init.sq_sig_all = 0;
         init.cap.max_send_wr = max_send_wr;
-        init.cap.max_recv_wr = 1;
+        init.cap.max_recv_wr = max_recv_wr.max(1);
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
         // SAFETY: the PD and CQ are alive and held by the QP.
@@ -268,12 +277,14 @@ impl QueuePair {
             w.opcode = match wr.opcode {
                 RdmaOpcode::Read => ibv_wr_opcode::IBV_WR_RDMA_READ,
                 RdmaOpcode::Write => ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+                RdmaOpcode::Send => ibv_wr_opcode::IBV_WR_SEND,
             };
-            w.send_flags = if wr.signaled {
-                ibv_send_flags::IBV_SEND_SIGNALED.0
-            } else {
-                0
-            };
+            if wr.signaled {
+                w.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+            }
+            if wr.fence {
+                w.send_flags |= ibv_send_flags::IBV_SEND_FENCE.0;
+            }
             w.wr.rdma = rdma_t {
                 remote_addr: wr.remote_addr,
                 rkey: wr.rkey,
@@ -318,6 +329,42 @@ impl QueuePair {
                 source: io::Error::from_raw_os_error(rc),
             },
         ))
+    }
+}
+
+impl QueuePair {
+    /// Posts one receive of up to `len` bytes at `addr` (in the memory
+    /// region of `lkey`); its completion carries `wr_id`.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr + len` must lie in a memory region of this QP's
+    /// protection domain registered with local write, and that memory must
+    /// stay alive, and not be read or written by anything else, until the
+    /// receive's completion has been polled or the QP is destroyed.
+    pub unsafe fn post_recv(
+        &self,
+        wr_id: u64,
+        addr: u64,
+        len: u32,
+        lkey: u32,
+    ) -> Result<(), VerbsError> {
+        let mut sge = ibv_sge {
+            addr,
+            length: len,
+            lkey,
+        };
+        // SAFETY: ibv_recv_wr is plain data; all-zero is a valid value.
+        let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        let mut bad: *mut ibv_recv_wr = ptr::null_mut();
+        // SAFETY: `wr` and `sge` outlive the call (the provider copies them
+        // into the receive queue); memory validity is the caller's contract.
+        check_rc("ibv_post_recv", unsafe {
+            ibv_post_recv(self.raw.as_ptr(), &mut wr, &mut bad)
+        })
     }
 }
 

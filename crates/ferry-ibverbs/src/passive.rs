@@ -1,0 +1,349 @@
+//! The owner's side of a queue pair: the `IBVERBS_CONNECT` service creates
+//! a QP dedicated to the initiator that asked, with a ring of receive
+//! buffers for the notifications that ride it (see `notify`), and a task
+//! that hands each one to the node's inbox and returns its credit.
+//!
+//! A notification in a receive buffer has been acknowledged to its sender,
+//! which has resolved its submit: it is delivered however long the inbox
+//! stays full, in arrival order. While it waits, its credit stays with the
+//! owner, which is how a consumer that stops reading holds senders back.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_control::{NotificationSink, Request, Service, ServiceError, Session};
+use ferry_core::MemoryBlock;
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::connection::ChannelFd;
+use crate::device::Device;
+use crate::exchange::{endpoint_of, random_psn};
+use crate::verbs::{
+    Completion, CompletionChannel, CompletionQueue, MemoryRegion, PathConfig, QueuePair, VerbsError,
+};
+use crate::wire::{QP_INFO_LEN, QpInfo};
+
+/// How long returning credits may take before the owner gives up on it
+/// (the session is then as good as gone).
+const CREDIT_RETURN_DEADLINE: Duration = Duration::from_secs(10);
+/// After its session ends, how long the receiving task waits for the
+/// receives still posted to flush before it lets the QP go.
+const DRAIN_DEADLINE: Duration = Duration::from_secs(1);
+
+/// The owner's queue pairs, one per control session that asked for one. A
+/// new exchange on the same session (the initiator's QP failed and it
+/// reconnects) replaces it; the session's end destroys it.
+#[derive(Default)]
+pub(crate) struct PassiveQps(Mutex<HashMap<u64, Arc<PassiveQp>>>);
+
+impl PassiveQps {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<PassiveQp>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// How many sessions hold a queue pair here.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+/// One initiator's QP here, and the receive buffers posted on it.
+struct PassiveQp {
+    /// Declared before the ring: destroyed first, so the NIC is done with
+    /// the buffers before they are deregistered.
+    qp: QueuePair,
+    ring: Option<RecvRing>,
+    /// Cancelled when the QP is replaced or its session ends.
+    retired: CancellationToken,
+}
+
+struct RecvRing {
+    mr: MemoryRegion,
+    slots: u16,
+    slot_len: u32,
+}
+
+impl PassiveQp {
+    /// Posts receive buffer `slot`.
+    fn post(&self, slot: u64) -> Result<(), VerbsError> {
+        let Some(ring) = &self.ring else {
+            return Ok(());
+        };
+        let offset = slot * u64::from(ring.slot_len);
+        // SAFETY: the slot lies in the ring's MR, registered with local
+        // write in this QP's PD; the ring outlives the QP (field order), and
+        // nothing reads or writes the slot until its completion is polled
+        // (`take` reads it only then, before posting it again).
+        unsafe {
+            self.qp.post_recv(
+                slot,
+                ring.mr.memory().addr() + offset,
+                ring.slot_len,
+                ring.mr.lkey(),
+            )
+        }
+    }
+
+    /// The notification a successful receive completion delivered, copied
+    /// out of its buffer; `None` for a completion that names no buffer.
+    fn take(&self, wc: &Completion) -> Option<Bytes> {
+        let ring = self.ring.as_ref()?;
+        if wc.wr_id >= u64::from(ring.slots) {
+            return None;
+        }
+        let len = wc.byte_len.min(ring.slot_len) as usize;
+        let mut body = vec![0; len];
+        ring.mr
+            .memory()
+            .read_at(wc.wr_id * u64::from(ring.slot_len), &mut body)
+            .ok()?;
+        Some(body.into())
+    }
+}
+
+/// The owner's side of the exchange: the `IBVERBS_CONNECT` service.
+pub(crate) async fn accept(
+    device: Arc<Device>,
+    passive: Arc<PassiveQps>,
+    sink: NotificationSink,
+    request: Request,
+) -> Result<Bytes, ServiceError> {
+    let peer = request.session.peer();
+    let theirs = <&[u8; QP_INFO_LEN]>::try_from(&request.body[..])
+        .ok()
+        .and_then(QpInfo::decode)
+        .ok_or_else(|| ServiceError("malformed queue-pair exchange frame".into()))?;
+    let slots = device.notify_slots;
+    let slot_len = device
+        .notify_slot_len
+        .min(u32::try_from(sink.max_len()).unwrap_or(u32::MAX));
+    let setup = || -> Result<(PassiveQp, u32), VerbsError> {
+        let channel = CompletionChannel::new(&device.context)?;
+        channel.set_nonblocking()?;
+        // Receives only: the QP never posts a send.
+        let cq = CompletionQueue::new(&device.context, u32::from(slots) + 1, Some(channel))?;
+        let qp = QueuePair::new_rc(&device.pd, &cq, 1, u32::from(slots))?;
+        let ring = if slots > 0 && slot_len > 0 {
+            let memory =
+                MemoryBlock::alloc(u64::from(slots) * u64::from(slot_len)).map_err(|e| {
+                    VerbsError::Call {
+                        call: "allocating notification receive buffers",
+                        source: std::io::Error::other(e.to_string()),
+                    }
+                })?;
+            Some(RecvRing {
+                mr: MemoryRegion::register_local(&device.pd, Arc::new(memory))?,
+                slots,
+                slot_len,
+            })
+        } else {
+            None
+        };
+        let passive = PassiveQp {
+            qp,
+            ring,
+            retired: CancellationToken::new(),
+        };
+        let psn = random_psn();
+        let path = PathConfig {
+            port: device.port,
+            gid_index: device.gid_index,
+            mtu: device.mtu.min(theirs.mtu as u32),
+        };
+        passive.qp.to_init(device.port)?;
+        // Posted before the initiator can send: it learns of the buffers
+        // from the reply.
+        if passive.ring.is_some() {
+            (0..u64::from(slots)).try_for_each(|slot| passive.post(slot))?;
+        }
+        passive.qp.to_rtr(&theirs.endpoint, &path)?;
+        passive.qp.to_rts(psn)?;
+        Ok((passive, psn))
+    };
+    let (qp, psn) = setup().map_err(|e| {
+        debug!(node = %peer.id, error = %e, "cannot create a queue pair for a peer");
+        ServiceError(format!("cannot create a queue pair: {e}"))
+    })?;
+    let has_ring = qp.ring.is_some();
+    let reply = QpInfo {
+        status: 0,
+        mtu: device.mtu as u8,
+        endpoint: endpoint_of(&device, &qp.qp, psn),
+        recv_slots: if has_ring { slots } else { 0 },
+        recv_slot_len: if has_ring { slot_len } else { 0 },
+    };
+    let qp = Arc::new(qp);
+    let session = request.session;
+    if has_ring {
+        tokio::spawn(receive_notifications(
+            qp.clone(),
+            session.clone(),
+            sink,
+            theirs.endpoint.qpn,
+        ));
+    }
+    let replaced = passive.lock().insert(session.id(), qp);
+    match replaced {
+        Some(old) => old.retired.cancel(),
+        None => {
+            // The first QP of this session: it (and any that replaces it)
+            // lives until the session ends.
+            let passive = Arc::downgrade(&passive);
+            tokio::spawn(async move {
+                session.closed().await;
+                let qp = passive
+                    .upgrade()
+                    .and_then(|p| p.lock().remove(&session.id()));
+                if let Some(qp) = qp {
+                    qp.retired.cancel();
+                }
+                debug!(node = %session.peer().id, "control session ended: its queue pair is destroyed");
+            });
+        }
+    }
+    Ok(Bytes::copy_from_slice(&reply.encode()))
+}
+
+/// Receives the notifications that ride one initiator's QP, hands them to
+/// the inbox in arrival order (waiting for room as long as it takes), and
+/// returns their credits in batches over `session`. Ends once the QP is
+/// retired and its receives have drained, or the node's inbox is gone.
+async fn receive_notifications(
+    qp: Arc<PassiveQp>,
+    session: Session,
+    sink: NotificationSink,
+    initiator_qpn: u32,
+) {
+    let from = session.peer();
+    let cq = qp.qp.cq().clone();
+    let Some(channel) = cq.channel().cloned() else {
+        return;
+    };
+    let slots = qp.ring.as_ref().map_or(0, |r| r.slots);
+    // SAFETY: `ChannelFd` owns the channel, so its fd stays open and the
+    // same for the AsyncFd's whole life, as `register` requires.
+    let fd =
+        match unsafe { AsyncFd::register_with_interest(ChannelFd(channel), Interest::READABLE) } {
+            Ok(fd) => fd,
+            Err(e) => {
+                warn!(node = %from.id, "cannot watch a notification queue: {e}");
+                return;
+            }
+        };
+    // Return a quarter ring at a time: few control messages, and the
+    // sender never runs dry while the consumer keeps up.
+    let return_every = u32::from(slots / 4).max(1);
+    let mut posted = usize::from(slots);
+    let mut held: VecDeque<Bytes> = VecDeque::new();
+    let mut uncredited = 0u32;
+    let mut wcs = [Completion::default(); 32];
+    let mut armed = false;
+    let mut draining: Option<tokio::time::Instant> = None;
+    loop {
+        let n = cq.poll(&mut wcs).unwrap_or_else(|e| {
+            debug!(node = %from.id, "polling a notification queue failed: {e}");
+            posted = 0;
+            0
+        });
+        for wc in &wcs[..n] {
+            posted = posted.saturating_sub(1);
+            if !wc.is_success() {
+                if !wc.is_flush() {
+                    debug!(node = %from.id, status = %wc.status_str(), "a notification receive failed");
+                }
+                continue;
+            }
+            if let Some(body) = qp.take(wc) {
+                held.push_back(body);
+            }
+            if draining.is_none() {
+                match qp.post(wc.wr_id) {
+                    Ok(()) => posted += 1,
+                    Err(e) => {
+                        debug!(node = %from.id, "reposting a notification buffer failed: {e}")
+                    }
+                }
+            }
+        }
+        while let Some(body) = held.pop_front() {
+            if sink.deliver(from, body).await.is_err() {
+                debug!(node = %from.id, "the inbox is gone: no more notifications");
+                return;
+            }
+            uncredited += 1;
+        }
+        if uncredited >= return_every && draining.is_none() {
+            tokio::spawn(return_credits(session.clone(), initiator_qpn, uncredited));
+            uncredited = 0;
+        }
+        if n > 0 {
+            continue;
+        }
+        if let Some(since) = draining {
+            if posted == 0 || since.elapsed() >= DRAIN_DEADLINE {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            continue;
+        }
+        if !armed {
+            // Arm, then poll once more: a completion that arrived before
+            // the arm raises no event.
+            if let Err(e) = cq.arm() {
+                debug!(node = %from.id, "arming a notification queue failed: {e}");
+            }
+            armed = true;
+            continue;
+        }
+        tokio::select! {
+            ready = fd.readable() => {
+                if let Ok(mut guard) = ready {
+                    guard.clear_ready();
+                    while let Ok(true) = cq.take_event() {}
+                }
+                armed = false;
+            }
+            _ = qp.retired.cancelled() => {
+                // No receive is acknowledged after this: what arrived
+                // already is delivered, the rest flushes.
+                if let Err(e) = qp.qp.to_error() {
+                    debug!(node = %from.id, "moving a queue pair to the error state failed: {e}");
+                }
+                draining = Some(tokio::time::Instant::now());
+            }
+        }
+    }
+}
+
+/// Gives `count` credits back to the initiator of QP `initiator_qpn`.
+async fn return_credits(session: Session, initiator_qpn: u32, count: u32) {
+    let mut body = [0u8; 8];
+    body[..4].copy_from_slice(&initiator_qpn.to_le_bytes());
+    body[4..].copy_from_slice(&count.to_le_bytes());
+    let sent = session
+        .request(
+            Service::IBVERBS_CREDITS,
+            Bytes::copy_from_slice(&body),
+            CREDIT_RETURN_DEADLINE,
+        )
+        .await;
+    if let Err(e) = sent
+        && !session.is_closed()
+    {
+        warn!(node = %session.peer().id, "returning {count} notification credits failed: {e}");
+    }
+}
+
+/// Reads a credit return: (the initiator's QP number, how many).
+pub(crate) fn decode_credits(body: &[u8]) -> Option<(u32, u32)> {
+    let body: &[u8; 8] = body.try_into().ok()?;
+    Some((
+        u32::from_le_bytes(body[..4].try_into().unwrap()),
+        u32::from_le_bytes(body[4..].try_into().unwrap()),
+    ))
+}
