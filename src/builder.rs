@@ -15,6 +15,7 @@ use tracing::info;
 
 use crate::actor::NodeActor;
 use crate::meters::Meters;
+use crate::names::Names;
 use crate::node::{Node, NodeInner, Router};
 use crate::transports::{TransportState, TransportStatus};
 
@@ -63,6 +64,7 @@ pub struct NodeBuilder {
     rpc_max_payload: usize,
     message_max_len: usize,
     inbox_capacity: usize,
+    name: Option<String>,
 }
 
 impl Default for NodeBuilder {
@@ -78,6 +80,7 @@ impl Default for NodeBuilder {
             rpc_max_payload: DEFAULT_MAX_RPC_PAYLOAD,
             message_max_len: DEFAULT_MAX_MESSAGE,
             inbox_capacity: DEFAULT_INBOX_CAPACITY,
+            name: None,
         }
     }
 }
@@ -137,6 +140,15 @@ impl NodeBuilder {
     /// The TCP backend's whole configuration.
     pub fn tcp_config(mut self, config: TcpConfig) -> Self {
         self.tcp = config;
+        self
+    }
+
+    /// The node's name in its cluster namespace (e.g. `prefill-0`): peers
+    /// that load its metadata know it, and look up its published regions,
+    /// by this name. A restarted process takes the same name with a new
+    /// node id.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
         self
     }
 
@@ -243,7 +255,6 @@ impl NodeBuilder {
                 (None, TransportState::Unavailable { reason })
             }
         };
-        endpoint.start();
         let transports = vec![
             TransportStatus {
                 level: RdmaTransportLevel::Memory,
@@ -265,6 +276,15 @@ impl NodeBuilder {
                 },
             },
         ];
+        let running = transports
+            .iter()
+            .rev()
+            .filter(|t| matches!(t.state, TransportState::Running { .. }))
+            .map(|t| t.level)
+            .collect();
+        let names = Arc::new(Names::new(self.name.clone(), addr, running));
+        crate::names::serve(&endpoint, &names)?;
+        endpoint.start();
         let router = Arc::new(Router {
             endpoint,
             ids: RegionIds::new(),
@@ -275,6 +295,7 @@ impl NodeBuilder {
             ibverbs_meters: Meters::new("ibverbs"),
             rpc,
             messages,
+            names,
         });
         let actor = NodeActor::spawn(NodeActor::new(router.clone()));
         Ok(Node(Arc::new(NodeInner { router, actor })))

@@ -28,6 +28,7 @@ mod actor;
 mod builder;
 mod messages;
 mod meters;
+mod names;
 mod node;
 mod rpc;
 mod transports;
@@ -45,11 +46,14 @@ pub use ferry_core::{
     PAGE_SIZE, RdmaBackend, RdmaOp, RdmaTransportLevel, Region, RegionId, RegisterError,
     RemoteBuffer, RemoteTransports, Submit, SubmitError, TransportInfo, TransportLevel,
 };
+pub use ferry_discovery as discovery;
+pub use ferry_discovery::{DiscoveryError, Loaded, LookupError, MetadataError, NodeMetadata};
 /// The ibverbs backend, for direct use of its actor, messages and raw handles.
 pub use ferry_ibverbs as ibverbs;
 /// The TCP fallback backend, for direct use of its actor and messages.
 pub use ferry_tcp as tcp;
 pub use messages::{InboxTaken, NotifyError, SendMessage, SubmitWithNotification};
+pub use names::NameTaken;
 pub use node::{Node, NodeTransportInfo};
 pub use rpc::Call;
 pub use transports::{TransportState, TransportStatus};

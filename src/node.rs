@@ -34,6 +34,8 @@ pub(crate) struct Router {
     pub rpc: Arc<Rpc>,
     /// Messages this node sends, and its inbox.
     pub messages: Arc<Messages>,
+    /// Its name, published regions, and the peers it knows by name.
+    pub names: Arc<crate::names::Names>,
 }
 
 impl Router {

@@ -21,6 +21,8 @@ pub const PEER_ENV: &str = "FERRY_TEST_PEER";
 /// What it advertises comes from `FERRY_ADVERTISE`, which the node builder
 /// reads itself.
 pub const LISTEN_ENV: &str = "FERRY_TEST_LISTEN";
+/// The peer node's name (`NodeBuilder::name`); none by default.
+pub const NAME_ENV: &str = "FERRY_TEST_NAME";
 const PREFIX: &str = "FERRY ";
 /// A peer's answer to every command when its node did not start.
 const SPAWN_FAILED: &str = "spawn-failed ";
@@ -110,6 +112,7 @@ impl PeerProcess {
             .args([OsStr::new("netns"), OsStr::new("exec"), OsStr::new(ns)])
             .arg(exe)
             .env_remove(LISTEN_ENV)
+            .env_remove(NAME_ENV)
             .env_remove(ferry::ADVERTISE_ENV);
         Self::start(command, env)
     }
@@ -232,6 +235,15 @@ impl PeerProcess {
         }
     }
 
+    /// Publishes the peer's region under `name`.
+    #[allow(dead_code)] // tests/ibverbs shares this file and names nothing
+    pub async fn publish(&mut self, region: &PeerRegion, name: &str) {
+        let reply = self
+            .command(&format!("publish {} {name}", region.index))
+            .await;
+        assert_eq!(reply, "published");
+    }
+
     /// Digest of the peer region's whole current contents.
     pub async fn digest(&mut self, region: &PeerRegion) -> u64 {
         self.command(&format!("digest {}", region.index))
@@ -293,6 +305,9 @@ pub fn peer_main() {
                     .unwrap_or_else(|_| panic!("{LISTEN_ENV}={listen:?} is not IP:PORT")),
             );
         }
+        if let Some(name) = std::env::var_os(NAME_ENV) {
+            builder = builder.name(name.to_string_lossy());
+        }
         let node = match builder.spawn().await {
             Ok(node) => node,
             Err(error) => {
@@ -337,6 +352,15 @@ pub fn peer_main() {
                     "dropped".to_string()
                 }
                 ["addr"] => serde_json::to_string(&node.addr()).unwrap(),
+                ["publish", index, name] => {
+                    let region = regions[index.parse::<usize>().unwrap()]
+                        .as_ref()
+                        .expect("live region");
+                    match node.publish(*name, region) {
+                        Ok(()) => "published".to_string(),
+                        Err(e) => e.to_string(),
+                    }
+                }
                 // An RPC handler that never answers (until the process dies).
                 ["serve-forever", name] => {
                     node.serve_rpc(name, |_| std::future::pending())

@@ -63,6 +63,9 @@ impl Service {
     /// Receive credits for notifications sent on a queue pair, returned by
     /// the node that holds the receive buffers (`ferry-ibverbs`).
     pub const IBVERBS_CREDITS: Service = Service(5);
+    /// A node's metadata blob, whole or for chosen region names
+    /// (`ferry-discovery`).
+    pub const METADATA: Service = Service(6);
 }
 
 impl std::fmt::Display for Service {
@@ -73,6 +76,7 @@ impl std::fmt::Display for Service {
             Service::MESSAGE => f.write_str("message"),
             Service::NOTIFY => f.write_str("notification"),
             Service::IBVERBS_CREDITS => f.write_str("ibverbs-credits"),
+            Service::METADATA => f.write_str("metadata"),
             Service(n) => write!(f, "service {n}"),
         }
     }

@@ -11,6 +11,7 @@
 //! stream on untouched.
 
 use std::fmt;
+use std::net::SocketAddr;
 
 use ferry_core::{NodeAddr, NodeId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -40,6 +41,10 @@ impl Channel {
     pub const TCP_DATA: Channel = Channel(1);
     /// The node's control session (see [`crate::Session`]).
     pub const CONTROL: Channel = Channel(2);
+    /// Asks only who the node is: the hello reply carries its id, and the
+    /// connection ends there (see [`identify`]). Served by whoever handles
+    /// it on the endpoint (`ferry-discovery`).
+    pub const IDENTIFY: Channel = Channel(3);
 }
 
 impl fmt::Debug for Channel {
@@ -172,7 +177,32 @@ pub async fn connect(
     me: NodeId,
     channel: Channel,
 ) -> Result<TcpStream, ControlError> {
-    let endpoint = peer.endpoint;
+    let (stream, found) = say_hello(peer.endpoint, me, channel).await?;
+    if found != peer.id {
+        return Err(ControlError::WrongNode {
+            expected: peer.id,
+            found,
+            endpoint: peer.endpoint,
+        });
+    }
+    Ok(stream)
+}
+
+/// The id of the node listening at `endpoint`, for a caller that knows
+/// only its address. The caller bounds how long this may take.
+pub async fn identify(endpoint: SocketAddr, me: NodeId) -> Result<NodeId, ControlError> {
+    say_hello(endpoint, me, Channel::IDENTIFY)
+        .await
+        .map(|(_, node)| node)
+}
+
+/// Connects to `endpoint` as node `me`, asks for `channel`, and returns the
+/// stream and the id of the node that took it.
+async fn say_hello(
+    endpoint: SocketAddr,
+    me: NodeId,
+    channel: Channel,
+) -> Result<(TcpStream, NodeId), ControlError> {
     let unreachable = |e: std::io::Error| ControlError::Unreachable {
         endpoint,
         reason: e.to_string(),
@@ -209,14 +239,7 @@ pub async fn connect(
             status: Some(reply.status),
         });
     }
-    if reply.node != peer.id {
-        return Err(ControlError::WrongNode {
-            expected: peer.id,
-            found: reply.node,
-            endpoint,
-        });
-    }
-    Ok(stream)
+    Ok((stream, reply.node))
 }
 
 /// The server's half: reads the hello, answers it, and returns it if the

@@ -32,7 +32,7 @@ pub mod wire;
 pub use endpoint::{Connection, Endpoint, EndpointConfig};
 pub use error::{ControlError, EndpointError};
 pub use frame::{DEFAULT_MAX_FRAME, Service};
-pub use hello::{Channel, HelloStatus, connect};
+pub use hello::{Channel, HelloStatus, connect, identify};
 pub use inbox::{
     Delivery, DeliveryKind, Inbox, MessageError, Messages, NotificationSink, OfferError,
 };

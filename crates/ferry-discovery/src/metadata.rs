@@ -1,0 +1,246 @@
+//! A node's metadata as versioned bytes: who it is (name, node id, the
+//! endpoint peers reach it at), which transports it runs, and the regions
+//! it published by name, each as the handle peers use.
+//!
+//! The blob is a fixed header (magic, format version, body length) and a
+//! JSON body. The header lets a reader refuse what it cannot read with a
+//! typed error (not ferry's, cut short, written by a newer ferry) before it
+//! parses anything; JSON keeps the body readable with standard tools and
+//! lets later versions add fields that older readers skip.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use ferry_core::{NodeAddr, RdmaTransportLevel, RemoteBuffer};
+use serde::{Deserialize, Serialize};
+
+const MAGIC: [u8; 4] = *b"FMD\0";
+/// The format this code writes, and the newest it reads.
+pub const METADATA_VERSION: u16 = 1;
+/// magic (4), version (2), reserved (2), body length (4).
+const HEADER_LEN: usize = 12;
+
+/// What a node says about itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeMetadata {
+    /// Its name in its cluster namespace, if it has one.
+    pub name: Option<String>,
+    /// Its node id and advertised endpoint: a restarted process has a new
+    /// id at the same name and endpoint.
+    pub node: NodeAddr,
+    /// The transports it runs, slowest first.
+    pub transports: Vec<RdmaTransportLevel>,
+    /// Its published regions by name: the handle a peer uses for each.
+    pub regions: BTreeMap<String, RemoteBuffer>,
+}
+
+/// Why a blob is not metadata this node can use.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum MetadataError {
+    /// Shorter than its header says: cut short in transit or in storage.
+    #[error("metadata truncated: {len} bytes, {needed} needed")]
+    Truncated {
+        /// Bytes present.
+        len: usize,
+        /// Bytes the header promises.
+        needed: usize,
+    },
+    /// Not a ferry metadata blob at all.
+    #[error("not ferry metadata (magic {0:02x?})")]
+    NotMetadata([u8; 4]),
+    /// Written by a newer ferry, in a format this one cannot read.
+    #[error("metadata format {found} is newer than {supported}, the newest this node reads")]
+    FutureVersion {
+        /// The blob's format.
+        found: u16,
+        /// The newest this node reads.
+        supported: u16,
+    },
+    /// The header is fine but the body is not valid metadata.
+    #[error("malformed metadata: {0}")]
+    Malformed(String),
+    /// A region a handle names belongs to another node than the blob's.
+    #[error("region {region:?} in the metadata of {node:?} belongs to another node")]
+    ForeignRegion {
+        /// The region's published name.
+        region: String,
+        /// The node the blob describes.
+        node: NodeAddr,
+    },
+}
+
+impl NodeMetadata {
+    /// The blob: header and body.
+    pub fn encode(&self) -> Bytes {
+        let body = serde_json::to_vec(self).expect("metadata always serializes");
+        let mut blob = Vec::with_capacity(HEADER_LEN + body.len());
+        blob.extend_from_slice(&MAGIC);
+        blob.extend_from_slice(&METADATA_VERSION.to_le_bytes());
+        blob.extend_from_slice(&[0, 0]);
+        let len = u32::try_from(body.len()).expect("metadata body under 4 GiB");
+        blob.extend_from_slice(&len.to_le_bytes());
+        blob.extend_from_slice(&body);
+        blob.into()
+    }
+
+    /// Reads a blob: checks its header, parses its body, and checks that
+    /// every handle in it belongs to the node it describes.
+    pub fn decode(blob: &[u8]) -> Result<Self, MetadataError> {
+        let truncated = |needed| MetadataError::Truncated {
+            len: blob.len(),
+            needed,
+        };
+        let header: &[u8; HEADER_LEN] = blob
+            .get(..HEADER_LEN)
+            .and_then(|h| h.try_into().ok())
+            .ok_or_else(|| truncated(HEADER_LEN))?;
+        let magic: [u8; 4] = header[..4].try_into().unwrap();
+        if magic != MAGIC {
+            return Err(MetadataError::NotMetadata(magic));
+        }
+        let version = u16::from_le_bytes([header[4], header[5]]);
+        if version > METADATA_VERSION {
+            return Err(MetadataError::FutureVersion {
+                found: version,
+                supported: METADATA_VERSION,
+            });
+        }
+        let len = u32::from_le_bytes(header[8..12].try_into().unwrap()) as usize;
+        let needed = HEADER_LEN.saturating_add(len);
+        let body = blob
+            .get(HEADER_LEN..needed)
+            .ok_or_else(|| truncated(needed))?;
+        let metadata: NodeMetadata =
+            serde_json::from_slice(body).map_err(|e| MetadataError::Malformed(e.to_string()))?;
+        if let Some((region, _)) = metadata
+            .regions
+            .iter()
+            .find(|(_, handle)| handle.owner().id != metadata.node.id)
+        {
+            return Err(MetadataError::ForeignRegion {
+                region: region.clone(),
+                node: metadata.node,
+            });
+        }
+        Ok(metadata)
+    }
+
+    /// The same metadata with only the regions named in `names` (names it
+    /// does not publish are left out).
+    pub fn only(&self, names: &[impl AsRef<str>]) -> NodeMetadata {
+        NodeMetadata {
+            regions: names
+                .iter()
+                .filter_map(|n| {
+                    let (name, handle) = self.regions.get_key_value(n.as_ref())?;
+                    Some((name.clone(), handle.clone()))
+                })
+                .collect(),
+            ..self.clone()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ferry_core::{Access, MemoryBlock, NodeId, RegionIds, RegionParts, RemoteTransports};
+
+    use super::*;
+
+    fn node(id: u128) -> NodeAddr {
+        NodeAddr {
+            id: NodeId(id),
+            endpoint: "127.0.0.1:4000".parse().unwrap(),
+        }
+    }
+
+    fn handle(owner: NodeAddr, slots: &RegionIds) -> RemoteBuffer {
+        RegionParts {
+            slot: slots.allocate(),
+            memory: std::sync::Arc::new(MemoryBlock::alloc(4096).unwrap()),
+            access: Access::ReadWrite,
+            owner,
+            transports: RemoteTransports::default(),
+            registrations: Vec::new(),
+        }
+        .into_region()
+        .remote()
+    }
+
+    fn sample(regions: usize) -> NodeMetadata {
+        let me = node(7);
+        let slots = RegionIds::new();
+        NodeMetadata {
+            name: Some("prefill-0".into()),
+            node: me,
+            transports: vec![RdmaTransportLevel::Tcp],
+            regions: (0..regions)
+                .map(|i| (format!("weights/layer-{i}"), handle(me, &slots)))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn metadata_round_trips_and_partial_exports_carry_only_the_named_regions() {
+        let full = sample(3);
+        assert_eq!(NodeMetadata::decode(&full.encode()), Ok(full.clone()));
+        let partial = full.only(&["weights/layer-2", "no-such-region"]);
+        assert_eq!(
+            partial.regions.keys().collect::<Vec<_>>(),
+            ["weights/layer-2"]
+        );
+        assert_eq!(NodeMetadata::decode(&partial.encode()), Ok(partial));
+    }
+
+    /// A node with 1,000 published regions: the blob round-trips, and its
+    /// size is reported (`--nocapture`).
+    #[test]
+    fn a_thousand_regions_round_trip() {
+        let big = sample(1000);
+        let blob = big.encode();
+        println!("metadata of 1,000 regions: {} bytes", blob.len());
+        assert_eq!(NodeMetadata::decode(&blob), Ok(big));
+    }
+
+    #[test]
+    fn garbage_truncated_future_and_foreign_blobs_are_refused_by_type() {
+        let blob = sample(2).encode();
+        for cut in [0, 5, HEADER_LEN, blob.len() - 1] {
+            assert!(
+                matches!(
+                    NodeMetadata::decode(&blob[..cut]),
+                    Err(MetadataError::Truncated { len, .. }) if len == cut
+                ),
+                "cut at {cut}"
+            );
+        }
+        let mut garbage = blob.to_vec();
+        garbage[0] = b'X';
+        assert!(matches!(
+            NodeMetadata::decode(&garbage),
+            Err(MetadataError::NotMetadata(_))
+        ));
+        let mut future = blob.to_vec();
+        future[4..6].copy_from_slice(&(METADATA_VERSION + 1).to_le_bytes());
+        assert_eq!(
+            NodeMetadata::decode(&future),
+            Err(MetadataError::FutureVersion {
+                found: METADATA_VERSION + 1,
+                supported: METADATA_VERSION
+            })
+        );
+        let mut body = blob.to_vec();
+        let last = body.len() - 1;
+        body[last] = b'!';
+        assert!(matches!(
+            NodeMetadata::decode(&body),
+            Err(MetadataError::Malformed(_))
+        ));
+        let mut foreign = sample(1);
+        foreign.node = node(8);
+        assert!(matches!(
+            NodeMetadata::decode(&foreign.encode()),
+            Err(MetadataError::ForeignRegion { .. })
+        ));
+    }
+}
