@@ -142,7 +142,7 @@ async fn a_stalled_consumer_holds_senders_back_and_resumes() {
         .unwrap();
     let initiator = tcp_node().await;
     // Over TCP the owner holds nothing beyond its inbox.
-    notify::a_stalled_consumer_holds_senders_back_and_resumes(&owner, &initiator, 2).await;
+    notify::a_stalled_consumer_holds_senders_back_and_resumes(&owner, &initiator, 2..=2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -212,13 +212,13 @@ async fn notified_round(
 /// initiator: its inbox, and over ibverbs the receive buffers it posted),
 /// the next times out with a typed error, its bytes landed but its
 /// notification never delivered. Once the consumer drains, every accepted
-/// one arrives once, in order; then the same again, so whatever the owner
+/// one arrives once (a fallback may overtake); then the same again, so whatever the owner
 /// held back (its receive credits) came back. `owner`'s inbox must be empty
 /// and hold fewer than `room` deliveries.
 pub async fn a_stalled_consumer_holds_senders_back_and_resumes(
     owner: &Node,
     initiator: &Node,
-    room: usize,
+    room: std::ops::RangeInclusive<usize>,
 ) {
     let target = owner.alloc(64, Access::ReadWrite).await.unwrap();
     let src = initiator.alloc(64, Access::ReadWrite).await.unwrap();
@@ -244,14 +244,14 @@ pub async fn a_stalled_consumer_holds_senders_back_and_resumes(
                 }
             }
             assert!(
-                usize::from(round - first) <= room,
-                "pass {pass}: more than {room} accepted with nobody reading"
+                usize::from(round - first) <= *room.end(),
+                "pass {pass}: more than {room:?} accepted with nobody reading"
             );
         }
-        assert_eq!(
-            usize::from(round - first),
-            room,
-            "pass {pass}: accepted before the first timeout"
+        assert!(
+            room.contains(&usize::from(round - first)),
+            "pass {pass}: {} accepted before the first timeout, not {room:?}",
+            round - first
         );
         assert_eq!(target.to_vec(), [round; 64], "the timed-out batch's bytes");
         let timed_out = round;
@@ -262,12 +262,15 @@ pub async fn a_stalled_consumer_holds_senders_back_and_resumes(
         // timed-out notification (documented on submit_with_notification).
         tokio::time::sleep(Duration::from_millis(200)).await;
         let mut inbox = owner.inbox().unwrap();
-        for expected in first..timed_out {
-            assert_eq!(
-                &next_notification(&mut inbox, initiator).await[..],
-                [expected]
-            );
+        // Each accepted one once. Not necessarily in order: one that fell
+        // back to the control session can overtake those still waiting on
+        // the data path (documented on submit_with_notification).
+        let mut got = Vec::new();
+        for _ in first..timed_out {
+            got.push(next_notification(&mut inbox, initiator).await[0]);
         }
+        got.sort_unstable();
+        assert_eq!(got, (first..timed_out).collect::<Vec<_>>());
         nothing_more(&mut inbox).await;
         owner.return_inbox(inbox);
     }
