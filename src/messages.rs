@@ -269,11 +269,7 @@ async fn notify_behind_tcp(
                     reason: format!("it answered {other:?} for a batch that succeeded"),
                 }
             }
-            Err(OpError::ConnectionLost { .. }) => MessageError::ConnectionLost { peer },
-            Err(e) => MessageError::Unreachable {
-                peer,
-                reason: e.to_string(),
-            },
+            Err(e) => undelivered(owner, e),
         };
         return Err(NotifyError::Notification { owner, error });
     }
@@ -318,16 +314,21 @@ async fn notify_on_qp(
         // It may have arrived: sending it again could deliver it twice.
         QpNotification::Failed(error) => Err(NotifyError::Notification {
             owner,
-            error: match error {
-                OpError::ConnectionLost { endpoint } => {
-                    MessageError::ConnectionLost { peer: endpoint }
-                }
-                e => MessageError::Unreachable {
-                    peer: owner.endpoint,
-                    reason: e.to_string(),
-                },
-            },
+            error: undelivered(owner, error),
         }),
+    }
+}
+
+/// A notification the data path failed to carry to `owner`, as the
+/// message error it is.
+fn undelivered(owner: NodeAddr, error: OpError) -> MessageError {
+    let peer = owner.endpoint;
+    match error {
+        OpError::ConnectionLost { .. } => MessageError::ConnectionLost { peer },
+        e => MessageError::Unreachable {
+            peer,
+            reason: e.to_string(),
+        },
     }
 }
 

@@ -33,7 +33,7 @@ async fn each_owner_is_notified_once_and_failures_notify_nobody() {
 }
 
 /// A write of one pattern byte per round into `target`, notified with
-/// `[round]`.
+/// `[round]`, from a source region of its own.
 async fn notified_write(
     initiator: &Node,
     target: &ferry::prelude::Region,
@@ -41,11 +41,7 @@ async fn notified_write(
     timeout: Duration,
 ) -> Result<(), NotifyError> {
     let src = initiator.alloc(64, Access::ReadWrite).await.unwrap();
-    src.write_at(0, &[round; 64]).unwrap();
-    let ops = vec![RdmaOp::write(src.whole(), target.remote())];
-    initiator
-        .submit_with_notification(ops, timeout, vec![round])
-        .await
+    notify::notified_round(initiator, &src, target, round, timeout).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -191,9 +191,9 @@ pub async fn each_owner_is_notified_once_and_failures_notify_nobody(
     }
 }
 
-/// One notified 64-byte write of `[round; 64]` into `target`, notified
-/// with `[round]`.
-async fn notified_round(
+/// One notified 64-byte write of `[round; 64]` from `src` into `target`,
+/// notified with `[round]`.
+pub async fn notified_round(
     initiator: &Node,
     src: &Region,
     target: &Region,

@@ -28,6 +28,8 @@ use crate::connection::{self, PeerQp, Piece, Pin, QpSession};
 use crate::device::{Device, IbvConfig};
 use crate::exchange;
 use crate::info::{IbvRegionKeys, IbvTransportInfo};
+pub use crate::notify::QpNotification;
+use crate::notify::{PendingNotification, attach_notification};
 use crate::passive::{self, PassiveQps};
 use crate::verbs::{MemoryRegion, RdmaOpcode, VerbsError, WorkRequest};
 
@@ -138,34 +140,6 @@ struct Shared {
     passive: Arc<PassiveQps>,
 }
 
-/// How a notification attached to a submit went on the queue pair (see
-/// [`IbvBackend::submit_notified`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum QpNotification {
-    /// The owner's NIC acknowledged it, after every op of the batch: it is
-    /// in a receive buffer the owner posted for it, and its node hands it
-    /// to the inbox.
-    Accepted,
-    /// Not sent on the queue pair: the batch spans several owners, or the
-    /// owner posted no receive buffers, or none is free (the owner's inbox
-    /// is full), or the notification is larger than one. The batch ran
-    /// without it: notify the owner another way.
-    NotSent,
-    /// The batch's ops completed, but the SEND behind them failed: the
-    /// queue pair broke just then. The owner may or may not have received
-    /// it, so it must not be sent again.
-    Failed(OpError),
-}
-
-/// A notification waiting to be put behind its batch's pieces.
-struct PendingNotification {
-    payload: Bytes,
-    /// Its index in the batch's progress: right after the ops.
-    index: usize,
-    /// Whether the batch reads: the SEND must wait for the reads' data.
-    fence: bool,
-}
-
 impl Shared {
     /// Runs one batch to completion or deadline, in a tracing span.
     async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
@@ -214,11 +188,11 @@ impl Shared {
             ops.iter().map(|op| op.len().div_ceil(max_msg) as u32),
             usize::from(notification.is_some()),
         ));
-        let notify_index = notification.as_ref().map(|_| ops.len());
+        let notify_index = ops.len();
         if let Some(payload) = notification {
             groups[0].notification = Some(PendingNotification {
                 payload,
-                index: ops.len(),
+                index: notify_index,
                 fence: ops.iter().any(|op| op.kind == OpKind::Read),
             });
         }
@@ -233,7 +207,7 @@ impl Shared {
             match outcome {
                 Ok(()) if sent => Ok(QpNotification::Accepted),
                 Ok(()) => Ok(QpNotification::NotSent),
-                Err(SubmitError::Op { index, error }) if sent && Some(index) == notify_index => {
+                Err(SubmitError::Op { index, error }) if sent && index == notify_index => {
                     Ok(QpNotification::Failed(error))
                 }
                 Err(e) => Err(e),
@@ -268,7 +242,13 @@ impl Shared {
                         .await
                     {
                         Ok(qp) => {
-                            attach_notification(group, &qp, &progress, &sent);
+                            attach_notification(
+                                &mut group.notification,
+                                &mut group.pieces,
+                                &qp,
+                                &progress,
+                                &sent,
+                            );
                             let session = group.session.insert(QpSession::new(qp));
                             if single_peer {
                                 session.start_polling();
@@ -346,7 +326,13 @@ impl Shared {
         let Some(qp) = self.peers.connected(group.peer) else {
             return false;
         };
-        attach_notification(group, &qp, progress, sent);
+        attach_notification(
+            &mut group.notification,
+            &mut group.pieces,
+            &qp,
+            progress,
+            sent,
+        );
         let session = group.session.insert(QpSession::new(qp));
         session.start_polling();
         session.post_now(&mut group.pieces, progress)
@@ -432,36 +418,6 @@ struct PeerGroup {
     session: Option<QpSession>,
     /// To post behind `pieces` once the QP is known.
     notification: Option<PendingNotification>,
-}
-
-/// Puts `group`'s notification, if it has one, behind its pieces as a SEND
-/// on `qp` (setting `sent`) when the peer has a free credit and a buffer
-/// large enough for it; otherwise finishes its piece unsent, for the caller
-/// to notify another way.
-fn attach_notification(
-    group: &mut PeerGroup,
-    qp: &PeerQp,
-    progress: &BatchProgress,
-    sent: &AtomicBool,
-) {
-    let Some(notification) = group.notification.take() else {
-        return;
-    };
-    match qp
-        .notify_lane()
-        .and_then(|lane| lane.take(&notification.payload))
-    {
-        Some((mut wr, slot)) => {
-            wr.fence = notification.fence;
-            group.pieces.push(Piece {
-                op: notification.index,
-                wr,
-                pin: Pin::Notification(slot),
-            });
-            sent.store(true, Ordering::Release);
-        }
-        None => progress.piece_done(notification.index, Ok(())),
-    }
 }
 
 /// Credits a peer returns for the notification receive buffers it posted

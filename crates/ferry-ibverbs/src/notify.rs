@@ -16,12 +16,14 @@
 //! credit, or with a notification larger than a buffer, notifies over the
 //! control session instead (see `ferry::Node::submit_with_notification`).
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ferry_core::MemoryBlock;
+use bytes::Bytes;
+use ferry_core::{BatchProgress, MemoryBlock, OpError};
 use tokio::sync::Semaphore;
 
+use crate::connection::{PeerQp, Piece, Pin};
 use crate::verbs::{MemoryRegion, ProtectionDomain, RdmaOpcode, VerbsError, WorkRequest};
 
 /// The most receive buffers an owner may announce: the initiator mirrors
@@ -142,6 +144,65 @@ impl NotifyLane {
         let returned = take_off(&self.in_use, count);
         self.credits.add_permits(returned as usize);
         returned
+    }
+}
+
+/// How a notification attached to a submit went on the queue pair (see
+/// [`IbvBackend::submit_notified`](crate::IbvBackend::submit_notified)).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum QpNotification {
+    /// The owner's NIC acknowledged it, after every op of the batch: it is
+    /// in a receive buffer the owner posted for it, and its node hands it
+    /// to the inbox.
+    Accepted,
+    /// Not sent on the queue pair: the batch spans several owners, or the
+    /// owner posted no receive buffers, or none is free (the owner's inbox
+    /// is full), or the notification is larger than one. The batch ran
+    /// without it: notify the owner another way.
+    NotSent,
+    /// The batch's ops completed, but the SEND behind them failed: the
+    /// queue pair broke just then. The owner may or may not have received
+    /// it, so it must not be sent again.
+    Failed(OpError),
+}
+
+/// A notification waiting to be put behind its batch's pieces.
+pub(crate) struct PendingNotification {
+    pub payload: Bytes,
+    /// Its index in the batch's progress: right after the ops.
+    pub index: usize,
+    /// Whether the batch reads: the SEND must wait for the reads' data.
+    pub fence: bool,
+}
+
+/// Puts `pending`, if there is one, behind `pieces` as a SEND on `qp`
+/// (setting `sent`) when the peer has a free credit and a buffer large
+/// enough for it; otherwise finishes its piece unsent, for the caller to
+/// notify another way.
+pub(crate) fn attach_notification(
+    pending: &mut Option<PendingNotification>,
+    pieces: &mut Vec<Piece>,
+    qp: &PeerQp,
+    progress: &BatchProgress,
+    sent: &AtomicBool,
+) {
+    let Some(notification) = pending.take() else {
+        return;
+    };
+    match qp
+        .notify_lane()
+        .and_then(|lane| lane.take(&notification.payload))
+    {
+        Some((mut wr, slot)) => {
+            wr.fence = notification.fence;
+            pieces.push(Piece {
+                op: notification.index,
+                wr,
+                pin: Pin::Notification(slot),
+            });
+            sent.store(true, Ordering::Release);
+        }
+        None => progress.piece_done(notification.index, Ok(())),
     }
 }
 
