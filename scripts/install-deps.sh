@@ -1,10 +1,13 @@
 # Sourced by the demo and test scripts: installs the Debian packages ferry's
-# build needs when they are missing, and checks for a Rust toolchain.
+# build needs when they are missing (and any named as arguments, e.g. the
+# test servers), and checks for a Rust toolchain.
 
 ferry_install_deps() {
     # gcc links everything; rdma-sys needs the verbs headers and libraries and
-    # libclang for its bindgen step; the two-host tests need `ip netns`.
-    local wanted=(gcc libc6-dev pkg-config libibverbs-dev librdmacm-dev libclang-dev iproute2)
+    # libclang for its bindgen step; etcd-client's build needs protoc; the
+    # two-host tests need `ip netns`.
+    local wanted=(gcc libc6-dev pkg-config libibverbs-dev librdmacm-dev libclang-dev
+        protobuf-compiler iproute2 "$@")
     local missing=() pkg
     for pkg in "${wanted[@]}"; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")

@@ -5,12 +5,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/install-deps.sh
-ferry_install_deps
+# etcd-server: the discovery tests start a real etcd on loopback ports
+# (each test its own, with a temporary data directory).
+ferry_install_deps etcd-server
 
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo test --workspace --all-targets --locked
-cargo test --workspace --doc --locked
+cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+cargo test --workspace --all-targets --all-features --locked
+cargo test --workspace --doc --all-features --locked
+# The deploy files: manifests validated, every ferry command line in them
+# parsed by the binary just built (the image itself is not built here).
+scripts/check-deploy.sh target/debug/ferry
 # The examples a newcomer runs first exit non-zero when anything is wrong.
 cargo run --locked -q --example workers >/dev/null
 cargo run --locked -q --example kv_handoff >/dev/null

@@ -49,6 +49,11 @@ pub enum NodeError {
         /// The variable's value.
         value: String,
     },
+    /// etcd discovery could not start: etcd did not answer and the
+    /// configuration requires it.
+    #[cfg(feature = "etcd")]
+    #[error(transparent)]
+    Etcd(#[from] ferry_discovery::etcd::EtcdError),
 }
 
 /// Configures and spawns a [`Node`].
@@ -65,6 +70,8 @@ pub struct NodeBuilder {
     message_max_len: usize,
     inbox_capacity: usize,
     name: Option<String>,
+    #[cfg(feature = "etcd")]
+    etcd: Option<ferry_discovery::etcd::EtcdConfig>,
 }
 
 impl Default for NodeBuilder {
@@ -81,6 +88,8 @@ impl Default for NodeBuilder {
             message_max_len: DEFAULT_MAX_MESSAGE,
             inbox_capacity: DEFAULT_INBOX_CAPACITY,
             name: None,
+            #[cfg(feature = "etcd")]
+            etcd: None,
         }
     }
 }
@@ -149,6 +158,16 @@ impl NodeBuilder {
     /// node id.
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
+        self
+    }
+
+    /// Makes [`Node::lookup`] find peers in etcd, and publishes the node
+    /// there under its name, if it has one, with a lease it keeps alive: see
+    /// [`ferry_discovery::etcd`]. Starting fails when etcd does not answer,
+    /// unless the configuration says it is not required.
+    #[cfg(feature = "etcd")]
+    pub fn etcd(mut self, config: ferry_discovery::etcd::EtcdConfig) -> Self {
+        self.etcd = Some(config);
         self
     }
 
@@ -238,6 +257,18 @@ impl NodeBuilder {
                 });
             }
         }
+        // Before anything binds: a node that must publish and cannot fails
+        // without side effects.
+        #[cfg(feature = "etcd")]
+        let etcd = match &self.etcd {
+            None => None,
+            Some(config) if config.required => {
+                Some(ferry_discovery::etcd::Etcd::connect(config.clone()).await?)
+            }
+            Some(config) => {
+                Some(ferry_discovery::etcd::Etcd::connect_lazily(config.clone()).await?)
+            }
+        };
         let endpoint = Endpoint::bind(self.listen, self.advertised()?, id, self.endpoint).await?;
         let rpc = Rpc::start(&endpoint, self.rpc_max_payload)?;
         let messages = Messages::start(&endpoint, self.message_max_len, self.inbox_capacity)?;
@@ -285,6 +316,10 @@ impl NodeBuilder {
         let names = Arc::new(Names::new(self.name.clone(), addr, running));
         crate::names::serve(&endpoint, &names)?;
         endpoint.start();
+        #[cfg(feature = "etcd")]
+        if let Some(etcd) = etcd {
+            names.start_etcd(etcd);
+        }
         let router = Arc::new(Router {
             endpoint,
             ids: RegionIds::new(),

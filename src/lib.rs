@@ -47,6 +47,8 @@ pub use ferry_core::{
     RemoteBuffer, RemoteTransports, Submit, SubmitError, TransportInfo, TransportLevel,
 };
 pub use ferry_discovery as discovery;
+#[cfg(feature = "etcd")]
+pub use ferry_discovery::etcd::{EtcdConfig, EtcdError};
 pub use ferry_discovery::{DiscoveryError, Loaded, LookupError, MetadataError, NodeMetadata};
 /// The ibverbs backend, for direct use of its actor, messages and raw handles.
 pub use ferry_ibverbs as ibverbs;

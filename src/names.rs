@@ -28,7 +28,17 @@ pub(crate) struct Names {
     transports: Vec<RdmaTransportLevel>,
     /// Published regions stay registered while published.
     published: Mutex<BTreeMap<String, Region>>,
-    peers: Peers,
+    peers: Arc<Peers>,
+    #[cfg(feature = "etcd")]
+    etcd: std::sync::OnceLock<EtcdNames>,
+}
+
+/// The node's etcd side: its leased key and the lookups of its peers.
+#[cfg(feature = "etcd")]
+struct EtcdNames {
+    discovery: ferry_discovery::etcd::EtcdDiscovery,
+    /// Taken at shutdown, to withdraw the key.
+    publication: Mutex<Option<ferry_discovery::etcd::Publication>>,
 }
 
 impl Names {
@@ -38,7 +48,52 @@ impl Names {
             addr,
             transports,
             published: Mutex::default(),
-            peers: Peers::default(),
+            peers: Arc::default(),
+            #[cfg(feature = "etcd")]
+            etcd: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Publishes this node in etcd and watches its peers there.
+    #[cfg(feature = "etcd")]
+    pub fn start_etcd(&self, etcd: ferry_discovery::etcd::Etcd) {
+        // A node without a name only looks others up.
+        let publication = self
+            .name
+            .as_ref()
+            .map(|name| etcd.publish(name, self.export(None)));
+        let discovery = ferry_discovery::etcd::EtcdDiscovery::start(etcd, self.peers.clone());
+        let _ = self.etcd.set(EtcdNames {
+            discovery,
+            publication: Mutex::new(publication),
+        });
+    }
+
+    /// Pushes the current metadata to etcd, where the node publishes.
+    fn republish(&self) {
+        #[cfg(feature = "etcd")]
+        if let Some(etcd) = self.etcd.get()
+            && let Some(publication) = &*etcd.publication.lock().unwrap_or_else(|e| e.into_inner())
+        {
+            publication.update(self.export(None));
+        }
+    }
+
+    /// Deletes the node's key in etcd, if it publishes there.
+    pub async fn withdraw(&self) {
+        #[cfg(feature = "etcd")]
+        if let Some(etcd) = self.etcd.get() {
+            let publication = etcd
+                .publication
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            if let Some(publication) = publication {
+                let timeout = etcd.discovery.etcd().config().request_timeout;
+                if let Err(e) = publication.withdraw(timeout).await {
+                    tracing::warn!("{e}; the key expires with its lease");
+                }
+            }
         }
     }
 
@@ -86,13 +141,19 @@ impl Node {
             return Err(NameTaken(name));
         }
         published.insert(name, region.clone());
+        drop(published);
+        self.0.router.names.republish();
         Ok(())
     }
 
     /// Stops publishing `name`; returns whether it was published. Peers
     /// that loaded the handle keep it for as long as the region lives.
     pub fn unpublish(&self, name: &str) -> bool {
-        self.0.router.names.published().remove(name).is_some()
+        let removed = self.0.router.names.published().remove(name).is_some();
+        if removed {
+            self.0.router.names.republish();
+        }
+        removed
     }
 
     /// This node's metadata: identity, transports, published regions.
@@ -135,6 +196,82 @@ impl Node {
     /// The metadata loaded for `peer`.
     pub fn peer_metadata(&self, peer: &str) -> Option<NodeMetadata> {
         self.0.router.names.peers.get(peer)
+    }
+
+    /// `peer`'s metadata: as loaded, or, on a node with etcd
+    /// ([`crate::NodeBuilder::etcd`]), looked up there, waiting up to
+    /// `timeout` for the peer to be published. A peer looked up through
+    /// etcd stays current: the node's watch drops it when its key goes and
+    /// reloads it when it is republished (a restart included).
+    pub async fn lookup(
+        &self,
+        peer: &str,
+        timeout: Duration,
+    ) -> Result<NodeMetadata, DiscoveryError> {
+        self.lookup_where(peer, timeout, |_| true).await
+    }
+
+    /// The handle of the region `peer` published as `region`, looking the
+    /// peer up as [`Node::lookup`] does; through etcd, it also waits up to
+    /// `timeout` for a peer that is published but has not published that
+    /// region yet.
+    pub async fn lookup_region(
+        &self,
+        peer: &str,
+        region: &str,
+        timeout: Duration,
+    ) -> Result<RemoteBuffer, DiscoveryError> {
+        let metadata = self
+            .lookup_where(peer, timeout, |m| m.regions.contains_key(region))
+            .await?;
+        metadata.regions.get(region).cloned().ok_or_else(|| {
+            LookupError::UnknownRegion {
+                peer: peer.into(),
+                region: region.into(),
+            }
+            .into()
+        })
+    }
+
+    async fn lookup_where(
+        &self,
+        peer: &str,
+        timeout: Duration,
+        wanted: impl Fn(&NodeMetadata) -> bool,
+    ) -> Result<NodeMetadata, DiscoveryError> {
+        let names = &self.0.router.names;
+        #[cfg(feature = "etcd")]
+        if let Some(etcd) = names.etcd.get() {
+            let (metadata, _) = etcd.discovery.lookup(peer, timeout, wanted).await?;
+            return Ok(metadata);
+        }
+        let _ = (timeout, wanted);
+        names
+            .peers
+            .get(peer)
+            .ok_or_else(|| LookupError::UnknownPeer(peer.into()).into())
+    }
+
+    /// Whether this node's key is in etcd now (`None`: it does not
+    /// publish there), waiting up to `timeout` for it to be.
+    pub async fn published_in_etcd(&self, timeout: Duration) -> Option<bool> {
+        #[cfg(feature = "etcd")]
+        if let Some(etcd) = self.0.router.names.etcd.get() {
+            let published = etcd
+                .publication
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .map(|p| p.watch_published());
+            let Some(mut published) = published else {
+                // Unnamed, or shut down.
+                return Some(false);
+            };
+            let waited = tokio::time::timeout(timeout, published.wait_for(|p| *p)).await;
+            return Some(waited.is_ok_and(|r| r.is_ok()));
+        }
+        let _ = timeout;
+        None
     }
 
     /// Forgets `peer`'s metadata; returns whether it was known.

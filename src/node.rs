@@ -352,10 +352,13 @@ impl Node {
         self.0.router.tcp.registered()
     }
 
-    /// Stops the endpoint (listener, sessions, served connections) and the
+    /// Withdraws the node's etcd key (when it publishes there), then stops
+    /// the endpoint (listener, sessions, served connections) and the
     /// backends' actors; transfers in flight fail.
     pub async fn shutdown(&self) {
         let router = &self.0.router;
+        // First: peers stop finding a node that is going away.
+        router.names.withdraw().await;
         router.endpoint.shutdown();
         router.tcp.stop().await;
         if let Some(ibverbs) = &router.ibverbs {

@@ -14,6 +14,7 @@ use ferry::prelude::*;
 use kameo::actor::Spawn;
 use serde::Serialize;
 
+use crate::discovery::{EtcdArgs, resolve};
 use crate::submitter::{Echo, Submitter};
 use crate::{Failure, export_metrics, parse_size};
 
@@ -80,10 +81,19 @@ pub struct BenchArgs {
     /// Handle file written by `ferry serve`.
     #[arg(
         long,
-        required_unless_present = "loopback",
-        conflicts_with = "loopback"
+        required_unless_present_any = ["loopback", "peer"],
+        conflicts_with_all = ["loopback", "peer"]
     )]
     pub handle: Option<PathBuf>,
+    /// The node to measure against: its name (found through --etcd), or
+    /// HOST:PORT (its metadata fetched from it directly). With --region.
+    #[arg(long, requires = "region", conflicts_with = "loopback")]
+    pub peer: Option<String>,
+    /// The name the --peer published its region under (`serve --publish`).
+    #[arg(long, value_name = "REGION_NAME", requires = "peer")]
+    pub region: Option<String>,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
     /// Start a `ferry serve` process on 127.0.0.1 and measure against it.
     #[arg(long)]
     pub loopback: bool,
@@ -170,6 +180,7 @@ fn start_server(args: &BenchArgs) -> Result<(Server, RemoteBuffer), Failure> {
         "127.0.0.1:0",
         "--size",
         &args.size.to_string(),
+        "--stdin",
     ]);
     if args.transport == Transport::Tcp {
         command.arg("--no-ibverbs");
@@ -390,28 +401,30 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
     if let Some(addr) = args.metrics {
         export_metrics(addr)?;
     }
-    let (_server, remote) = match &args.handle {
-        Some(path) => {
+    let mut builder = Node::builder();
+    if let Some(window) = args.window {
+        builder = builder.tcp_window(u32::try_from(window).unwrap_or(u32::MAX));
+    }
+    let builder = args.etcd.apply(builder, None)?;
+    let node = builder
+        .tcp_connections(args.streams)
+        .ibverbs(args.transport != Transport::Tcp)
+        .spawn()
+        .await?;
+    let (_server, remote) = match (&args.handle, &args.peer, &args.region) {
+        (Some(path), _, _) => {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| Failure(format!("cannot read handle file {}: {e}", path.display())))?;
             let handle = serde_json::from_str(text.trim())
                 .map_err(|e| Failure(format!("{} is not a ferry handle: {e}", path.display())))?;
             (None, handle)
         }
-        None => {
+        (None, Some(peer), Some(region)) => (None, resolve(&node, peer, region, &args.etcd).await?),
+        _ => {
             let (server, handle) = start_server(&args)?;
             (Some(server), handle)
         }
     };
-    let mut builder = Node::builder();
-    if let Some(window) = args.window {
-        builder = builder.tcp_window(u32::try_from(window).unwrap_or(u32::MAX));
-    }
-    let node = builder
-        .tcp_connections(args.streams)
-        .ibverbs(args.transport != Transport::Tcp)
-        .spawn()
-        .await?;
     let size = remote.len();
     let local = node.alloc(size, Access::ReadWrite).await?;
     let probe = RdmaOp::write(local.slice(0..1)?, remote.slice(0..1)?);

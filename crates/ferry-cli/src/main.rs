@@ -1,9 +1,11 @@
-//! `ferry`: what this host's transports can do (`info`), a target node for
-//! benchmarks (`serve`), and the benchmark itself (`bench`).
+//! `ferry`: what this host's transports can do (`info`), a node serving a
+//! region (`serve`), the benchmark against one (`bench`), and the nodes
+//! published in etcd (`ls`).
 
 #![warn(missing_docs)]
 
 mod bench;
+mod discovery;
 mod serve;
 mod submitter;
 
@@ -34,10 +36,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Register a region and serve it to bench clients; prints its handle.
+    /// Register a region and serve it to bench clients (optionally named,
+    /// published by name, and in etcd); prints its handle.
     Serve(serve::ServeArgs),
     /// Measure writes or reads against a served region, per block size.
     Bench(bench::BenchArgs),
+    /// List the nodes published in etcd: transports, regions, lease left.
+    Ls(discovery::LsArgs),
 }
 
 /// A user-facing failure: printed as one line, exit status 1.
@@ -226,6 +231,14 @@ fn main() -> ExitCode {
                 Err(Failure(e)) => return fail(e),
             }
         }
+        Command::Ls(args) => match rt.block_on(discovery::ls(&args)) {
+            Ok(rows) if args.json => match serde_json::to_string_pretty(&rows) {
+                Ok(text) => println!("{text}"),
+                Err(e) => return fail(e),
+            },
+            Ok(rows) => discovery::print_ls(&rows),
+            Err(Failure(e)) => return fail(e),
+        },
         Command::Info { json } => {
             let info = match rt.block_on(info()) {
                 Ok(info) => info,

@@ -1,6 +1,8 @@
 //! `ferry serve`: a node that registers one region and serves it to bench
-//! clients until stdin closes, taking every message and notification its
-//! inbox receives (counted in the log).
+//! clients until SIGTERM or Ctrl-C (or, with `--stdin`, until stdin
+//! closes), taking every message and notification its inbox receives
+//! (counted in the log). Named, it can publish the region by name and
+//! itself in etcd; stopping withdraws its key.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -8,7 +10,12 @@ use std::path::PathBuf;
 use clap::Args;
 use ferry::prelude::*;
 
+use crate::discovery::EtcdArgs;
 use crate::{Failure, export_metrics, parse_size};
+
+/// How long `serve` waits for its first publication in etcd before it
+/// reports ready (metrics listener up) anyway, with a warning.
+const PUBLISH_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Arguments of `ferry serve`.
 #[derive(Args, Debug)]
@@ -31,9 +38,26 @@ pub struct ServeArgs {
     #[arg(long)]
     pub no_ibverbs: bool,
     /// Serve Prometheus metrics on this address (GET /metrics): bytes and
-    /// requests served per transport and op kind.
+    /// requests served per transport and op kind. It listens once the node
+    /// is up and published, so it doubles as a readiness check.
     #[arg(long)]
     pub metrics: Option<std::net::SocketAddr>,
+    /// The node's name: peers find it by this name (in etcd, or in its
+    /// metadata).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Publish the served region under this name (e.g. kv-cache).
+    #[arg(long, value_name = "REGION_NAME")]
+    pub publish: Option<String>,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    /// Seconds the node's key outlives it in etcd when it dies (the lease
+    /// TTL; keep-alives go out every third of it).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub lease_ttl: u64,
+    /// Also stop when stdin closes (for a parent process that pipes it).
+    #[arg(long)]
+    pub stdin: bool,
 }
 
 fn parse_advertise(text: &str) -> Result<std::net::SocketAddr, String> {
@@ -47,8 +71,10 @@ fn parse_advertise(text: &str) -> Result<std::net::SocketAddr, String> {
 
 /// Runs `ferry serve`.
 pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
-    if let Some(addr) = args.metrics {
-        export_metrics(addr)?;
+    if args.etcd.etcd.is_some() && args.name.is_none() {
+        return Err(Failure(
+            "--etcd: a node publishes there under its --name".into(),
+        ));
     }
     let mut builder = Node::builder()
         .listen(args.listen)
@@ -56,8 +82,22 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
     if let Some(advertise) = args.advertise {
         builder = builder.advertise(advertise);
     }
+    if let Some(name) = &args.name {
+        builder = builder.name(name.clone());
+    }
+    let lease_ttl = std::time::Duration::from_secs(args.lease_ttl);
+    let builder = args.etcd.apply(builder, Some(lease_ttl))?;
     let node = builder.spawn().await?;
     let region = node.alloc(args.size, Access::ReadWrite).await?;
+    if let Some(name) = &args.publish {
+        node.publish(name.clone(), &region)?;
+    }
+    if node.published_in_etcd(PUBLISH_WAIT).await == Some(false) {
+        tracing::warn!("not published in etcd yet; retrying in the background");
+    }
+    if let Some(addr) = args.metrics {
+        export_metrics(addr)?;
+    }
     let handle = serde_json::to_string(&region.remote())?;
     // Ready before the handle goes out: a client may call or send at once.
     // `bench --op rpc` calls this.
@@ -90,17 +130,46 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
         }
     }
     eprintln!(
-        "ferry serve: {} bytes registered at {}; stop with Ctrl-C or by closing stdin",
+        "ferry serve: {} bytes registered at {}{}; stop with Ctrl-C or SIGTERM{}",
         args.size,
-        node.addr().endpoint
+        node.addr().endpoint,
+        args.name
+            .as_ref()
+            .map(|n| format!(" as {n:?}"))
+            .unwrap_or_default(),
+        if args.stdin {
+            " or by closing stdin"
+        } else {
+            ""
+        },
     );
-    // Serve until stdin closes (how `--loopback` stops its child) or the
-    // process is killed.
-    tokio::task::spawn_blocking(|| {
-        let mut sink = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
-    })
-    .await?;
+    stopped(args.stdin).await?;
+    // Withdraws the etcd key, so peers stop finding the node at once.
+    node.shutdown().await;
     drop(region);
+    Ok(())
+}
+
+/// Waits for SIGTERM, SIGINT, or (with `stdin`) the end of stdin (how
+/// `bench --loopback` stops its child).
+async fn stopped(stdin: bool) -> Result<(), Failure> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let closed = async {
+        if !stdin {
+            return std::future::pending().await;
+        }
+        let _ = tokio::task::spawn_blocking(|| {
+            let mut sink = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+        })
+        .await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = interrupt.recv() => {}
+        () = closed => {}
+    }
     Ok(())
 }

@@ -59,6 +59,7 @@ fn spawn_serve_logging(
     let child = Command::new(&bin)
         .arg("serve")
         .args(args)
+        .arg("--stdin")
         .arg("--handle-file")
         .arg(handle)
         .stdin(std::process::Stdio::piped())

@@ -19,3 +19,6 @@ mod peers;
 pub use metadata::{METADATA_VERSION, MetadataError, NodeMetadata};
 pub use p2p::{DiscoveryError, fetch, fetch_from, serve_metadata};
 pub use peers::{Loaded, LookupError, Peers, key_of};
+
+#[cfg(feature = "etcd")]
+pub mod etcd;

@@ -13,6 +13,7 @@ use ferry_core::NodeAddr;
 use tokio::time::Instant;
 
 use crate::metadata::{MetadataError, NodeMetadata};
+use crate::peers::LookupError;
 
 /// Why a peer's metadata could not be fetched.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -37,6 +38,13 @@ pub enum DiscoveryError {
         /// The peer's address.
         endpoint: SocketAddr,
     },
+    /// The name or region is not known (and no registry can tell).
+    #[error(transparent)]
+    Lookup(#[from] LookupError),
+    /// etcd could not tell.
+    #[cfg(feature = "etcd")]
+    #[error(transparent)]
+    Etcd(#[from] crate::etcd::EtcdError),
 }
 
 /// Serves this node's metadata on `endpoint`: `export(names)` makes the

@@ -51,6 +51,7 @@ impl Served {
         let child = command
             .arg("serve")
             .args(args)
+            .arg("--stdin")
             .arg("--handle-file")
             .arg(&handle)
             // Its default filter: warnings and its lifecycle, which the
