@@ -98,7 +98,7 @@ impl Message<Alloc> for NodeActor {
         let router = self.router.clone();
         // Registering with a NIC pins and maps every page: not for the mailbox.
         ctx.spawn(async move {
-            let memory = MemoryBlock::alloc(msg.len)?;
+            let memory = router.alloc_memory(msg.len)?;
             router.register(memory, msg.access).await
         })
     }

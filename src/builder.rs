@@ -9,6 +9,7 @@ use ferry_control::rpc::DEFAULT_MAX_RPC_PAYLOAD;
 use ferry_control::{ConnectionLimits, Endpoint, EndpointConfig, EndpointError, Messages, Rpc};
 use ferry_core::{NodeId, RdmaTransportLevel, RegionIds};
 use ferry_ibverbs::{IbvBackend, IbvConfig, IbvDevice};
+use ferry_memory::MemoryBackend;
 use ferry_tcp::{TcpBackend, TcpConfig};
 use kameo::actor::Spawn;
 use tracing::info;
@@ -26,6 +27,9 @@ pub const DISABLE_IBVERBS_ENV: &str = "FERRY_DISABLE_IBVERBS";
 /// The address a node advertises to peers when the builder names none:
 /// an IP (the bound port is used) or IP:PORT. See [`NodeBuilder::advertise`].
 pub const ADVERTISE_ENV: &str = "FERRY_ADVERTISE";
+/// Set to `1`, turns the same-host memory transport off whatever the
+/// builder says.
+pub const DISABLE_MEMORY_ENV: &str = "FERRY_DISABLE_MEMORY";
 
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +69,7 @@ pub struct NodeBuilder {
     tcp: TcpConfig,
     ibverbs: bool,
     ibverbs_config: IbvConfig,
+    memory: bool,
     required: Vec<RdmaTransportLevel>,
     rpc_max_payload: usize,
     message_max_len: usize,
@@ -83,6 +88,7 @@ impl Default for NodeBuilder {
             tcp: TcpConfig::default(),
             ibverbs: true,
             ibverbs_config: IbvConfig::default(),
+            memory: true,
             required: Vec::new(),
             rpc_max_payload: DEFAULT_MAX_RPC_PAYLOAD,
             message_max_len: DEFAULT_MAX_MESSAGE,
@@ -171,6 +177,15 @@ impl NodeBuilder {
         self
     }
 
+    /// Whether to share this node's regions with processes on the same host
+    /// and copy to and from theirs directly (default true;
+    /// `FERRY_DISABLE_MEMORY=1` overrides it to false). Regions it
+    /// allocates are then sealed memfds; see `ferry_memory`.
+    pub fn memory(mut self, enabled: bool) -> Self {
+        self.memory = enabled;
+        self
+    }
+
     /// Whether to use an RDMA device when this host has one (default true;
     /// `FERRY_DISABLE_IBVERBS=1` overrides it to false).
     pub fn ibverbs(mut self, enabled: bool) -> Self {
@@ -243,12 +258,17 @@ impl NodeBuilder {
             (true, true) => Err(format!("disabled by {DISABLE_IBVERBS_ENV}=1")),
             (true, false) => IbvDevice::open(&self.ibverbs_config).map_err(|e| e.to_string()),
         };
-        let memory_reason = "not implemented yet (same-host transport)".to_string();
+        let memory_off_by_env = std::env::var(DISABLE_MEMORY_ENV).is_ok_and(|v| v == "1");
+        let memory = match (self.memory, memory_off_by_env) {
+            (false, _) => Err("disabled by the node builder".to_string()),
+            (true, true) => Err(format!("disabled by {DISABLE_MEMORY_ENV}=1")),
+            (true, false) => MemoryBackend::start(id).map_err(|e| e.to_string()),
+        };
         for &level in &self.required {
             let missing = match level {
                 RdmaTransportLevel::Tcp => None,
                 RdmaTransportLevel::Nic => device.as_ref().err().cloned(),
-                RdmaTransportLevel::Memory => Some(memory_reason.clone()),
+                RdmaTransportLevel::Memory => memory.as_ref().err().cloned(),
             };
             if let Some(reason) = missing {
                 return Err(NodeError::TransportUnavailable {
@@ -286,12 +306,17 @@ impl NodeBuilder {
                 (None, TransportState::Unavailable { reason })
             }
         };
+        let (memory, memory_state) = match memory {
+            Ok(backend) => {
+                let detail = backend.describe();
+                (Some(backend), TransportState::Running { detail })
+            }
+            Err(reason) => (None, TransportState::Unavailable { reason }),
+        };
         let transports = vec![
             TransportStatus {
                 level: RdmaTransportLevel::Memory,
-                state: TransportState::Unavailable {
-                    reason: memory_reason,
-                },
+                state: memory_state,
             },
             TransportStatus {
                 level: RdmaTransportLevel::Nic,
@@ -325,9 +350,11 @@ impl NodeBuilder {
             ids: RegionIds::new(),
             tcp,
             ibverbs,
+            memory,
             transports,
             tcp_meters: Meters::new("tcp"),
             ibverbs_meters: Meters::new("ibverbs"),
+            memory_meters: Meters::new("memory"),
             rpc,
             messages,
             names,

@@ -34,7 +34,7 @@ mod rpc;
 mod transports;
 
 pub use actor::{Alloc, NodeActor, Register, Transports};
-pub use builder::{ADVERTISE_ENV, DISABLE_IBVERBS_ENV, NodeBuilder, NodeError};
+pub use builder::{ADVERTISE_ENV, DISABLE_IBVERBS_ENV, DISABLE_MEMORY_ENV, NodeBuilder, NodeError};
 /// The node's endpoint and control plane, for direct use of its sessions.
 pub use ferry_control as control;
 pub use ferry_control::{
@@ -52,6 +52,8 @@ pub use ferry_discovery::etcd::{EtcdConfig, EtcdError};
 pub use ferry_discovery::{DiscoveryError, Loaded, LookupError, MetadataError, NodeMetadata};
 /// The ibverbs backend, for direct use of its actor, messages and raw handles.
 pub use ferry_ibverbs as ibverbs;
+/// The same-host memory transport.
+pub use ferry_memory as memory;
 /// The TCP fallback backend, for direct use of its actor and messages.
 pub use ferry_tcp as tcp;
 pub use messages::{InboxTaken, NotifyError, SendMessage, SubmitWithNotification};

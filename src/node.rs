@@ -12,6 +12,7 @@ use ferry_core::{
     RemoteTransports, SubmitError,
 };
 use ferry_ibverbs::{IbvBackend, IbvTransportInfo};
+use ferry_memory::MemoryBackend;
 use ferry_tcp::{TcpBackend, TcpTransportInfo};
 use kameo::actor::ActorRef;
 
@@ -26,10 +27,12 @@ pub(crate) struct Router {
     pub ids: RegionIds,
     pub tcp: TcpBackend,
     pub ibverbs: Option<IbvBackend>,
+    pub memory: Option<MemoryBackend>,
     /// Fastest first.
     pub transports: Vec<TransportStatus>,
     pub tcp_meters: Meters,
     pub ibverbs_meters: Meters,
+    pub memory_meters: Meters,
     /// Named handlers this node serves, and its calls of peers' handlers.
     pub rpc: Arc<Rpc>,
     /// Messages this node sends, and its inbox.
@@ -46,23 +49,20 @@ impl Router {
     /// The fastest transport this node and the op's remote side share.
     pub fn route(&self, op: &RdmaOp) -> Option<RdmaTransportLevel> {
         let remote = op.remote.transports();
-        if self.ibverbs.is_some() && remote.ibverbs.is_some() {
+        if self.memory.as_ref().is_some_and(|m| m.routes(&op.remote)) {
+            Some(RdmaTransportLevel::Memory)
+        } else if self.ibverbs.is_some() && remote.ibverbs.is_some() {
             Some(RdmaTransportLevel::Nic)
         } else {
             remote.tcp.map(|_| RdmaTransportLevel::Tcp)
         }
     }
 
-    /// Routes each op to the fastest transport both ends share; the ops of
-    /// one transport stay one batch, and the transports run concurrently.
-    /// Errors name the op's index in *this* batch.
     pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
-        let total = ops.len();
-        let mut on_nic = 0;
+        let mut levels = Vec::with_capacity(ops.len());
         for (index, op) in ops.iter().enumerate() {
             match self.route(op) {
-                Some(RdmaTransportLevel::Nic) => on_nic += 1,
-                Some(_) => {}
+                Some(level) => levels.push(level),
                 None => {
                     return Err(SubmitError::Op {
                         index,
@@ -72,19 +72,40 @@ impl Router {
             }
         }
         // Usually a whole batch takes one transport: it goes on as it is.
-        if total == 0 {
-            return Ok(());
-        } else if on_nic == total {
-            return self.submit_ibverbs(ops, timeout).await;
-        } else if on_nic == 0 {
-            return self.submit_tcp(ops, timeout).await;
+        match levels.first() {
+            None => Ok(()),
+            Some(&first) if levels.iter().all(|&l| l == first) => {
+                self.submit_on(first, ops, timeout).await
+            }
+            // Boxed: several transports' futures at once are large, and
+            // every submit's future would otherwise carry (and copy) them.
+            Some(_) => Box::pin(self.submit_split(ops, levels, timeout)).await,
         }
-        // Boxed: both transports' futures at once are large, and every
-        // submit's future would otherwise carry (and copy) them.
-        Box::pin(self.submit_split(ops, on_nic, timeout)).await
     }
 
-    /// The ibverbs backend's share of a batch; every op routed to it.
+    async fn submit_on(
+        &self,
+        level: RdmaTransportLevel,
+        ops: Vec<RdmaOp>,
+        timeout: Duration,
+    ) -> Result<(), SubmitError> {
+        match level {
+            RdmaTransportLevel::Memory => self.submit_memory(ops, timeout).await,
+            RdmaTransportLevel::Nic => self.submit_ibverbs(ops, timeout).await,
+            RdmaTransportLevel::Tcp => self.submit_tcp(ops, timeout).await,
+        }
+    }
+
+    async fn submit_memory(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        let Some(memory) = &self.memory else {
+            return Err(SubmitError::BackendStopped);
+        };
+        let submitted = Submitted::new(&ops);
+        let result = memory.submit(ops, timeout).await;
+        submitted.finish(&self.memory_meters, &result);
+        result
+    }
+
     async fn submit_ibverbs(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         let Some(ibverbs) = &self.ibverbs else {
             return Err(SubmitError::BackendStopped);
@@ -123,30 +144,29 @@ impl Router {
     async fn submit_split(
         &self,
         ops: Vec<RdmaOp>,
-        on_nic: usize,
+        levels: Vec<RdmaTransportLevel>,
         timeout: Duration,
     ) -> Result<(), SubmitError> {
         let total = ops.len();
-        let (mut nic_ops, mut nic_index) = (Vec::with_capacity(on_nic), Vec::with_capacity(on_nic));
-        let (mut tcp_ops, mut tcp_index) = (vec![], vec![]);
-        for (index, op) in ops.into_iter().enumerate() {
-            if self.route(&op) == Some(RdmaTransportLevel::Nic) {
-                nic_index.push(index);
-                nic_ops.push(op);
-            } else {
-                tcp_index.push(index);
-                tcp_ops.push(op);
+        let mut groups: Vec<(RdmaTransportLevel, Vec<RdmaOp>, Vec<usize>)> = Vec::new();
+        for (index, (op, level)) in ops.into_iter().zip(levels).enumerate() {
+            match groups.iter_mut().find(|(l, ..)| *l == level) {
+                Some((_, ops, indices)) => {
+                    ops.push(op);
+                    indices.push(index);
+                }
+                None => groups.push((level, vec![op], vec![index])),
             }
         }
-        let (nic_result, tcp_result) = tokio::join!(
-            async { remap(self.submit_ibverbs(nic_ops, timeout).await, &nic_index) },
-            async { remap(self.submit_tcp(tcp_ops, timeout).await, &tcp_index) },
-        );
-        merge([nic_result, tcp_result], total)
+        let results = futures_util::future::join_all(groups.into_iter().map(
+            |(level, ops, indices)| async move {
+                remap(self.submit_on(level, ops, timeout).await, &indices)
+            },
+        ))
+        .await;
+        merge(results, total)
     }
 
-    /// Registers memory with every running backend; its handles advertise
-    /// all of them.
     pub async fn register(
         &self,
         memory: MemoryBlock,
@@ -167,7 +187,12 @@ impl Router {
         let mut transports = RemoteTransports {
             tcp: Some(tcp.remote),
             ibverbs: None,
+            memory: None,
         };
+        if let Some(shared) = self.memory.as_ref().and_then(|m| m.register(&message())) {
+            registrations.push(Box::new(shared.registration));
+            transports.memory = Some(shared.remote);
+        }
         if let Some(ibverbs) = &self.ibverbs {
             let ibv = ibverbs.register(message()).await?;
             registrations.push(Box::new(ibv.registration));
@@ -185,8 +210,19 @@ impl Router {
     }
 
     /// The fastest transport this node runs.
+    /// Memory for a region: shareable with same-host peers when the memory
+    /// transport runs.
+    pub fn alloc_memory(&self, len: u64) -> Result<MemoryBlock, RegisterError> {
+        match &self.memory {
+            Some(_) => ferry_memory::alloc_or_plain(len),
+            None => MemoryBlock::alloc(len),
+        }
+    }
+
     pub fn transport_level(&self) -> RdmaTransportLevel {
-        if self.ibverbs.is_some() {
+        if self.memory.is_some() {
+            RdmaTransportLevel::Memory
+        } else if self.ibverbs.is_some() {
             RdmaTransportLevel::Nic
         } else {
             RdmaTransportLevel::Tcp
@@ -221,7 +257,10 @@ fn remap(result: Result<(), SubmitError>, index: &[usize]) -> Result<(), SubmitE
 /// Merges the answers of the backends a batch was split over: the lowest
 /// failing op first, then a timeout (unfinished ops summed), then a stopped
 /// backend.
-fn merge(results: [Result<(), SubmitError>; 2], total: usize) -> Result<(), SubmitError> {
+fn merge(
+    results: impl IntoIterator<Item = Result<(), SubmitError>>,
+    total: usize,
+) -> Result<(), SubmitError> {
     let mut lowest_op: Option<(usize, OpError)> = None;
     let mut timed_out: Option<(Duration, usize)> = None;
     let mut stopped = false;
@@ -334,7 +373,8 @@ impl Node {
 
     /// Allocates `len` zeroed, page-aligned bytes and registers them.
     pub async fn alloc(&self, len: u64, access: Access) -> Result<Region, RegisterError> {
-        self.register(MemoryBlock::alloc(len)?, access).await
+        self.register(self.0.router.alloc_memory(len)?, access)
+            .await
     }
 
     /// Registers memory with every running backend; its handles advertise

@@ -40,7 +40,7 @@ fn with_wrong_rkey(handle: &RemoteBuffer) -> RemoteBuffer {
 }
 
 async fn rdma_node() -> Node {
-    let node = Node::builder().spawn().await.unwrap();
+    let node = Node::builder().memory(false).spawn().await.unwrap();
     assert!(
         node.ibverbs().is_some(),
         "{NEEDS_DEVICE}; here: {}",
@@ -88,6 +88,7 @@ async fn ops_larger_than_a_work_request_are_split_and_stream_through_few_credits
         ..Default::default()
     };
     let node = Node::builder()
+        .memory(false)
         .ibverbs_config(config)
         .spawn()
         .await
@@ -186,6 +187,7 @@ async fn an_explicit_gid_index_is_used_and_a_bad_one_is_reported() {
         ..Default::default()
     };
     let node = Node::builder()
+        .memory(false)
         .ibverbs_config(config(index))
         .spawn()
         .await
@@ -208,6 +210,7 @@ async fn an_explicit_gid_index_is_used_and_a_bad_one_is_reported() {
         .expect("rxe's GID table has unused entries");
     for (gid_index, why) in [(4000, "ibv_query_gid"), (empty, "is empty")] {
         let bad = Node::builder()
+            .memory(false)
             .ibverbs_config(config(gid_index))
             .spawn()
             .await

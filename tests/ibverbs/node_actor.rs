@@ -133,7 +133,15 @@ async fn a_timed_out_rdma_submit_stops_moving_bytes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transports_and_require_say_what_runs_and_why() {
     use ferry::{NodeError, TransportState, Transports};
-    let node = Node::builder().spawn().await.unwrap();
+    // With the same-host transport on, it is the node's fastest level.
+    let shared = Node::builder().spawn().await.unwrap();
+    assert!(
+        shared.transports()[0].is_running(),
+        "{:?}",
+        shared.transports()
+    );
+    assert_eq!(shared.transport_level(), RdmaTransportLevel::Memory);
+    let node = Node::builder().memory(false).spawn().await.unwrap();
     let transports = node.actor().ask(Transports).await.unwrap();
     assert_eq!(transports, node.transports());
     let levels: Vec<_> = transports.iter().map(|t| t.level).collect();
@@ -147,7 +155,11 @@ async fn transports_and_require_say_what_runs_and_why() {
         "fastest first"
     );
     assert!(transports[2].is_running(), "TCP always runs");
+    assert!(
+        matches!(&transports[0].state, TransportState::Unavailable { reason } if reason == "disabled by the node builder")
+    );
     let required = Node::builder()
+        .memory(false)
         .require(RdmaTransportLevel::Nic)
         .spawn()
         .await;
@@ -185,8 +197,17 @@ async fn transports_and_require_say_what_runs_and_why() {
             .is_ok(),
         "TCP can always be required"
     );
+    assert!(
+        Node::builder()
+            .require(RdmaTransportLevel::Memory)
+            .spawn()
+            .await
+            .is_ok(),
+        "the memory transport runs wherever /proc and memfd do"
+    );
     assert!(matches!(
         Node::builder()
+            .memory(false)
             .require(RdmaTransportLevel::Memory)
             .spawn()
             .await,

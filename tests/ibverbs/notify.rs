@@ -44,7 +44,12 @@ async fn ten_thousand_notified_reads_from_a_peer_process_are_done_when_the_owner
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
 async fn a_stalled_consumer_holds_senders_back_and_resumes() {
-    let owner = Node::builder().inbox_capacity(2).spawn().await.unwrap();
+    let owner = Node::builder()
+        .memory(false)
+        .inbox_capacity(2)
+        .spawn()
+        .await
+        .unwrap();
     let initiator = rdma_node().await;
     // Each notification rides the queue pair into a receive buffer the
     // owner posted, one credit each, and its credit comes back only once

@@ -283,6 +283,14 @@ async fn pipelined_messages_keep_their_order_through_a_small_inbox() {
     let receiver = Node::builder().inbox_capacity(2).spawn().await.unwrap();
     let sender = Node::builder().spawn().await.unwrap();
     let peer = receiver.addr();
+    // The session first: sends waiting for it to open are woken in no
+    // particular order (seen under load), so only sends into an open
+    // session have an order to keep.
+    sender
+        .endpoint()
+        .session(peer, DEADLINE)
+        .await
+        .expect("session opens");
     // Polled in order, so the requests go out (and arrive) in order.
     let sends = futures_util::future::join_all(
         (0..200u32).map(|i| sender.send_message(peer, i.to_le_bytes().to_vec(), DEADLINE)),

@@ -122,6 +122,9 @@ impl PeerProcess {
         let mut child = command
             .args(["--exact", "ferry_peer", "--nocapture", "--test-threads=1"])
             .env(PEER_ENV, "1")
+            // These tests are about the network transports: a peer on this
+            // host shares nothing through memory unless `env` says so.
+            .env(ferry::DISABLE_MEMORY_ENV, "1")
             .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -475,6 +478,7 @@ async fn notified_batches(
 /// it back to back: even ops write local bytes there, odd ops read the
 /// peer's bytes here (disjoint ranges, since ops of a batch run
 /// concurrently). Checks both sides byte for byte.
+#[allow(dead_code)] // tests/memory shares this file and does not use it
 pub async fn mixed_batch_round_trip(
     node: &Node,
     peer: &mut PeerProcess,
@@ -528,6 +532,7 @@ pub fn forge(handle: &RemoteBuffer, edit: impl FnOnce(&mut serde_json::Value)) -
 }
 
 /// The handle with its TCP token off by one bit: what a guesser would send.
+#[allow(dead_code)] // tests/memory shares this file and does not use it
 pub fn with_wrong_token(handle: &RemoteBuffer) -> RemoteBuffer {
     forge(handle, |j| {
         let token =

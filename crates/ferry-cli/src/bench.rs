@@ -33,6 +33,8 @@ pub enum Transport {
     Tcp,
     /// ibverbs only: fails if it is not shared with the target.
     Ibverbs,
+    /// Same-host memory only: fails unless the target is on this host.
+    Memory,
 }
 
 /// The op every submit of a run carries.
@@ -182,7 +184,7 @@ fn start_server(args: &BenchArgs) -> Result<(Server, RemoteBuffer), Failure> {
         &args.size.to_string(),
         "--stdin",
     ]);
-    if args.transport == Transport::Tcp {
+    if matches!(args.transport, Transport::Tcp | Transport::Memory) {
         command.arg("--no-ibverbs");
     }
     let mut child = command
@@ -408,7 +410,14 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
     let builder = args.etcd.apply(builder, None)?;
     let node = builder
         .tcp_connections(args.streams)
-        .ibverbs(args.transport != Transport::Tcp)
+        .ibverbs(matches!(
+            args.transport,
+            Transport::Auto | Transport::Ibverbs
+        ))
+        .memory(matches!(
+            args.transport,
+            Transport::Auto | Transport::Memory
+        ))
         .spawn()
         .await?;
     let (_server, remote) = match (&args.handle, &args.peer, &args.region) {
@@ -438,6 +447,14 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
         Op::Write | Op::Read => level.backend(),
     };
     let transfers = matches!(args.op, Op::Write | Op::Read);
+    if transfers && args.transport == Transport::Memory && level != RdmaTransportLevel::Memory {
+        let why = node
+            .unavailable(RdmaTransportLevel::Memory)
+            .unwrap_or("the target is not on this host (or shares no memory)");
+        return Err(Failure(format!(
+            "--transport memory: not available here: {why}"
+        )));
+    }
     if transfers && args.transport == Transport::Ibverbs && level != RdmaTransportLevel::Nic {
         let why = node
             .unavailable(RdmaTransportLevel::Nic)

@@ -60,6 +60,8 @@ fn spawn_serve_logging(
         .arg("serve")
         .args(args)
         .arg("--stdin")
+        // About the network transports: nothing shared through memory.
+        .env("FERRY_DISABLE_MEMORY", "1")
         .arg("--handle-file")
         .arg(handle)
         .stdin(std::process::Stdio::piped())

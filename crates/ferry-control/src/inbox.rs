@@ -256,10 +256,21 @@ impl Messages {
             // alive.
             let weak = Arc::downgrade(&messages);
             endpoint.serve(service, move |request| {
+                // This node's own limit holds whatever the sender's is.
+                let refused = weak
+                    .upgrade()
+                    .filter(|m| request.body.len() > m.max_len)
+                    .map(|m| too_large(request.body.len(), m.max_len));
                 // Called in arrival order: the message takes its place in
                 // line here, before the handler returns.
-                let delivered = weak.upgrade().map(|m| m.queue(request, kind));
+                let delivered = match refused {
+                    Some(_) => None,
+                    None => weak.upgrade().map(|m| m.queue(request, kind)),
+                };
                 async move {
+                    if let Some(refused) = refused {
+                        return Err(refused);
+                    }
                     let Some(delivered) = delivered else {
                         return Err(ServiceError("the node is shutting down".into()));
                     };
@@ -440,8 +451,27 @@ async fn deliver_in_order(
 }
 
 /// What a send learns from its session.
+/// How an owner refuses a message over its limit; the sender reads it
+/// back as [`MessageError::TooLarge`].
+const TOO_LARGE: &str = "over the receiver's message limit: ";
+
+fn too_large(len: usize, limit: usize) -> ServiceError {
+    ServiceError(format!("{TOO_LARGE}{len} > {limit}"))
+}
+
+/// The `(len, limit)` of an owner's [`too_large`] refusal.
+fn parse_too_large(message: &str) -> Option<(usize, usize)> {
+    let (len, limit) = message.strip_prefix(TOO_LARGE)?.split_once(" > ")?;
+    Some((len.parse().ok()?, limit.parse().ok()?))
+}
+
 fn send_error(e: ControlError, timeout: Duration) -> MessageError {
     let peer = e.endpoint();
+    if let ControlError::Failed { message, .. } = &e
+        && let Some((len, limit)) = parse_too_large(message)
+    {
+        return MessageError::TooLarge { len, limit };
+    }
     match e {
         ControlError::Timeout { .. } => MessageError::Timeout {
             peer,

@@ -48,6 +48,31 @@ pub struct IbvRemote {
     pub gid: [u8; 16],
 }
 
+/// What the same-host memory transport needs to reach a region: the owner's
+/// boot (a peer on another boot, i.e. another host or kernel, never tries
+/// it) and an unguessable token the owner checks before it hands out the
+/// region's memory.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MemRemote {
+    /// The owner's kernel boot id (`/proc/sys/kernel/random/boot_id`).
+    #[serde(with = "crate::ids::hex_u128")]
+    pub boot_id: u128,
+    /// Random per registration; the owner compares it in constant time.
+    /// Never logged: `Debug` redacts it.
+    #[serde(with = "crate::ids::hex_u128")]
+    pub token: u128,
+}
+
+impl std::fmt::Debug for MemRemote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "MemRemote {{ boot_id: {:032x}, token: <redacted> }}",
+            self.boot_id
+        )
+    }
+}
+
 /// Per-transport credentials a region was registered with. A transport that is
 /// `None` here cannot reach the region.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,6 +83,10 @@ pub struct RemoteTransports {
     /// Set when the owner's ibverbs backend registered the region.
     #[serde(default)]
     pub ibverbs: Option<IbvRemote>,
+    /// Set when the owner's memory backend registered the region (memory
+    /// ferry allocated, shareable with processes on its host).
+    #[serde(default)]
+    pub memory: Option<MemRemote>,
 }
 
 /// Serializable handle through which another node reads or writes (part of) a
@@ -199,6 +228,7 @@ mod tests {
             RemoteTransports {
                 tcp: Some(TcpRemote { token: 42 }),
                 ibverbs: None,
+                memory: None,
             },
         )
     }

@@ -60,7 +60,7 @@ enum BlockOwner {
     /// Mapped by ferry: `len` bytes at `base`, unmapped on drop.
     Mapped { base: *mut libc::c_void, len: usize },
     /// The caller's memory, kept valid by the guard until the block drops.
-    External(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
+    External(Box<dyn Any + Send + Sync>),
 }
 
 // SAFETY: a MemoryBlock is a pointer to memory that is valid for its whole
@@ -171,6 +171,16 @@ impl MemoryBlock {
             len,
             owner: BlockOwner::External(keep_alive),
         })
+    }
+
+    /// What keeps memory wrapped by [`MemoryBlock::from_raw`] alive, for a
+    /// backend that recognizes it (the memory transport finds its shared
+    /// mappings this way). `None` for memory `alloc` allocated.
+    pub fn keep_alive(&self) -> Option<&(dyn Any + Send + Sync)> {
+        match &self.owner {
+            BlockOwner::External(keep_alive) => Some(keep_alive.as_ref()),
+            _ => None,
+        }
     }
 
     /// Address of the first byte, for transports that copy or DMA through

@@ -52,6 +52,8 @@ impl Served {
             .arg("serve")
             .args(args)
             .arg("--stdin")
+            // About the network transports: nothing shared through memory.
+            .env("FERRY_DISABLE_MEMORY", "1")
             .arg("--handle-file")
             .arg(&handle)
             // Its default filter: warnings and its lifecycle, which the

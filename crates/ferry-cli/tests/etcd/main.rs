@@ -95,7 +95,7 @@ async fn nodes_find_each_other_by_name_and_move_verified_data() {
     assert_eq!(nodes.len(), 1, "{nodes:?}");
     let node = &nodes[0];
     assert_eq!(node["name"], "decode-0");
-    assert_eq!(node["transports"], serde_json::json!(["tcp"]));
+    assert_eq!(node["transports"], serde_json::json!(["tcp", "memory"]));
     assert_eq!(node["regions"][0]["name"], "kv");
     assert_eq!(node["regions"][0]["len"], 4 << 20);
     let lease = node["lease_left_s"].as_u64().expect("a lease");

@@ -1,0 +1,194 @@
+//! ferry's same-host transport: one-sided copies between processes on one
+//! host at memory speed, with no owner CPU in the data path.
+//!
+//! Regions ferry allocates live in sealed memfds ([`alloc`]). A peer on
+//! the same host asks the owner for a region once, over a Unix socket in
+//! the abstract namespace, presenting its handle's credentials; the owner
+//! answers with the memfd (read-only unless writes are allowed and asked
+//! for), and the peer maps it. From then on reads and writes are copies in
+//! the initiator's process. A peer is taken for same-host when its handle
+//! carries this kernel's boot id *and* the socket connects (which it does
+//! not across network namespaces), never by IP address.
+//!
+//! Memory wrapped with `MemoryBlock::from_raw` cannot be shared this way;
+//! its handles carry no memory transport and go over the next one.
+
+#![warn(missing_docs)]
+
+mod owner;
+mod peer;
+mod shared;
+mod socket;
+mod wire;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_core::{
+    MemRemote, MemoryBlock, NodeId, OpError, RdmaOp, RegisterError, RegisterRegion, RemoteBuffer,
+    SubmitError, random_u128,
+};
+
+pub use owner::MemRegistration;
+pub use shared::{SharedMapping, alloc, boot_id, mapping_of};
+
+/// The abstract socket name of node `id`'s memory transport.
+pub fn socket_name(id: NodeId) -> String {
+    format!("ferry-memory/{:032x}", id.0)
+}
+
+/// Why the memory transport cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    /// The kernel's boot id is unreadable (no `/proc`).
+    #[error("no boot id in /proc/sys/kernel/random/boot_id")]
+    NoBootId,
+    /// The node's socket could not be bound.
+    #[error("cannot listen on the same-host socket: {0}")]
+    Socket(#[from] std::io::Error),
+}
+
+/// A region registered with the memory transport: its remote half for
+/// handles, and the registration that keeps it shared.
+pub struct MemRegistered {
+    /// What handles carry.
+    pub remote: MemRemote,
+    /// Dropping it stops sharing the region.
+    pub registration: MemRegistration,
+}
+
+struct Inner {
+    boot_id: u128,
+    exports: Arc<owner::Exports>,
+    links: peer::Links,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+/// The memory transport of one node. Cheap to clone.
+#[derive(Clone)]
+pub struct MemoryBackend(Arc<Inner>);
+
+impl MemoryBackend {
+    /// Starts sharing regions for node `node` (listening on its socket).
+    /// Needs a tokio runtime.
+    pub fn start(node: NodeId) -> Result<Self, MemoryError> {
+        let boot_id = boot_id().ok_or(MemoryError::NoBootId)?;
+        let listener = socket::Listener::bind(&socket_name(node))?;
+        let exports = Arc::new(owner::Exports::default());
+        let server = tokio::spawn(owner::serve(listener, exports.clone()));
+        Ok(MemoryBackend(Arc::new(Inner {
+            boot_id,
+            exports,
+            links: peer::Links::default(),
+            server,
+        })))
+    }
+
+    /// What `ferry info` says about it.
+    pub fn describe(&self) -> String {
+        format!(
+            "sealed memfd regions shared with processes on this host (boot {:08x}…)",
+            (self.0.boot_id >> 96) as u32
+        )
+    }
+
+    /// Shares `region` if its memory is a shared block ([`alloc`]); `None`
+    /// for other memory, which other transports carry.
+    pub fn register(&self, region: &RegisterRegion) -> Option<MemRegistered> {
+        let token = random_u128();
+        let registration = self.0.exports.insert(
+            region.id,
+            region.generation,
+            region.access,
+            region.memory.clone(),
+            token,
+        )?;
+        Some(MemRegistered {
+            remote: MemRemote {
+                boot_id: self.0.boot_id,
+                token,
+            },
+            registration,
+        })
+    }
+
+    /// Whether this transport carries ops on `remote`: it was shared by a
+    /// node on this boot whose socket this node reaches (tried once per
+    /// owner, then remembered).
+    pub fn routes(&self, remote: &RemoteBuffer) -> bool {
+        remote
+            .transports()
+            .memory
+            .is_some_and(|m| m.boot_id == self.0.boot_id)
+            && self.0.links.get(remote.owner()).is_some()
+    }
+
+    /// Runs a batch whose ops all [`routes`](Self::routes) accepted: the
+    /// copies, in order, in this process. `Err(Op)` names the lowest
+    /// failing op; the others still ran.
+    pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
+        // A batch with a bad op moves nothing, as on the other transports.
+        for (index, op) in ops.iter().enumerate() {
+            op.validate()
+                .map_err(|error| SubmitError::Op { index, error })?;
+        }
+        let total = ops.len();
+        let mut done = 0;
+        let run = async {
+            let mut failed: Option<(usize, OpError)> = None;
+            for (index, op) in ops.iter().enumerate() {
+                if let Err(error) = self.run(op).await
+                    && failed.is_none()
+                {
+                    failed = Some((index, error));
+                }
+                done += 1;
+            }
+            failed
+        };
+        match tokio::time::timeout(timeout, run).await {
+            Ok(None) => Ok(()),
+            Ok(Some((index, error))) => Err(SubmitError::Op { index, error }),
+            Err(_) => Err(SubmitError::Timeout {
+                timeout,
+                unfinished: total - done,
+                total,
+            }),
+        }
+    }
+
+    async fn run(&self, op: &RdmaOp) -> Result<(), OpError> {
+        if op.is_empty() {
+            return Ok(());
+        }
+        let owner = op.remote.owner();
+        let Some(link) = self.0.links.get(owner) else {
+            return Err(OpError::PeerUnreachable {
+                endpoint: owner.endpoint,
+                reason: "not reachable over the same-host socket".into(),
+            });
+        };
+        // The owner gone: its pages are still mapped here, but a copy into
+        // them would reach nobody. One peek, no round trip.
+        if !link.is_alive() {
+            self.0.links.drop_link(owner.id);
+            tracing::debug!(owner = %owner.endpoint, "memory transport: the owner closed its socket");
+            return Err(OpError::ConnectionLost {
+                endpoint: owner.endpoint,
+            });
+        }
+        link.run(op).await
+    }
+}
+
+/// Allocates memory the memory transport can share (see [`alloc`]), as a
+/// plain block where shared memory cannot be had.
+pub fn alloc_or_plain(len: u64) -> Result<MemoryBlock, RegisterError> {
+    alloc(len).or_else(|_| MemoryBlock::alloc(len))
+}

@@ -1,0 +1,193 @@
+//! The owner's side: the regions it shares, and the socket on which
+//! same-host peers ask for them.
+//!
+//! A peer presents a handle's credentials (slot, generation, token) and the
+//! access it wants; the owner checks them against the region as registered
+//! and answers with the memfd, opened read-only unless the region allows
+//! writes and the peer asked to write. The kernel then enforces the access:
+//! a read-only descriptor cannot be mapped writable. (A process of the same
+//! user could still reopen it through `/proc`, or ptrace the owner: the
+//! memory transport protects against mistakes and forged handles, not
+//! against a hostile process of the same user, which no transport can.)
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use ferry_core::{Access, Generation, MemoryBlock, RegionId};
+use tracing::{debug, warn};
+
+use crate::shared::{alive, mapping_of};
+use crate::socket::{Listener, Packets};
+use crate::wire::{Refusal, Reply, Request};
+
+/// A region shared with same-host peers.
+struct Export {
+    generation: Generation,
+    token: u128,
+    access: Access,
+    memory: Arc<MemoryBlock>,
+}
+
+/// The regions this node shares, by slot.
+#[derive(Default)]
+pub(crate) struct Exports(Mutex<HashMap<RegionId, Export>>);
+
+/// Compares tokens without an early exit.
+fn tokens_equal(a: u128, b: u128) -> bool {
+    std::hint::black_box(a ^ b) == 0
+}
+
+impl Exports {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RegionId, Export>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Shares `memory` (a shared block) as slot `id` of `generation`, and
+    /// marks it alive for peers.
+    pub fn insert(
+        self: &Arc<Self>,
+        id: RegionId,
+        generation: Generation,
+        access: Access,
+        memory: Arc<MemoryBlock>,
+        token: u128,
+    ) -> Option<MemRegistration> {
+        let mapping = mapping_of(&memory)?;
+        mapping
+            .liveness()
+            .store(alive(generation), Ordering::Release);
+        self.lock().insert(
+            id,
+            Export {
+                generation,
+                token,
+                access,
+                memory: memory.clone(),
+            },
+        );
+        Some(MemRegistration {
+            exports: self.clone(),
+            id,
+            generation,
+            memory,
+        })
+    }
+
+    /// The answer to `request`, with the descriptor to attach.
+    fn answer(&self, request: &Request) -> (Reply, Option<OwnedFd>) {
+        let exports = self.lock();
+        let Some(export) = exports.get(&request.region) else {
+            return (Reply::Refused(Refusal::UnknownRegion), None);
+        };
+        if export.generation != request.generation {
+            let refusal = if request.generation < export.generation {
+                Refusal::StaleGeneration {
+                    current: export.generation,
+                }
+            } else {
+                Refusal::UnknownRegion
+            };
+            return (Reply::Refused(refusal), None);
+        }
+        if !tokens_equal(export.token, request.token) {
+            return (Reply::Refused(Refusal::AccessDenied), None);
+        }
+        if request.write && !export.access.allows_write() {
+            return (Reply::Refused(Refusal::ReadOnly), None);
+        }
+        let Some(mapping) = mapping_of(&export.memory) else {
+            return (Reply::Refused(Refusal::UnknownRegion), None);
+        };
+        // A fresh open file description with just the access granted: a
+        // read-only one cannot be mapped writable by whoever holds it.
+        let flags = if request.write {
+            libc::O_RDWR
+        } else {
+            libc::O_RDONLY
+        };
+        let path = format!("/proc/self/fd/{}\0", mapping.fd().as_raw_fd());
+        // SAFETY: a NUL-terminated path; failure is -1.
+        let raw = unsafe { libc::open(path.as_ptr().cast(), flags | libc::O_CLOEXEC) };
+        if raw < 0 {
+            warn!(
+                "memory transport: cannot reopen a region's memfd: {}",
+                std::io::Error::last_os_error()
+            );
+            return (Reply::Refused(Refusal::UnknownRegion), None);
+        }
+        // SAFETY: open just returned it; nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let reply = Reply::Granted {
+            base: export.memory.addr(),
+            len: export.memory.len(),
+            data_len: mapping.data_len() as u64,
+        };
+        (reply, Some(fd))
+    }
+}
+
+/// The memory transport's half of a region's registration. Dropping it
+/// marks the region dead in its liveness word, so peers' copies through
+/// mappings they already hold are refused with `StaleGeneration`, and
+/// stops handing the region out.
+pub struct MemRegistration {
+    exports: Arc<Exports>,
+    id: RegionId,
+    generation: Generation,
+    memory: Arc<MemoryBlock>,
+}
+
+impl Drop for MemRegistration {
+    fn drop(&mut self) {
+        if let Some(mapping) = mapping_of(&self.memory) {
+            mapping.liveness().store(0, Ordering::Release);
+        }
+        let mut exports = self.exports.lock();
+        if exports
+            .get(&self.id)
+            .is_some_and(|e| e.generation == self.generation)
+        {
+            exports.remove(&self.id);
+        }
+    }
+}
+
+/// Answers peers on `listener` until the task is aborted.
+pub(crate) async fn serve(listener: Listener, exports: Arc<Exports>) {
+    loop {
+        match listener.accept().await {
+            Ok(peer) => {
+                debug!(pid = ?peer.peer_pid(), "memory transport: a same-host peer connected");
+                tokio::spawn(answer_peer(peer, exports.clone()));
+            }
+            Err(e) => {
+                // E.g. out of descriptors: back off instead of spinning.
+                warn!("memory transport: accept failed: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn answer_peer(peer: Packets, exports: Arc<Exports>) {
+    let mut buf = [0u8; Request::LEN];
+    loop {
+        let (reply, fd) = match peer.recv(&mut buf).await {
+            Ok((0, _)) | Err(_) => return,
+            Ok((n, _ignored_fd)) => match Request::decode(&buf[..n]) {
+                Some(request) => exports.answer(&request),
+                None => (Reply::Refused(Refusal::BadRequest), None),
+            },
+        };
+        use std::os::fd::AsFd;
+        if peer
+            .send(&reply.encode(), fd.as_ref().map(|f| f.as_fd()))
+            .await
+            .is_err()
+        {
+            return;
+        }
+    }
+}

@@ -1,0 +1,315 @@
+//! The initiator's side: one socket per same-host owner, the regions it
+//! mapped through it, and the copies.
+//!
+//! **Invariant (stale regions).** A copy through a mapping reports `Ok`
+//! only if the region's liveness word read `alive(handle generation)` both
+//! before and after the copy. The owner clears the word before it stops
+//! sharing a region, and a mapping only ever reaches the pages of the
+//! memfd it was made from, which are never reused for another region: so a
+//! copy that races a deregistration touches only that region's orphaned
+//! pages, and reports `StaleGeneration`.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use ferry_core::{Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaOp, RegionId};
+
+use crate::shared::alive;
+use crate::socket::Packets;
+use crate::wire::{Reply, Request};
+
+/// Copies at least this long run on a blocking thread, not the runtime's.
+const BLOCKING_COPY: u64 = 256 << 10;
+
+/// A peer's region mapped into this process.
+pub(crate) struct Mapping {
+    base: *mut u8,
+    /// The region's bytes.
+    len: u64,
+    /// Where the liveness word is, from `base`.
+    data_len: usize,
+    /// The region's first byte in the owner: handles' addresses count
+    /// from it.
+    owner_base: u64,
+    generation: Generation,
+    writable: bool,
+}
+
+// SAFETY: a shared mapping valid until drop, accessed through raw pointers
+// and the atomic liveness word only.
+unsafe impl Send for Mapping {}
+// SAFETY: as for Send.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps the memfd `fd` as the reply describes it.
+    fn map(fd: &OwnedFd, reply: Reply, generation: Generation, writable: bool) -> Option<Self> {
+        let Reply::Granted {
+            base,
+            len,
+            data_len,
+        } = reply
+        else {
+            return None;
+        };
+        let data_len = usize::try_from(data_len).ok()?;
+        if data_len % PAGE_SIZE != 0 || len > data_len as u64 {
+            return None;
+        }
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // The descriptor's size bounds what may be mapped: a lying reply
+        // cannot make this mapping reach past the memfd (SIGBUS).
+        // SAFETY: fstat writes into a local struct.
+        let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0
+            || (stat.st_size as u64) < (data_len + PAGE_SIZE) as u64
+        {
+            return None;
+        }
+        // SAFETY: a shared mapping of the first data_len + one page of the
+        // memfd, which is at least that long and sealed against shrinking.
+        let mapped = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                data_len + PAGE_SIZE,
+                prot,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if mapped == libc::MAP_FAILED {
+            return None;
+        }
+        Some(Mapping {
+            base: mapped.cast(),
+            len,
+            data_len,
+            owner_base: base,
+            generation,
+            writable,
+        })
+    }
+
+    fn liveness(&self) -> &AtomicU64 {
+        // SAFETY: the trailer page is mapped (at least readable) while self
+        // lives, page aligned; it is only accessed atomically.
+        unsafe { AtomicU64::from_ptr(self.base.add(self.data_len).cast()) }
+    }
+
+    fn is_alive(&self) -> bool {
+        self.liveness().load(Ordering::Acquire) == alive(self.generation)
+    }
+
+    /// Runs `op` through this mapping: bounds, then liveness around the
+    /// copy. `Ok(false)`: the region died before or during the copy (the
+    /// owner says why; see the module's invariant).
+    fn copy(&self, op: &RdmaOp) -> Result<bool, OpError> {
+        let offset = op.remote.addr().wrapping_sub(self.owner_base);
+        let len = op.len();
+        if op.remote.addr() < self.owner_base
+            || offset.checked_add(len).is_none_or(|end| end > self.len)
+        {
+            return Err(OpError::OutOfBounds {
+                offset,
+                len,
+                bound: self.len,
+            });
+        }
+        if !self.is_alive() {
+            return Ok(false);
+        }
+        // In range of the mapping: offset + len <= self.len <= data_len.
+        // SAFETY: both ranges are inside live mappings (the local region is
+        // kept by the op's slice, this mapping by self), `len` bytes long;
+        // they may be the same pages (a node copying within its own region
+        // through the transport), hence `copy`, which allows overlap. A
+        // write goes only through a writable mapping (`Link::mapping`).
+        unsafe {
+            let remote = self.base.add(offset as usize);
+            match op.kind {
+                OpKind::Write => std::ptr::copy(op.local.as_ptr(), remote, len as usize),
+                OpKind::Read => std::ptr::copy(remote, op.local.as_ptr(), len as usize),
+            }
+        }
+        Ok(self.is_alive())
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, no longer used (this is the
+        // last reference).
+        unsafe { libc::munmap(self.base.cast(), self.data_len + PAGE_SIZE) };
+    }
+}
+
+/// One owner's socket and the regions mapped through it.
+pub(crate) struct Link {
+    packets: Packets,
+    owner: NodeAddr,
+    /// One request in flight at a time: the replies come in order.
+    asking: tokio::sync::Mutex<()>,
+    mapped: Mutex<HashMap<RegionId, Arc<Mapping>>>,
+}
+
+impl Link {
+    /// Whether the owner is still there.
+    pub fn is_alive(&self) -> bool {
+        !self.packets.is_closed()
+    }
+
+    fn unreachable(&self, reason: impl std::fmt::Display) -> OpError {
+        tracing::debug!(owner = %self.owner.endpoint, "memory transport: same-host socket: {reason}");
+        OpError::ConnectionLost {
+            endpoint: self.owner.endpoint,
+        }
+    }
+
+    /// Runs `op`. A region that died under a mapping is asked of the owner
+    /// again, whose refusal (stale generation, unknown region) is the error.
+    pub async fn run(&self, op: &RdmaOp) -> Result<(), OpError> {
+        let mapping = self.mapping(op).await?;
+        let copied = if op.len() < BLOCKING_COPY {
+            mapping.copy(op)?
+        } else {
+            // A long copy would hold up the runtime's other tasks.
+            let (mapping, op) = (mapping.clone(), op.clone());
+            tokio::task::spawn_blocking(move || mapping.copy(&op))
+                .await
+                .map_err(|e| OpError::Protocol(format!("a copy task failed: {e}")))??
+        };
+        if copied {
+            return Ok(());
+        }
+        self.mapped
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&op.remote.region());
+        drop(mapping);
+        match self.mapping(op).await {
+            Err(e) => Err(e),
+            Ok(_) => Err(OpError::Protocol(
+                "a same-host owner granted a region it had marked dead".into(),
+            )),
+        }
+    }
+
+    /// The mapping `op` needs: cached, or asked of the owner.
+    async fn mapping(&self, op: &RdmaOp) -> Result<Arc<Mapping>, OpError> {
+        let remote = &op.remote;
+        let write = op.kind == OpKind::Write;
+        let cached = || {
+            let mapped = self.mapped.lock().unwrap_or_else(|e| e.into_inner());
+            let mapping = mapped.get(&remote.region())?;
+            if mapping.generation != remote.generation() {
+                return None;
+            }
+            (mapping.writable || !write).then(|| mapping.clone())
+        };
+        if let Some(mapping) = cached() {
+            return Ok(mapping);
+        }
+        let _asking = self.asking.lock().await;
+        // Another task may have mapped it while this one waited.
+        if let Some(mapping) = cached() {
+            return Ok(mapping);
+        }
+        let token = remote.transports().memory.map_or(0, |m| m.token);
+        let request = Request {
+            region: remote.region(),
+            generation: remote.generation(),
+            write,
+            token,
+        };
+        self.packets
+            .send(&request.encode(), None)
+            .await
+            .map_err(|e| self.unreachable(e))?;
+        let mut buf = [0u8; Reply::LEN];
+        let (n, fd) = self
+            .packets
+            .recv(&mut buf)
+            .await
+            .map_err(|e| self.unreachable(e))?;
+        if n == 0 {
+            return Err(self.unreachable("the owner closed it"));
+        }
+        let reply = Reply::decode(&buf[..n])
+            .ok_or_else(|| OpError::Protocol("a malformed reply from a same-host owner".into()))?;
+        if let Reply::Refused(refusal) = reply {
+            return Err(refusal.error(remote.generation()));
+        }
+        let fd = fd.ok_or_else(|| OpError::Protocol("a grant without a descriptor".into()))?;
+        let mapping = Mapping::map(&fd, reply, remote.generation(), write).ok_or_else(|| {
+            OpError::Protocol("a same-host owner's region could not be mapped".into())
+        })?;
+        let mapping = Arc::new(mapping);
+        self.mapped
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(remote.region(), mapping.clone());
+        Ok(mapping)
+    }
+}
+
+/// What this node knows of each same-host owner it tried.
+enum LinkState {
+    Up(Arc<Link>),
+    /// Not reachable over the socket (another host or network namespace,
+    /// or it stopped): other transports carry its ops.
+    Unreachable,
+}
+
+/// The links to same-host owners, by node.
+#[derive(Default)]
+pub(crate) struct Links(Mutex<HashMap<NodeId, LinkState>>);
+
+impl Links {
+    /// The link to `owner`, connecting on first use; `None` when it cannot
+    /// be reached this way (remembered).
+    pub fn get(&self, owner: NodeAddr) -> Option<Arc<Link>> {
+        let mut links = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(state) = links.get(&owner.id) {
+            return match state {
+                LinkState::Up(link) => Some(link.clone()),
+                LinkState::Unreachable => None,
+            };
+        }
+        // AsyncFd needs a runtime: outside one, only known links count.
+        tokio::runtime::Handle::try_current().ok()?;
+        let state = match Packets::connect(&crate::socket_name(owner.id)) {
+            Ok(packets) => LinkState::Up(Arc::new(Link {
+                packets,
+                owner,
+                asking: tokio::sync::Mutex::new(()),
+                mapped: Mutex::default(),
+            })),
+            Err(e) => {
+                tracing::debug!(owner = %owner.endpoint, "memory transport: not reachable on this host: {e}");
+                LinkState::Unreachable
+            }
+        };
+        let link = match &state {
+            LinkState::Up(link) => Some(link.clone()),
+            LinkState::Unreachable => None,
+        };
+        links.insert(owner.id, state);
+        link
+    }
+
+    /// Forgets `owner` (it closed its socket): its mappings go when the
+    /// last copy through them ends.
+    pub fn drop_link(&self, owner: NodeId) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(owner, LinkState::Unreachable);
+    }
+}

@@ -1,0 +1,195 @@
+//! The two packets of the memory transport's setup: a peer asks for a
+//! region's memory (`Request`), the owner answers (`Reply`, with the memfd
+//! attached when granted). Fixed-size little-endian; nothing else crosses.
+
+use ferry_core::{Generation, OpError, RegionId};
+
+const MAGIC: [u8; 4] = *b"FMEM";
+const VERSION: u16 = 1;
+
+/// A peer asks for region `region`'s memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// The slot.
+    pub region: RegionId,
+    /// The generation the peer's handle carries.
+    pub generation: Generation,
+    /// Whether it wants to write (a read-write mapping).
+    pub write: bool,
+    /// The handle's memory token.
+    pub token: u128,
+}
+
+impl Request {
+    /// Encoded length.
+    pub const LEN: usize = 32;
+
+    /// The packet.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut out = [0; Self::LEN];
+        out[0..4].copy_from_slice(&MAGIC);
+        out[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        out[6] = u8::from(self.write);
+        out[8..12].copy_from_slice(&self.region.0.to_le_bytes());
+        out[12..16].copy_from_slice(&self.generation.0.to_le_bytes());
+        out[16..32].copy_from_slice(&self.token.to_le_bytes());
+        out
+    }
+
+    /// Reads a packet; `None` if it is not one.
+    pub fn decode(packet: &[u8]) -> Option<Self> {
+        let packet: &[u8; Self::LEN] = packet.try_into().ok()?;
+        if packet[0..4] != MAGIC || packet[4..6] != VERSION.to_le_bytes() || packet[6] > 1 {
+            return None;
+        }
+        let u32_at = |at: usize| u32::from_le_bytes(packet[at..at + 4].try_into().unwrap());
+        Some(Request {
+            write: packet[6] == 1,
+            region: RegionId(u32_at(8)),
+            generation: Generation(u32_at(12)),
+            token: u128::from_le_bytes(packet[16..32].try_into().unwrap()),
+        })
+    }
+}
+
+/// The owner's answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// Granted: the memfd comes with this packet.
+    Granted {
+        /// The region's first byte in the owner (handles' addresses are
+        /// offsets from it).
+        base: u64,
+        /// The region's length.
+        len: u64,
+        /// Where its trailer page (the liveness word) starts in the memfd.
+        data_len: u64,
+    },
+    /// Refused, with the error the op gets.
+    Refused(Refusal),
+}
+
+/// Why the owner refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// No region in that slot, or not one shared memory can reach.
+    UnknownRegion,
+    /// The slot holds a newer generation.
+    StaleGeneration {
+        /// What the slot holds now.
+        current: Generation,
+    },
+    /// The token does not match.
+    AccessDenied,
+    /// A write asked of a read-only region.
+    ReadOnly,
+    /// The request was malformed.
+    BadRequest,
+}
+
+impl Refusal {
+    /// The op error it means for a handle of `generation`.
+    pub fn error(self, generation: Generation) -> OpError {
+        match self {
+            Refusal::UnknownRegion => OpError::UnknownRegion,
+            Refusal::StaleGeneration { current } => OpError::StaleGeneration {
+                handle: generation,
+                current,
+            },
+            Refusal::AccessDenied => OpError::AccessDenied,
+            Refusal::ReadOnly => OpError::ReadOnly,
+            Refusal::BadRequest => {
+                OpError::Protocol("the owner refused a malformed request".into())
+            }
+        }
+    }
+}
+
+impl Reply {
+    /// Encoded length.
+    pub const LEN: usize = 32;
+
+    /// The packet.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut out = [0; Self::LEN];
+        match *self {
+            Reply::Granted {
+                base,
+                len,
+                data_len,
+            } => {
+                out[8..16].copy_from_slice(&base.to_le_bytes());
+                out[16..24].copy_from_slice(&len.to_le_bytes());
+                out[24..32].copy_from_slice(&data_len.to_le_bytes());
+            }
+            Reply::Refused(refusal) => {
+                let (code, current) = match refusal {
+                    Refusal::UnknownRegion => (1, 0),
+                    Refusal::StaleGeneration { current } => (2, current.0),
+                    Refusal::AccessDenied => (3, 0),
+                    Refusal::ReadOnly => (4, 0),
+                    Refusal::BadRequest => (5, 0),
+                };
+                out[0] = code;
+                out[4..8].copy_from_slice(&current.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// Reads a packet; `None` if it is not one.
+    pub fn decode(packet: &[u8]) -> Option<Self> {
+        let packet: &[u8; Self::LEN] = packet.try_into().ok()?;
+        let u64_at = |at: usize| u64::from_le_bytes(packet[at..at + 8].try_into().unwrap());
+        let current = Generation(u32::from_le_bytes(packet[4..8].try_into().unwrap()));
+        Some(match packet[0] {
+            0 => Reply::Granted {
+                base: u64_at(8),
+                len: u64_at(16),
+                data_len: u64_at(24),
+            },
+            1 => Reply::Refused(Refusal::UnknownRegion),
+            2 => Reply::Refused(Refusal::StaleGeneration { current }),
+            3 => Reply::Refused(Refusal::AccessDenied),
+            4 => Reply::Refused(Refusal::ReadOnly),
+            5 => Reply::Refused(Refusal::BadRequest),
+            _ => return None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packets_round_trip_and_garbage_is_refused() {
+        let request = Request {
+            region: RegionId(7),
+            generation: Generation(3),
+            write: true,
+            token: u128::MAX - 5,
+        };
+        assert_eq!(Request::decode(&request.encode()), Some(request));
+        let mut bad = request.encode();
+        bad[0] = b'X';
+        assert_eq!(Request::decode(&bad), None);
+        assert_eq!(Request::decode(&request.encode()[..31]), None);
+        for reply in [
+            Reply::Granted {
+                base: 0x7000_0000,
+                len: 10,
+                data_len: 4096,
+            },
+            Reply::Refused(Refusal::StaleGeneration {
+                current: Generation(9),
+            }),
+            Reply::Refused(Refusal::ReadOnly),
+        ] {
+            assert_eq!(Reply::decode(&reply.encode()), Some(reply));
+        }
+        let mut bad = Reply::Refused(Refusal::ReadOnly).encode();
+        bad[0] = 99;
+        assert_eq!(Reply::decode(&bad), None);
+    }
+}

@@ -1,0 +1,290 @@
+//! The same-host memory transport between two processes: copies byte for
+//! byte at every size, batches mixed with a TCP-only peer, forged and stale
+//! handles refused with typed errors and nothing changed, an owner killed
+//! mid-transfer, and memory ferry did not allocate going over TCP.
+
+#[path = "../tcp/common.rs"]
+mod common;
+
+use std::time::Duration;
+
+use common::{PeerProcess, digest, forge, pattern, write_then_read_back};
+use ferry::prelude::*;
+use ferry::{DISABLE_MEMORY_ENV, MemoryBlock};
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Entry point of the peer process; does nothing in a normal test run.
+#[test]
+fn ferry_peer() {
+    if std::env::var_os(common::PEER_ENV).is_some() {
+        common::peer_main();
+    }
+}
+
+/// A peer process sharing its regions through memory.
+async fn sharing_peer() -> PeerProcess {
+    PeerProcess::spawn_with_env(&[(DISABLE_MEMORY_ENV, "0")]).await
+}
+
+async fn node() -> Node {
+    Node::builder().ibverbs(false).spawn().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_of_every_size_go_through_shared_memory_byte_for_byte() {
+    let node = node().await;
+    let mut peer = sharing_peer().await;
+    let sizes = [1, 8, 4095, 4096, 65537, 1 << 20, 16 << 20, 256 << 20];
+    for (i, &len) in sizes.iter().enumerate() {
+        let route = Some(RdmaTransportLevel::Memory);
+        write_then_read_back(&node, &mut peer, len, i as u8, route).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_mix_a_same_host_peer_and_a_tcp_only_one() {
+    let node = node().await;
+    let mut shared = sharing_peer().await;
+    let mut tcp_only = PeerProcess::spawn().await;
+    for batch in [1usize, 2, 7, 64, 1024] {
+        let slot = 64;
+        let a = shared.alloc(batch * slot, Access::ReadWrite, 1).await;
+        let b = tcp_only.alloc(batch * slot, Access::ReadWrite, 2).await;
+        let src = node
+            .alloc((2 * batch * slot) as u64, Access::ReadWrite)
+            .await
+            .unwrap();
+        let data = pattern(2 * batch * slot, batch as u8);
+        src.write_at(0, &data).unwrap();
+        let mut ops = Vec::new();
+        for i in 0..batch {
+            let range = |k: usize| (k * slot) as u64..((k + 1) * slot) as u64;
+            ops.push(RdmaOp::write(
+                src.slice(range(2 * i)).unwrap(),
+                a.handle.slice(range(i)).unwrap(),
+            ));
+            ops.push(RdmaOp::write(
+                src.slice(range(2 * i + 1)).unwrap(),
+                b.handle.slice(range(i)).unwrap(),
+            ));
+        }
+        assert_eq!(node.route(&ops[0]), Some(RdmaTransportLevel::Memory));
+        assert_eq!(node.route(&ops[1]), Some(RdmaTransportLevel::Tcp));
+        node.submit(ops, DEADLINE).await.unwrap();
+        let (mut want_a, mut want_b) = (Vec::new(), Vec::new());
+        for i in 0..batch {
+            want_a.extend_from_slice(&data[2 * i * slot..(2 * i + 1) * slot]);
+            want_b.extend_from_slice(&data[(2 * i + 1) * slot..(2 * i + 2) * slot]);
+        }
+        assert_eq!(
+            shared.digest(&a).await,
+            digest(&want_a),
+            "batch {batch}: same-host bytes"
+        );
+        assert_eq!(
+            tcp_only.digest(&b).await,
+            digest(&want_b),
+            "batch {batch}: TCP bytes"
+        );
+        // And back, in one mixed batch of reads.
+        let back = node
+            .alloc((2 * batch * slot) as u64, Access::ReadWrite)
+            .await
+            .unwrap();
+        let reads = vec![
+            RdmaOp::read(
+                back.slice(0..(batch * slot) as u64).unwrap(),
+                a.handle.clone(),
+            ),
+            RdmaOp::read(
+                back.slice((batch * slot) as u64..(2 * batch * slot) as u64)
+                    .unwrap(),
+                b.handle.clone(),
+            ),
+        ];
+        node.submit(reads, DEADLINE).await.unwrap();
+        assert!(back.to_vec()[..batch * slot] == want_a[..]);
+        assert!(back.to_vec()[batch * slot..] == want_b[..]);
+    }
+}
+
+fn assert_op_error(result: Result<(), SubmitError>, check: impl FnOnce(&OpError) -> bool) {
+    match result {
+        Err(SubmitError::Op { index: 0, error }) if check(&error) => {}
+        other => panic!("expected a typed op error, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_and_stale_handles_are_refused_and_change_nothing() {
+    let node = node().await;
+    let mut peer = sharing_peer().await;
+    let len = 64 * 1024;
+    let local = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    local.write_at(0, &pattern(len, 0xEE)).unwrap();
+    let write = |remote: RemoteBuffer| vec![RdmaOp::write(local.whole(), remote)];
+    let read = |remote: RemoteBuffer| vec![RdmaOp::read(local.whole(), remote)];
+
+    // A read-only region: a handle forged to read-write gets a read-only
+    // descriptor from the owner, and the write is refused.
+    let ro = peer.alloc(len, Access::ReadOnly, 3).await;
+    let forged_rw = forge(&ro.handle, |j| j["access"] = "ReadWrite".into());
+    assert_eq!(
+        node.route(&write(forged_rw.clone())[0]),
+        Some(RdmaTransportLevel::Memory)
+    );
+    assert_op_error(node.submit(write(forged_rw), DEADLINE).await, |e| {
+        *e == OpError::ReadOnly
+    });
+    // Reading it is fine.
+    node.submit(read(ro.handle.clone()), DEADLINE)
+        .await
+        .unwrap();
+    assert!(local.to_vec() == ro.original());
+    local.write_at(0, &pattern(len, 0xEE)).unwrap();
+    assert_eq!(
+        peer.digest(&ro).await,
+        digest(&ro.original()),
+        "read-only region changed"
+    );
+
+    let rw = peer.alloc(len, Access::ReadWrite, 4).await;
+    // A wrong token.
+    let wrong_token = forge(&rw.handle, |j| {
+        let token = &mut j["transports"]["memory"]["token"];
+        let value = u128::from_str_radix(token.as_str().unwrap(), 16).unwrap();
+        *token = format!("{:032x}", value ^ 1).into();
+    });
+    assert_op_error(node.submit(write(wrong_token), DEADLINE).await, |e| {
+        *e == OpError::AccessDenied
+    });
+    // Past the region's end.
+    let too_long = forge(&rw.handle, |j| {
+        j["addr"] = (rw.handle.addr() + 4096).into();
+    });
+    assert_op_error(node.submit(write(too_long), DEADLINE).await, |e| {
+        matches!(e, OpError::OutOfBounds { .. })
+    });
+    // A slot that holds nothing.
+    let unknown = forge(&rw.handle, |j| j["region"] = 999.into());
+    assert_op_error(node.submit(write(unknown), DEADLINE).await, |e| {
+        *e == OpError::UnknownRegion
+    });
+    assert_eq!(
+        peer.digest(&rw).await,
+        digest(&rw.original()),
+        "refused ops changed the region"
+    );
+    assert!(
+        local.to_vec() == pattern(len, 0xEE),
+        "refused ops changed the local region"
+    );
+
+    // Stale: this node has the region mapped (one read), then the owner
+    // drops it and registers a new one in the same slot.
+    node.submit(read(rw.handle.clone()), DEADLINE)
+        .await
+        .unwrap();
+    local.write_at(0, &pattern(len, 0xEE)).unwrap();
+    peer.drop_region(&rw).await;
+    peer.drop_region(&ro).await;
+    let mut reused = peer.alloc(len, Access::ReadWrite, 5).await;
+    let mut tries = 0;
+    while reused.handle.region() != rw.handle.region() {
+        // The slot of `ro` may come first; the next takes `rw`'s.
+        reused = peer.alloc(len, Access::ReadWrite, 5).await;
+        tries += 1;
+        assert!(tries < 4, "the freed slot was not reused");
+    }
+    let stale = |e: &OpError| matches!(e, OpError::StaleGeneration { handle, current } if handle == &rw.handle.generation() && current == &reused.handle.generation());
+    assert_op_error(node.submit(write(rw.handle.clone()), DEADLINE).await, stale);
+    // A node that never mapped it hears the same from the owner.
+    let fresh = crate::node().await;
+    let src = fresh.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    assert_op_error(
+        fresh
+            .submit(
+                vec![RdmaOp::write(src.whole(), rw.handle.clone())],
+                DEADLINE,
+            )
+            .await,
+        stale,
+    );
+    assert_eq!(
+        peer.digest(&reused).await,
+        digest(&reused.original()),
+        "a stale write landed"
+    );
+    assert!(local.to_vec() == pattern(len, 0xEE));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_owner_gives_a_result_and_a_restarted_one_works() {
+    let node = node().await;
+    let mut peer = sharing_peer().await;
+    let len = 64 << 20;
+    let target = peer.alloc(len, Access::ReadWrite, 6).await;
+    let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    let writer = {
+        let (node, remote) = (node.clone(), target.handle.clone());
+        let op = RdmaOp::write(src.whole(), remote);
+        tokio::spawn(async move {
+            let mut results = Vec::new();
+            for _ in 0..40 {
+                results.push(node.submit(vec![op.clone()], DEADLINE).await);
+            }
+            results
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    peer.kill().await;
+    // Every submit has a result (no SIGBUS took this process down); once
+    // the owner is gone, they fail with a typed error.
+    let results = writer.await.expect("the writer did not crash");
+    let last = results.last().unwrap();
+    assert!(
+        matches!(
+            last,
+            Err(SubmitError::Op {
+                error: OpError::ConnectionLost { .. } | OpError::PeerUnreachable { .. },
+                ..
+            })
+        ),
+        "{last:?}"
+    );
+    // A restarted owner is reached afresh.
+    let mut again = sharing_peer().await;
+    write_then_read_back(
+        &node,
+        &mut again,
+        1 << 20,
+        7,
+        Some(RdmaTransportLevel::Memory),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_ferry_did_not_allocate_goes_over_tcp() {
+    let (owner, node) = (crate::node().await, crate::node().await);
+    let buffer = vec![0x5Au8; 8192].into_boxed_slice();
+    let ptr = std::ptr::NonNull::new(buffer.as_ptr() as *mut u8).unwrap();
+    // SAFETY: the boxed slice is kept alive by the block's guard.
+    let block = unsafe { MemoryBlock::from_raw(ptr, 8192, Box::new(buffer)) }.unwrap();
+    let raw = owner.register(block, Access::ReadWrite).await.unwrap();
+    assert!(raw.remote().transports().memory.is_none(), "not shareable");
+    let ferrys = owner.alloc(8192, Access::ReadWrite).await.unwrap();
+    assert!(ferrys.remote().transports().memory.is_some());
+    let local = node.alloc(8192, Access::ReadWrite).await.unwrap();
+    let from_raw = RdmaOp::read(local.whole(), raw.remote());
+    assert_eq!(
+        node.route(&from_raw),
+        Some(RdmaTransportLevel::Tcp),
+        "says which"
+    );
+    node.submit(vec![from_raw], DEADLINE).await.unwrap();
+    assert!(local.to_vec().iter().all(|&b| b == 0x5A));
+    let shared = RdmaOp::read(local.whole(), ferrys.remote());
+    assert_eq!(node.route(&shared), Some(RdmaTransportLevel::Memory));
+}
