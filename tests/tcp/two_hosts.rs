@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use ferry::control::EndpointError;
 use ferry::prelude::*;
-use ferry::{ADVERTISE_ENV, DISABLE_IBVERBS_ENV, NodeError};
+use ferry::{ADVERTISE_ENV, DISABLE_IBVERBS_ENV, DISABLE_MEMORY_ENV, NodeError};
 
 use crate::common::{LISTEN_ENV, PeerProcess, PeerRegion, digest, pattern};
 
@@ -82,10 +82,21 @@ impl TwoHosts {
     /// A peer node in namespace `ns` listening on `listen`, advertising
     /// `advertise` when given; TCP only, whatever devices the host has.
     async fn peer(ns: &str, listen: &str, advertise: Option<&str>) -> PeerProcess {
+        Self::peer_with(ns, listen, advertise, &[]).await
+    }
+
+    /// `peer`, with extra environment variables.
+    async fn peer_with(
+        ns: &str,
+        listen: &str,
+        advertise: Option<&str>,
+        extra: &[(&str, &str)],
+    ) -> PeerProcess {
         let mut env = vec![(LISTEN_ENV, listen), (DISABLE_IBVERBS_ENV, "1")];
         if let Some(advertise) = advertise {
             env.push((ADVERTISE_ENV, advertise));
         }
+        env.extend_from_slice(extra);
         PeerProcess::spawn_in_namespace(ns, &env).await
     }
 }
@@ -225,6 +236,39 @@ async fn nodes_on_every_interface_reach_each_other_at_their_advertised_addresses
         }
     }
     // Peers end before their namespaces go.
+    a.kill().await;
+    b.kill().await;
+    drop(hosts);
+}
+
+/// Two nodes of one host (same boot id) in different network namespaces
+/// cannot reach each other's same-host socket: they are not taken for
+/// same-host peers, and their transfers go over TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_in_other_network_namespaces_are_not_same_host_peers() {
+    let Some(hosts) = two_hosts_or_skip("memory") else {
+        return;
+    };
+    let (ip_a, ip_b) = (hosts.ip_a.to_string(), hosts.ip_b.to_string());
+    let sharing = [(DISABLE_MEMORY_ENV, "0")];
+    let mut a = TwoHosts::peer_with(&hosts.a, "0.0.0.0:0", Some(&ip_a), &sharing).await;
+    let mut b = TwoHosts::peer_with(&hosts.b, "0.0.0.0:0", Some(&ip_b), &sharing).await;
+    let len = 1 << 20;
+    let a_out = a.alloc(len, Access::ReadWrite, 1).await;
+    let b_in = b.alloc(len, Access::ReadWrite, 2).await;
+    // B offers the memory transport, on this very boot...
+    let offered = b_in.handle.transports().memory.expect("b shares memory");
+    assert_eq!(Some(offered.boot_id), ferry::memory::boot_id());
+    // ...but its socket is in B's namespace: this node (in the root one)
+    // routes to it over TCP, and A's write into it works, over TCP.
+    let here = Node::builder().ibverbs(false).spawn().await.unwrap();
+    let local = here.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    let op = RdmaOp::write(local.whole(), b_in.handle.clone());
+    assert_eq!(here.route(&op), Some(RdmaTransportLevel::Tcp));
+    a.write_to(&a_out, &b_in.handle)
+        .await
+        .expect("A writes into B");
+    assert_eq!(b.digest(&b_in).await, digest(&pattern(len, 1)));
     a.kill().await;
     b.kill().await;
     drop(hosts);

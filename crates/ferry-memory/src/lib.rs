@@ -15,6 +15,7 @@
 
 #![warn(missing_docs)]
 
+mod copy;
 mod owner;
 mod peer;
 mod shared;
@@ -139,33 +140,55 @@ impl MemoryBackend {
                 .map_err(|error| SubmitError::Op { index, error })?;
         }
         let total = ops.len();
-        let mut done = 0;
         let run = async {
-            let mut failed: Option<(usize, OpError)> = None;
+            let mut failed: Vec<(usize, OpError)> = Vec::new();
+            let mut planned = Vec::with_capacity(ops.len());
+            let mut links = Vec::with_capacity(ops.len());
             for (index, op) in ops.iter().enumerate() {
-                if let Err(error) = self.run(op).await
-                    && failed.is_none()
-                {
-                    failed = Some((index, error));
+                match self.plan(op).await {
+                    Ok(Some((link, mapping, remote))) => {
+                        links.push(link);
+                        planned.push(copy::Planned {
+                            index,
+                            op: op.clone(),
+                            mapping,
+                            remote,
+                        });
+                    }
+                    Ok(None) => {}
+                    Err(error) => failed.push((index, error)),
                 }
-                done += 1;
             }
-            failed
+            let indices: Vec<usize> = planned.iter().map(|p| p.index).collect();
+            let alive = copy::run(planned).await;
+            for ((index, alive), link) in indices.into_iter().zip(alive).zip(links) {
+                if !alive {
+                    failed.push((index, link.why_dead(&ops[index]).await));
+                }
+            }
+            failed.into_iter().min_by_key(|(index, _)| *index)
         };
         match tokio::time::timeout(timeout, run).await {
             Ok(None) => Ok(()),
             Ok(Some((index, error))) => Err(SubmitError::Op { index, error }),
+            // Copies already on threads finish (they keep what they touch
+            // alive); nothing is known of which did.
             Err(_) => Err(SubmitError::Timeout {
                 timeout,
-                unfinished: total - done,
+                unfinished: total,
                 total,
             }),
         }
     }
 
-    async fn run(&self, op: &RdmaOp) -> Result<(), OpError> {
+    /// `op`'s link, mapping and remote address; `None` for an empty op.
+    #[allow(clippy::type_complexity)]
+    async fn plan(
+        &self,
+        op: &RdmaOp,
+    ) -> Result<Option<(Arc<peer::Link>, Arc<peer::Mapping>, *mut u8)>, OpError> {
         if op.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let owner = op.remote.owner();
         let Some(link) = self.0.links.get(owner) else {
@@ -183,7 +206,9 @@ impl MemoryBackend {
                 endpoint: owner.endpoint,
             });
         }
-        link.run(op).await
+        let mapping = link.mapping(op).await?;
+        let remote = mapping.locate(op)?;
+        Ok(Some((link, mapping, remote)))
     }
 }
 

@@ -7,7 +7,7 @@
 //! sharing a region, and a mapping only ever reaches the pages of the
 //! memfd it was made from, which are never reused for another region: so a
 //! copy that races a deregistration touches only that region's orphaned
-//! pages, and reports `StaleGeneration`.
+//! pages, and reports `StaleGeneration`. (The copies are `copy.rs`'s.)
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -19,9 +19,6 @@ use ferry_core::{Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaO
 use crate::shared::alive;
 use crate::socket::Packets;
 use crate::wire::{Reply, Request};
-
-/// Copies at least this long run on a blocking thread, not the runtime's.
-const BLOCKING_COPY: u64 = 256 << 10;
 
 /// A peer's region mapped into this process.
 pub(crate) struct Mapping {
@@ -103,14 +100,15 @@ impl Mapping {
         unsafe { AtomicU64::from_ptr(self.base.add(self.data_len).cast()) }
     }
 
-    fn is_alive(&self) -> bool {
+    /// Whether the region is still registered under the mapping's
+    /// generation.
+    pub fn is_alive(&self) -> bool {
         self.liveness().load(Ordering::Acquire) == alive(self.generation)
     }
 
-    /// Runs `op` through this mapping: bounds, then liveness around the
-    /// copy. `Ok(false)`: the region died before or during the copy (the
-    /// owner says why; see the module's invariant).
-    fn copy(&self, op: &RdmaOp) -> Result<bool, OpError> {
+    /// Where `op`'s remote bytes are in this mapping, after checking they
+    /// lie inside the region.
+    pub fn locate(&self, op: &RdmaOp) -> Result<*mut u8, OpError> {
         let offset = op.remote.addr().wrapping_sub(self.owner_base);
         let len = op.len();
         if op.remote.addr() < self.owner_base
@@ -122,23 +120,8 @@ impl Mapping {
                 bound: self.len,
             });
         }
-        if !self.is_alive() {
-            return Ok(false);
-        }
-        // In range of the mapping: offset + len <= self.len <= data_len.
-        // SAFETY: both ranges are inside live mappings (the local region is
-        // kept by the op's slice, this mapping by self), `len` bytes long;
-        // they may be the same pages (a node copying within its own region
-        // through the transport), hence `copy`, which allows overlap. A
-        // write goes only through a writable mapping (`Link::mapping`).
-        unsafe {
-            let remote = self.base.add(offset as usize);
-            match op.kind {
-                OpKind::Write => std::ptr::copy(op.local.as_ptr(), remote, len as usize),
-                OpKind::Read => std::ptr::copy(remote, op.local.as_ptr(), len as usize),
-            }
-        }
-        Ok(self.is_alive())
+        // SAFETY: offset + len <= self.len <= data_len: inside the mapping.
+        Ok(unsafe { self.base.add(offset as usize) })
     }
 }
 
@@ -172,37 +155,24 @@ impl Link {
         }
     }
 
-    /// Runs `op`. A region that died under a mapping is asked of the owner
-    /// again, whose refusal (stale generation, unknown region) is the error.
-    pub async fn run(&self, op: &RdmaOp) -> Result<(), OpError> {
-        let mapping = self.mapping(op).await?;
-        let copied = if op.len() < BLOCKING_COPY {
-            mapping.copy(op)?
-        } else {
-            // A long copy would hold up the runtime's other tasks.
-            let (mapping, op) = (mapping.clone(), op.clone());
-            tokio::task::spawn_blocking(move || mapping.copy(&op))
-                .await
-                .map_err(|e| OpError::Protocol(format!("a copy task failed: {e}")))??
-        };
-        if copied {
-            return Ok(());
-        }
+    /// Why `op`'s region died under its mapping: the mapping is dropped
+    /// and the owner asked again, whose refusal (stale generation, unknown
+    /// region) is the error.
+    pub async fn why_dead(&self, op: &RdmaOp) -> OpError {
         self.mapped
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&op.remote.region());
-        drop(mapping);
         match self.mapping(op).await {
-            Err(e) => Err(e),
-            Ok(_) => Err(OpError::Protocol(
-                "a same-host owner granted a region it had marked dead".into(),
-            )),
+            Err(e) => e,
+            Ok(_) => {
+                OpError::Protocol("a same-host owner granted a region it had marked dead".into())
+            }
         }
     }
 
     /// The mapping `op` needs: cached, or asked of the owner.
-    async fn mapping(&self, op: &RdmaOp) -> Result<Arc<Mapping>, OpError> {
+    pub async fn mapping(&self, op: &RdmaOp) -> Result<Arc<Mapping>, OpError> {
         let remote = &op.remote;
         let write = op.kind == OpKind::Write;
         let cached = || {

@@ -1,0 +1,135 @@
+//! The copies of a batch, once every op has its mapping: inline when
+//! small, else on blocking threads, a long batch or op split across a few
+//! of them by bytes (one thread's memcpy does not saturate memory).
+
+use std::sync::Arc;
+
+use ferry_core::{OpKind, RdmaOp};
+
+use crate::peer::Mapping;
+
+/// Batches shorter than this are copied on the calling task.
+const INLINE: u64 = (1 << 20) + 1;
+/// Each thread gets at least this many bytes.
+const PER_THREAD: u64 = 4 << 20;
+/// At most this many threads per batch.
+const MAX_THREADS: usize = 4;
+
+/// One op, ready to copy: its mapping and both addresses, checked.
+pub(crate) struct Planned {
+    /// Its index in the batch.
+    pub index: usize,
+    /// The op: keeps its local region alive while a thread copies (a
+    /// timed-out submit may drop its own copy first).
+    pub op: RdmaOp,
+    pub mapping: Arc<Mapping>,
+    /// The remote bytes in `mapping`.
+    pub remote: *mut u8,
+}
+
+/// A byte range of one planned op, for one thread.
+struct Piece {
+    planned: usize,
+    offset: usize,
+    len: usize,
+}
+
+// SAFETY: the raw pointers point into mappings (kept by `mapping`) and
+// regions (kept by `op`) that live as long as the Planned does, and are
+// only used for copies, like DMA.
+unsafe impl Send for Planned {}
+// SAFETY: as for Send; Planned is only read.
+unsafe impl Sync for Planned {}
+
+/// Copies `piece`; whether its region was alive before and after.
+fn copy(planned: &Planned, offset: usize, len: usize) -> bool {
+    if !planned.mapping.is_alive() {
+        return false;
+    }
+    // SAFETY: offset + len <= the op's length, and `remote..+len(op)` lies
+    // in the mapping (`Mapping::locate`), `local..+len(op)` in the op's
+    // local region; both live (see `Planned`). They may overlap (a node
+    // copying within its own region), hence `copy`.
+    unsafe {
+        let local = planned.op.local.as_ptr().add(offset);
+        let remote = planned.remote.add(offset);
+        match planned.op.kind {
+            OpKind::Write => std::ptr::copy(local, remote, len),
+            OpKind::Read => std::ptr::copy(remote, local, len),
+        }
+    }
+    planned.mapping.is_alive()
+}
+
+/// Runs every copy; returns, for each planned op in order, whether its
+/// region stayed alive throughout (else the owner is asked why).
+pub(crate) async fn run(planned: Vec<Planned>) -> Vec<bool> {
+    let total: u64 = planned.iter().map(|p| p.op.len()).sum();
+    if total < INLINE {
+        return planned
+            .iter()
+            .map(|p| copy(p, 0, p.op.len() as usize))
+            .collect();
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (total / PER_THREAD).clamp(1, cores.min(MAX_THREADS) as u64);
+    let share = total.div_ceil(threads) as usize;
+    // Cut the batch into `threads` runs of about `share` bytes.
+    let mut runs: Vec<Vec<Piece>> = vec![Vec::new()];
+    let mut room = share;
+    for (i, p) in planned.iter().enumerate() {
+        let mut offset = 0;
+        let len = p.op.len() as usize;
+        while offset < len {
+            if room == 0 {
+                runs.push(Vec::new());
+                room = share;
+            }
+            let take = room.min(len - offset);
+            runs.last_mut().expect("never empty").push(Piece {
+                planned: i,
+                offset,
+                len: take,
+            });
+            offset += take;
+            room -= take;
+        }
+    }
+    let planned = Arc::new(planned);
+    let tasks = runs.into_iter().map(|run| {
+        let planned = planned.clone();
+        tokio::task::spawn_blocking(move || {
+            run.into_iter()
+                .map(|piece| {
+                    let alive = copy(&planned[piece.planned], piece.offset, piece.len);
+                    (piece.planned, alive)
+                })
+                .collect::<Vec<_>>()
+        })
+    });
+    let mut alive = vec![true; planned.len()];
+    for done in futures_join(tasks).await {
+        match done {
+            Ok(pieces) => {
+                for (i, ok) in pieces {
+                    alive[i] &= ok;
+                }
+            }
+            // A copy thread cannot panic short of a bug; its ops are
+            // reported through the owner's answer, not as done.
+            Err(_) => alive.iter_mut().for_each(|a| *a = false),
+        }
+    }
+    alive
+}
+
+/// Awaits every task (no extra dependency for one join).
+async fn futures_join<T>(
+    tasks: impl Iterator<Item = tokio::task::JoinHandle<T>>,
+) -> Vec<Result<T, tokio::task::JoinError>> {
+    let mut out = Vec::new();
+    for task in tasks.collect::<Vec<_>>() {
+        out.push(task.await);
+    }
+    out
+}
