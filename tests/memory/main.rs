@@ -288,3 +288,40 @@ async fn memory_ferry_did_not_allocate_goes_over_tcp() {
     let shared = RdmaOp::read(local.whole(), ferrys.remote());
     assert_eq!(node.route(&shared), Some(RdmaTransportLevel::Memory));
 }
+
+/// Mappings of `ferry-region` memfds in this process.
+fn mapped_regions() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("memfd:ferry-region"))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_its_owner_dropped_is_unmapped_here_soon() {
+    // A mapping keeps the owner's pages alive: it must not outlive the
+    // region by more than the sweep period.
+    let node = node().await;
+    let mut peer = sharing_peer().await;
+    let local = node.alloc(1 << 20, Access::ReadWrite).await.unwrap();
+    let target = peer.alloc(1 << 20, Access::ReadWrite, 8).await;
+    let before = mapped_regions();
+    node.submit(
+        vec![RdmaOp::read(local.whole(), target.handle.clone())],
+        DEADLINE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        mapped_regions(),
+        before + 1,
+        "the peer's region is mapped here"
+    );
+    peer.drop_region(&target).await;
+    let start = std::time::Instant::now();
+    while mapped_regions() > before {
+        assert!(start.elapsed() < Duration::from_secs(5), "still mapped");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

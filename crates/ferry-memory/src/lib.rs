@@ -58,16 +58,21 @@ pub struct MemRegistered {
     pub registration: MemRegistration,
 }
 
+/// How often mappings of regions that are gone are unmapped.
+const SWEEP: Duration = Duration::from_secs(1);
+
 struct Inner {
     boot_id: u128,
     exports: Arc<owner::Exports>,
-    links: peer::Links,
+    links: Arc<peer::Links>,
     server: tokio::task::JoinHandle<()>,
+    sweeper: tokio::task::JoinHandle<()>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
         self.server.abort();
+        self.sweeper.abort();
     }
 }
 
@@ -83,11 +88,24 @@ impl MemoryBackend {
         let listener = socket::Listener::bind(&socket_name(node))?;
         let exports = Arc::new(owner::Exports::default());
         let server = tokio::spawn(owner::serve(listener, exports.clone()));
+        let links = Arc::new(peer::Links::default());
+        let sweeper = {
+            let links = Arc::downgrade(&links);
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(SWEEP);
+                loop {
+                    every.tick().await;
+                    let Some(links) = links.upgrade() else { return };
+                    links.sweep();
+                }
+            })
+        };
         Ok(MemoryBackend(Arc::new(Inner {
             boot_id,
             exports,
-            links: peer::Links::default(),
+            links,
             server,
+            sweeper,
         })))
     }
 

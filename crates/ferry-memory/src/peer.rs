@@ -282,4 +282,24 @@ impl Links {
             .unwrap_or_else(|e| e.into_inner())
             .insert(owner, LinkState::Unreachable);
     }
+
+    /// Unmaps regions their owners stopped sharing, and every region of
+    /// owners that closed their sockets: a mapping keeps the owner's pages
+    /// from being freed, so none may outlive its region for long. Copies
+    /// in flight hold their own reference and finish first.
+    pub fn sweep(&self) {
+        let mut links = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        for state in links.values_mut() {
+            if let LinkState::Up(link) = state {
+                if link.is_alive() {
+                    link.mapped
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .retain(|_, mapping| mapping.is_alive());
+                } else {
+                    *state = LinkState::Unreachable;
+                }
+            }
+        }
+    }
 }
