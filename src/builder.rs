@@ -248,7 +248,7 @@ impl NodeBuilder {
 
     /// Binds the endpoint and spawns the node's actor and its backends on the
     /// current tokio runtime: TCP always, ibverbs when enabled and a device
-    /// is usable. Fails if a required transport cannot start, or the
+    /// is usable, same-host memory when enabled. Fails if a required transport cannot start, or the
     /// endpoint cannot (see [`NodeError`]).
     pub async fn spawn(self) -> Result<Node, NodeError> {
         let id = NodeId::random();

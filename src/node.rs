@@ -58,6 +58,9 @@ impl Router {
         }
     }
 
+    /// Routes each op to the fastest transport both ends share; the ops of
+    /// one transport stay one batch, and the transports run concurrently.
+    /// Errors name the op's index in *this* batch.
     pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         let mut levels = Vec::with_capacity(ops.len());
         for (index, op) in ops.iter().enumerate() {
@@ -83,6 +86,7 @@ impl Router {
         }
     }
 
+    /// One transport's share of a batch.
     async fn submit_on(
         &self,
         level: RdmaTransportLevel,
@@ -96,6 +100,7 @@ impl Router {
         }
     }
 
+    /// The memory transport's share of a batch; every op routed to it.
     async fn submit_memory(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         let Some(memory) = &self.memory else {
             return Err(SubmitError::BackendStopped);
@@ -106,6 +111,7 @@ impl Router {
         result
     }
 
+    /// The ibverbs backend's share of a batch; every op routed to it.
     async fn submit_ibverbs(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         let Some(ibverbs) = &self.ibverbs else {
             return Err(SubmitError::BackendStopped);
@@ -141,6 +147,7 @@ impl Router {
 
     /// A batch whose ops take both transports: each share runs as its own
     /// batch, concurrently, and errors are mapped back to batch indices.
+    /// A batch over several transports: one sub-batch each, concurrently.
     async fn submit_split(
         &self,
         ops: Vec<RdmaOp>,
@@ -167,6 +174,8 @@ impl Router {
         merge(results, total)
     }
 
+    /// Registers memory with every running backend; its handles advertise
+    /// all of them.
     pub async fn register(
         &self,
         memory: MemoryBlock,
@@ -209,7 +218,6 @@ impl Router {
         .into_region())
     }
 
-    /// The fastest transport this node runs.
     /// Memory for a region: shareable with same-host peers when the memory
     /// transport runs.
     pub fn alloc_memory(&self, len: u64) -> Result<MemoryBlock, RegisterError> {
@@ -219,6 +227,7 @@ impl Router {
         }
     }
 
+    /// The fastest transport this node runs.
     pub fn transport_level(&self) -> RdmaTransportLevel {
         if self.memory.is_some() {
             RdmaTransportLevel::Memory
@@ -371,7 +380,9 @@ impl Node {
         &self.0.router.endpoint
     }
 
-    /// Allocates `len` zeroed, page-aligned bytes and registers them.
+    /// Allocates `len` zeroed, page-aligned bytes and registers them. With
+    /// the memory transport running they live in a sealed memfd, so that
+    /// same-host peers can map them.
     pub async fn alloc(&self, len: u64, access: Access) -> Result<Region, RegisterError> {
         self.register(self.0.router.alloc_memory(len)?, access)
             .await

@@ -14,7 +14,8 @@ pub enum RdmaTransportLevel {
     Tcp,
     /// One-sided RDMA through an ibverbs NIC.
     Nic,
-    /// Same-host memory copy (reserved: no backend implements it yet).
+    /// Same-host memory: copies between mappings of shared regions
+    /// (`ferry-memory`).
     Memory,
 }
 

@@ -60,12 +60,16 @@ impl Mapping {
         } else {
             libc::PROT_READ
         };
-        // The descriptor's size bounds what may be mapped: a lying reply
-        // cannot make this mapping reach past the memfd (SIGBUS).
-        // SAFETY: fstat writes into a local struct.
+        // The descriptor's size bounds what may be mapped, and its seal
+        // keeps it so: neither a lying reply nor a later truncation can
+        // make a copy through this mapping fault (SIGBUS).
+        // SAFETY: fstat writes into a local struct; F_GET_SEALS reads.
         let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0
             || (stat.st_size as u64) < (data_len + PAGE_SIZE) as u64
+            || seals < 0
+            || seals & libc::F_SEAL_SHRINK == 0
         {
             return None;
         }
