@@ -154,13 +154,26 @@ impl Drop for MemRegistration {
     }
 }
 
+/// Same-host peers one node answers at once (one task and one socket
+/// each); more are turned away, and their ops fail with a typed error.
+const MAX_PEERS: usize = 1024;
+
 /// Answers peers on `listener` until the task is aborted.
 pub(crate) async fn serve(listener: Listener, exports: Arc<Exports>) {
+    let room = Arc::new(tokio::sync::Semaphore::new(MAX_PEERS));
     loop {
         match listener.accept().await {
             Ok(peer) => {
+                let Ok(seat) = room.clone().try_acquire_owned() else {
+                    warn!("memory transport: {MAX_PEERS} same-host peers already; one turned away");
+                    continue;
+                };
                 debug!(pid = ?peer.peer_pid(), "memory transport: a same-host peer connected");
-                tokio::spawn(answer_peer(peer, exports.clone()));
+                let exports = exports.clone();
+                tokio::spawn(async move {
+                    answer_peer(peer, exports).await;
+                    drop(seat);
+                });
             }
             Err(e) => {
                 // E.g. out of descriptors: back off instead of spinning.
