@@ -58,6 +58,10 @@ fn copy(planned: &Planned, offset: usize, len: usize) -> bool {
             OpKind::Read => std::ptr::copy(remote, local, len),
         }
     }
+    // The copy's stores are visible before the second look at the word,
+    // which the owner clears with SeqCst: a write seen as done cannot land
+    // after the owner stopped sharing the region.
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
     planned.mapping.is_alive()
 }
 

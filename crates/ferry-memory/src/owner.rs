@@ -20,7 +20,7 @@ use tracing::{debug, warn};
 
 use crate::shared::{alive, mapping_of};
 use crate::socket::{Listener, Packets};
-use crate::wire::{Refusal, Reply, Request};
+use crate::wire::{Answer, Refusal, Reply, Request};
 
 /// A region shared with same-host peers.
 struct Export {
@@ -94,12 +94,17 @@ impl Exports {
         if !tokens_equal(export.token, request.token) {
             return (Reply::Refused(Refusal::AccessDenied), None);
         }
-        if request.write && !export.access.allows_write() {
-            return (Reply::Refused(Refusal::ReadOnly), None);
-        }
         let Some(mapping) = mapping_of(&export.memory) else {
             return (Reply::Refused(Refusal::UnknownRegion), None);
         };
+        // Deregistration clears the word before it takes this table's
+        // lock: a region on its way out is not handed out again.
+        if mapping.liveness().load(Ordering::SeqCst) != alive(export.generation) {
+            return (Reply::Refused(Refusal::UnknownRegion), None);
+        }
+        if request.write && !export.access.allows_write() {
+            return (Reply::Refused(Refusal::ReadOnly), None);
+        }
         // A fresh open file description with just the access granted: a
         // read-only one cannot be mapped writable by whoever holds it.
         let flags = if request.write {
@@ -141,8 +146,11 @@ pub struct MemRegistration {
 
 impl Drop for MemRegistration {
     fn drop(&mut self) {
+        // SeqCst, paired with the fence after a peer's copy: a copy whose
+        // second look at the word still saw it alive was complete before
+        // this store (see the invariant in peer.rs).
         if let Some(mapping) = mapping_of(&self.memory) {
-            mapping.liveness().store(0, Ordering::Release);
+            mapping.liveness().store(0, Ordering::SeqCst);
         }
         let mut exports = self.exports.lock();
         if exports
@@ -159,21 +167,20 @@ impl Drop for MemRegistration {
 const MAX_PEERS: usize = 1024;
 
 /// Answers peers on `listener` until the task is aborted.
+/// The peers' tasks belong to it: aborting it (the node stopping) ends
+/// them too.
 pub(crate) async fn serve(listener: Listener, exports: Arc<Exports>) {
-    let room = Arc::new(tokio::sync::Semaphore::new(MAX_PEERS));
+    let mut peers = tokio::task::JoinSet::new();
     loop {
+        while peers.try_join_next().is_some() {}
         match listener.accept().await {
             Ok(peer) => {
-                let Ok(seat) = room.clone().try_acquire_owned() else {
+                if peers.len() >= MAX_PEERS {
                     warn!("memory transport: {MAX_PEERS} same-host peers already; one turned away");
                     continue;
-                };
+                }
                 debug!(pid = ?peer.peer_pid(), "memory transport: a same-host peer connected");
-                let exports = exports.clone();
-                tokio::spawn(async move {
-                    answer_peer(peer, exports).await;
-                    drop(seat);
-                });
+                peers.spawn(answer_peer(peer, exports.clone()));
             }
             Err(e) => {
                 // E.g. out of descriptors: back off instead of spinning.
@@ -187,16 +194,20 @@ pub(crate) async fn serve(listener: Listener, exports: Arc<Exports>) {
 async fn answer_peer(peer: Packets, exports: Arc<Exports>) {
     let mut buf = [0u8; Request::LEN];
     loop {
-        let (reply, fd) = match peer.recv(&mut buf).await {
+        let (answer, fd) = match peer.recv(&mut buf).await {
             Ok((0, _)) | Err(_) => return,
             Ok((n, _ignored_fd)) => match Request::decode(&buf[..n]) {
-                Some(request) => exports.answer(&request),
-                None => (Reply::Refused(Refusal::BadRequest), None),
+                Some(request) => {
+                    let (reply, fd) = exports.answer(&request);
+                    (Answer::to(&request, reply), fd)
+                }
+                // Not a request: nothing to answer to; the peer broke.
+                None => return,
             },
         };
         use std::os::fd::AsFd;
         if peer
-            .send(&reply.encode(), fd.as_ref().map(|f| f.as_fd()))
+            .send(&answer.encode(), fd.as_ref().map(|f| f.as_fd()))
             .await
             .is_err()
         {

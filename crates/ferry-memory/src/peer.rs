@@ -3,7 +3,8 @@
 //!
 //! **Invariant (stale regions).** A copy through a mapping reports `Ok`
 //! only if the region's liveness word read `alive(handle generation)` both
-//! before and after the copy. The owner clears the word before it stops
+//! before and after the copy, with a SeqCst fence between the copy and the
+//! second read (the owner clears the word with SeqCst). The owner clears the word before it stops
 //! sharing a region, and a mapping only ever reaches the pages of the
 //! memfd it was made from, which are never reused for another region: so a
 //! copy that races a deregistration touches only that region's orphaned
@@ -18,7 +19,7 @@ use ferry_core::{Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaO
 
 use crate::shared::alive;
 use crate::socket::Packets;
-use crate::wire::{Reply, Request};
+use crate::wire::{Answer, Reply, Request};
 
 /// A peer's region mapped into this process.
 pub(crate) struct Mapping {
@@ -52,6 +53,9 @@ impl Mapping {
             return None;
         };
         let data_len = usize::try_from(data_len).ok()?;
+        // What the owner says is checked, not trusted: the mapping's length
+        // must not overflow, and the memfd must hold it (below).
+        let map_len = data_len.checked_add(PAGE_SIZE)?;
         if data_len % PAGE_SIZE != 0 || len > data_len as u64 {
             return None;
         }
@@ -67,7 +71,7 @@ impl Mapping {
         let mut stat: libc::stat = unsafe { std::mem::zeroed() };
         let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0
-            || (stat.st_size as u64) < (data_len + PAGE_SIZE) as u64
+            || (stat.st_size as u64) < map_len as u64
             || seals < 0
             || seals & libc::F_SEAL_SHRINK == 0
         {
@@ -78,7 +82,7 @@ impl Mapping {
         let mapped = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                data_len + PAGE_SIZE,
+                map_len,
                 prot,
                 libc::MAP_SHARED,
                 fd.as_raw_fd(),
@@ -206,17 +210,26 @@ impl Link {
             .send(&request.encode(), None)
             .await
             .map_err(|e| self.unreachable(e))?;
-        let mut buf = [0u8; Reply::LEN];
-        let (n, fd) = self
-            .packets
-            .recv(&mut buf)
-            .await
-            .map_err(|e| self.unreachable(e))?;
-        if n == 0 {
-            return Err(self.unreachable("the owner closed it"));
-        }
-        let reply = Reply::decode(&buf[..n])
-            .ok_or_else(|| OpError::Protocol("a malformed reply from a same-host owner".into()))?;
+        // Answers come in request order, one each. An exchange cancelled
+        // after its request went out (a timed-out submit) left its answer
+        // queued: skip it, and any such, up to the one for this request.
+        let (reply, fd) = loop {
+            let mut buf = [0u8; Answer::LEN];
+            let (n, fd) = self
+                .packets
+                .recv(&mut buf)
+                .await
+                .map_err(|e| self.unreachable(e))?;
+            if n == 0 {
+                return Err(self.unreachable("the owner closed it"));
+            }
+            let answer = Answer::decode(&buf[..n]).ok_or_else(|| {
+                OpError::Protocol("a malformed reply from a same-host owner".into())
+            })?;
+            if answer.answers(&request) {
+                break (answer.reply, fd);
+            }
+        };
         if let Reply::Refused(refusal) = reply {
             return Err(refusal.error(remote.generation()));
         }
@@ -265,9 +278,17 @@ impl Links {
                 asking: tokio::sync::Mutex::new(()),
                 mapped: Mutex::default(),
             })),
-            Err(e) => {
+            // Nobody listens under that name here (another host, another
+            // network namespace, memory off): remembered.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ECONNREFUSED | libc::ENOENT)) => {
                 tracing::debug!(owner = %owner.endpoint, "memory transport: not reachable on this host: {e}");
                 LinkState::Unreachable
+            }
+            // Anything else (a full backlog, out of descriptors) may pass:
+            // other transports carry this batch, the next one tries again.
+            Err(e) => {
+                tracing::debug!(owner = %owner.endpoint, "memory transport: cannot connect now: {e}");
+                return None;
             }
         };
         let link = match &state {

@@ -52,6 +52,63 @@ impl Request {
     }
 }
 
+/// The owner's answer to one request, naming it: a peer whose earlier
+/// exchange was cancelled after its request went out skips that reply
+/// instead of taking it for the answer to the next one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Answer {
+    /// The request answered: slot, generation, write.
+    pub to: (RegionId, Generation, bool),
+    /// The answer.
+    pub reply: Reply,
+}
+
+impl Answer {
+    /// Encoded length: the reply, then slot and generation.
+    pub const LEN: usize = Reply::LEN + 8;
+
+    /// The answer to `request`.
+    pub fn to(request: &Request, reply: Reply) -> Self {
+        Answer {
+            to: (request.region, request.generation, request.write),
+            reply,
+        }
+    }
+
+    /// Whether it answers `request`.
+    pub fn answers(&self, request: &Request) -> bool {
+        self.to == (request.region, request.generation, request.write)
+    }
+
+    /// The packet.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut out = [0; Self::LEN];
+        out[..Reply::LEN].copy_from_slice(&self.reply.encode());
+        out[1] = u8::from(self.to.2);
+        out[32..36].copy_from_slice(&self.to.0.0.to_le_bytes());
+        out[36..40].copy_from_slice(&self.to.1.0.to_le_bytes());
+        out
+    }
+
+    /// Reads a packet; `None` if it is not one.
+    pub fn decode(packet: &[u8]) -> Option<Self> {
+        let packet: &[u8; Self::LEN] = packet.try_into().ok()?;
+        let mut reply = [0; Reply::LEN];
+        reply.copy_from_slice(&packet[..Reply::LEN]);
+        let write = match reply[1] {
+            0 => false,
+            1 => true,
+            _ => return None,
+        };
+        reply[1] = 0;
+        let u32_at = |at: usize| u32::from_le_bytes(packet[at..at + 4].try_into().unwrap());
+        Some(Answer {
+            to: (RegionId(u32_at(32)), Generation(u32_at(36)), write),
+            reply: Reply::decode(&reply)?,
+        })
+    }
+}
+
 /// The owner's answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reply {
@@ -191,5 +248,14 @@ mod tests {
         let mut bad = Reply::Refused(Refusal::ReadOnly).encode();
         bad[0] = 99;
         assert_eq!(Reply::decode(&bad), None);
+        let answer = Answer::to(&request, Reply::Refused(Refusal::AccessDenied));
+        let decoded = Answer::decode(&answer.encode()).unwrap();
+        assert_eq!(decoded, answer);
+        assert!(decoded.answers(&request));
+        let other = Request {
+            write: false,
+            ..request
+        };
+        assert!(!decoded.answers(&other));
     }
 }
