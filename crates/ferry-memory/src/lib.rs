@@ -138,8 +138,8 @@ impl MemoryBackend {
     }
 
     /// Whether this transport carries ops on `remote`: it was shared by a
-    /// node on this boot whose socket this node reaches (tried once per
-    /// owner, then remembered).
+    /// node on this boot whose socket this node reaches (a refused connect
+    /// is remembered per owner; other failures are tried again).
     pub fn routes(&self, remote: &RemoteBuffer) -> bool {
         remote
             .transports()
@@ -149,8 +149,9 @@ impl MemoryBackend {
     }
 
     /// Runs a batch whose ops all [`routes`](Self::routes) accepted: the
-    /// copies, in order, in this process. `Err(Op)` names the lowest
-    /// failing op; the others still ran.
+    /// copies run in this process (a long batch split across a few
+    /// threads), no owner CPU involved. `Err(Op)` names the lowest failing
+    /// op; the others still ran.
     pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         // A batch with a bad op moves nothing, as on the other transports.
         for (index, op) in ops.iter().enumerate() {
