@@ -48,8 +48,10 @@ fn copy(planned: &Planned, offset: usize, len: usize) -> bool {
     }
     // SAFETY: offset + len <= the op's length, and `remote..+len(op)` lies
     // in the mapping (`Mapping::locate`), `local..+len(op)` in the op's
-    // local region; both live (see `Planned`). They may overlap (a node
-    // copying within its own region), hence `copy`.
+    // local region; both live (see `Planned`). They may be the same pages
+    // (a node copying within its own region through the transport), at
+    // other addresses: `copy` keeps that sound, and the bytes where source
+    // and destination overlap are unspecified, as for overlapping ops.
     unsafe {
         let local = planned.op.local.as_ptr().add(offset);
         let remote = planned.remote.add(offset);

@@ -238,10 +238,13 @@ impl Link {
             OpError::Protocol("a same-host owner's region could not be mapped".into())
         })?;
         let mapping = Arc::new(mapping);
-        self.mapped
+        let replaced = self
+            .mapped
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(remote.region(), mapping.clone());
+        // Unmapped (if this was its last reference) outside the lock.
+        drop(replaced);
         Ok(mapping)
     }
 }
@@ -313,18 +316,23 @@ impl Links {
     /// from being freed, so none may outlive its region for long. Copies
     /// in flight hold their own reference and finish first.
     pub fn sweep(&self) {
-        let mut links = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        for state in links.values_mut() {
-            if let LinkState::Up(link) = state {
+        // Unmapping a large region takes a while: after the locks are gone.
+        let mut unmap: Vec<Arc<Mapping>> = Vec::new();
+        let mut gone: Vec<Arc<Link>> = Vec::new();
+        {
+            let mut links = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            for state in links.values_mut() {
+                let LinkState::Up(link) = state else { continue };
                 if link.is_alive() {
-                    link.mapped
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .retain(|_, mapping| mapping.is_alive());
-                } else {
-                    *state = LinkState::Unreachable;
+                    let mut mapped = link.mapped.lock().unwrap_or_else(|e| e.into_inner());
+                    unmap.extend(mapped.extract_if(|_, m| !m.is_alive()).map(|(_, m)| m));
+                } else if let LinkState::Up(link) = std::mem::replace(state, LinkState::Unreachable)
+                {
+                    gone.push(link);
                 }
             }
         }
+        drop(unmap);
+        drop(gone);
     }
 }
