@@ -430,7 +430,8 @@ impl Node {
     ///
     /// The ops have no order among themselves: they run concurrently, and
     /// two ops whose byte ranges overlap leave those bytes unspecified, as on
-    /// RDMA. A zero-length op is only checked locally and succeeds without
+    /// RDMA (so does one op whose source and destination overlap, a node
+    /// copying within its own region). A zero-length op is only checked locally and succeeds without
     /// contacting its remote side.
     pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         self.0.router.submit(ops, timeout).await
