@@ -68,14 +68,19 @@ async fn blob() {
     node.shutdown().await;
 }
 
-async fn lookup(url: &str, ferry: &str) {
-    let mut server = serve(ferry, url, "lookup-target");
-    let node = Node::builder()
+/// A node that finds others through the etcd at `url`.
+async fn finder(url: &str) -> Node {
+    Node::builder()
         .ibverbs(false)
         .etcd(EtcdConfig::new(url))
         .spawn()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+async fn lookup(url: &str, ferry: &str) {
+    let mut server = serve(ferry, url, "lookup-target");
+    let node = finder(url).await;
     let timeout = Duration::from_secs(5);
     let (mut cold, mut warm) = (Vec::new(), Vec::new());
     for _ in 0..TRIALS {
@@ -98,12 +103,7 @@ async fn lookup(url: &str, ferry: &str) {
 }
 
 async fn expiry(url: &str, ferry: &str) {
-    let node = Node::builder()
-        .ibverbs(false)
-        .etcd(EtcdConfig::new(url))
-        .spawn()
-        .await
-        .unwrap();
+    let node = finder(url).await;
     let names: Vec<String> = (0..TRIALS).map(|i| format!("doomed-{i}")).collect();
     let mut servers: Vec<Child> = names.iter().map(|n| serve(ferry, url, n)).collect();
     for name in &names {

@@ -15,6 +15,16 @@ async fn tcp_node() -> Node {
     Node::builder().ibverbs(false).spawn().await.unwrap()
 }
 
+/// A TCP node whose inbox holds two deliveries.
+async fn small_inbox_owner() -> Node {
+    Node::builder()
+        .ibverbs(false)
+        .inbox_capacity(2)
+        .spawn()
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn written_bytes_are_in_place_when_the_owner_is_notified() {
     let (owner, initiator) = (tcp_node().await, tcp_node().await);
@@ -46,12 +56,7 @@ async fn notified_write(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_inbox_holds_notified_submits_back_until_their_deadline() {
-    let owner = Node::builder()
-        .ibverbs(false)
-        .inbox_capacity(2)
-        .spawn()
-        .await
-        .unwrap();
+    let owner = small_inbox_owner().await;
     let initiator = tcp_node().await;
     let target = owner.alloc(64, Access::ReadWrite).await.unwrap();
     for round in 0..2 {
@@ -130,12 +135,7 @@ async fn a_notification_over_the_owners_own_limit_is_refused_by_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_consumer_holds_senders_back_and_resumes() {
-    let owner = Node::builder()
-        .ibverbs(false)
-        .inbox_capacity(2)
-        .spawn()
-        .await
-        .unwrap();
+    let owner = small_inbox_owner().await;
     let initiator = tcp_node().await;
     // Over TCP the owner holds nothing beyond its inbox.
     notify::a_stalled_consumer_holds_senders_back_and_resumes(&owner, &initiator, 2..=2).await;

@@ -21,7 +21,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, GetOptions, WatchOptions};
+use etcd_client::{Client, ConnectOptions, GetOptions, WatchOptions, WatchStream};
 
 use crate::metadata::{MetadataError, NodeMetadata};
 use crate::peers::{Loaded, Peers};
@@ -221,6 +221,42 @@ impl Etcd {
         }
     }
 
+    /// Opens a watch on `key` with `options`.
+    async fn watch(&self, key: String, options: WatchOptions) -> Result<WatchStream, EtcdError> {
+        self.call(
+            "watch",
+            |mut c| async move { c.watch(key, Some(options)).await },
+        )
+        .await
+    }
+
+    /// Every key in the namespace, and the store's revision it was read at.
+    async fn nodes(&self) -> Result<(Vec<NodeKey>, i64), EtcdError> {
+        let prefix = self.config.prefix();
+        let p = prefix.clone();
+        let answer = self
+            .call("list", |mut c| async move {
+                c.get(p, Some(GetOptions::new().with_prefix())).await
+            })
+            .await?;
+        let revision = answer.header().map_or(0, |h| h.revision());
+        let nodes = answer
+            .kvs()
+            .iter()
+            .filter_map(|kv| {
+                let key = String::from_utf8_lossy(kv.key()).into_owned();
+                let name = key.strip_prefix(&prefix)?.to_string();
+                Some(NodeKey {
+                    key,
+                    name,
+                    value: kv.value().to_vec(),
+                    lease: kv.lease(),
+                })
+            })
+            .collect();
+        Ok((nodes, revision))
+    }
+
     fn decode(key: &str, value: &[u8]) -> Result<NodeMetadata, EtcdError> {
         NodeMetadata::decode(value).map_err(|source| EtcdError::Metadata {
             key: key.to_string(),
@@ -266,24 +302,9 @@ impl Etcd {
             // Watch from just after the read, so a put in between is seen.
             let key = self.config.key(name);
             let options = WatchOptions::new().with_start_revision(revision + 1);
-            let k = key.clone();
-            let mut stream = self
-                .call(
-                    "watch",
-                    |mut c| async move { c.watch(k, Some(options)).await },
-                )
-                .await?;
+            let mut stream = self.watch(key.clone(), options).await?;
             loop {
-                let answer = stream.message().await.map_err(|e| EtcdError::Request {
-                    what: "watch",
-                    reason: e.to_string(),
-                })?;
-                let Some(answer) = answer else {
-                    return Err(EtcdError::Request {
-                        what: "watch",
-                        reason: "etcd closed the watch".into(),
-                    });
-                };
+                let answer = next_answer(&mut stream).await?;
                 for event in answer.events() {
                     match (event.event_type(), event.kv()) {
                         (etcd_client::EventType::Put, Some(kv)) => {
@@ -312,19 +333,10 @@ impl Etcd {
     /// Every node published in the namespace, by name, with the time its
     /// lease has left.
     pub async fn list(&self) -> Result<Vec<Listing>, EtcdError> {
-        let prefix = self.config.prefix();
-        let p = prefix.clone();
-        let answer = self
-            .call("list", |mut c| async move {
-                c.get(p, Some(GetOptions::new().with_prefix())).await
-            })
-            .await?;
+        let (nodes, _) = self.nodes().await?;
         let mut listings = Vec::new();
-        for kv in answer.kvs() {
-            let key = String::from_utf8_lossy(kv.key()).into_owned();
-            let name = key.strip_prefix(&prefix).unwrap_or(&key).to_string();
-            let metadata = NodeMetadata::decode(kv.value());
-            let lease = kv.lease();
+        for node in nodes {
+            let lease = node.lease;
             let lease_left = if lease == 0 {
                 None
             } else {
@@ -339,8 +351,8 @@ impl Etcd {
                 ))
             };
             listings.push(Listing {
-                name,
-                metadata,
+                name: node.name,
+                metadata: NodeMetadata::decode(&node.value),
                 lease_left,
             });
         }
@@ -353,6 +365,29 @@ impl Etcd {
     pub fn publish(&self, name: &str, blob: bytes::Bytes) -> Publication {
         Publication::start(self.clone(), self.config.key(name), blob)
     }
+}
+
+/// One key of the namespace, as read.
+struct NodeKey {
+    key: String,
+    /// The key below the namespace prefix.
+    name: String,
+    value: Vec<u8>,
+    /// Its lease (0: none).
+    lease: i64,
+}
+
+/// The next answer on a watch; a broken or closed stream is an error.
+async fn next_answer(stream: &mut WatchStream) -> Result<etcd_client::WatchResponse, EtcdError> {
+    let closed = |reason: String| EtcdError::Request {
+        what: "watch",
+        reason,
+    };
+    stream
+        .message()
+        .await
+        .map_err(|e| closed(e.to_string()))?
+        .ok_or_else(|| closed("etcd closed the watch".into()))
 }
 
 /// One node as `list` found it.

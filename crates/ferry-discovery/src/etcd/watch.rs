@@ -1,14 +1,14 @@
 //! Keeps the peers a node looked up through etcd current: a watch on the
 //! namespace drops a peer whose key went and reloads one republished.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use etcd_client::{EventType, GetOptions, WatchOptions};
+use etcd_client::{EventType, WatchOptions};
 use tracing::{info, warn};
 
-use super::{Etcd, EtcdError};
+use super::{Etcd, EtcdError, next_answer};
 use crate::metadata::NodeMetadata;
 use crate::peers::{Loaded, Peers};
 
@@ -82,20 +82,11 @@ async fn watch_once(
     followed: &mut bool,
 ) -> Result<std::convert::Infallible, EtcdError> {
     let prefix = etcd.config.prefix();
-    let p = prefix.clone();
-    let answer = etcd
-        .call("list", |mut c| async move {
-            c.get(p, Some(GetOptions::new().with_prefix())).await
-        })
-        .await?;
-    let revision = answer.header().map_or(0, |h| h.revision());
-    let mut present = std::collections::BTreeMap::new();
-    for kv in answer.kvs() {
-        let key = String::from_utf8_lossy(kv.key()).into_owned();
-        if let Some(name) = key.strip_prefix(&prefix) {
-            present.insert(name.to_string(), Etcd::decode(&key, kv.value()).ok());
-        }
-    }
+    let (nodes, revision) = etcd.nodes().await?;
+    let mut present: BTreeMap<String, Option<NodeMetadata>> = nodes
+        .into_iter()
+        .map(|node| (node.name, Etcd::decode(&node.key, &node.value).ok()))
+        .collect();
     for name in tracked_names(tracked) {
         apply(peers, &name, present.remove(&name).flatten());
     }
@@ -103,26 +94,10 @@ async fn watch_once(
     let options = WatchOptions::new()
         .with_prefix()
         .with_start_revision(revision + 1);
-    let p = prefix.clone();
-    let mut stream = etcd
-        .call(
-            "watch",
-            |mut c| async move { c.watch(p, Some(options)).await },
-        )
-        .await?;
+    let mut stream = etcd.watch(prefix.clone(), options).await?;
     *followed = true;
     loop {
-        let answer = stream
-            .message()
-            .await
-            .map_err(|e| EtcdError::Request {
-                what: "watch",
-                reason: e.to_string(),
-            })?
-            .ok_or(EtcdError::Request {
-                what: "watch",
-                reason: "etcd closed the watch".into(),
-            })?;
+        let answer = next_answer(&mut stream).await?;
         if answer.canceled() {
             return Err(EtcdError::Request {
                 what: "watch",
