@@ -6,6 +6,7 @@
 
 mod bench;
 mod discovery;
+mod loopback;
 mod serve;
 mod submitter;
 
