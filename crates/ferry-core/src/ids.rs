@@ -15,6 +15,12 @@ pub fn random_u128() -> u128 {
     u128::from_le_bytes(bytes)
 }
 
+/// Compares access tokens without an early exit, so timing does not reveal
+/// how many leading bytes of a guessed token were right.
+pub fn tokens_equal(a: u128, b: u128) -> bool {
+    std::hint::black_box(a ^ b) == 0
+}
+
 /// Identity of one ferry node (one per process), random so that a restarted
 /// process on the same address is a different node.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

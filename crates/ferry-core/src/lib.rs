@@ -27,7 +27,7 @@ mod progress;
 pub use backend::{RdmaBackend, RdmaTransportLevel};
 pub use error::{OpError, RegisterError, SubmitError};
 pub use handle::{Access, IbvRemote, MemRemote, RemoteBuffer, RemoteTransports, TcpRemote};
-pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128};
+pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128, tokens_equal};
 pub use memory::{MemoryBlock, PAGE_SIZE, Region, RegionIds, RegionParts, RegionSlot};
 pub use message::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 pub use op::{LocalSlice, OpKind, RdmaOp};

@@ -15,7 +15,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use ferry_core::{Access, Generation, MemoryBlock, RegionId};
+use ferry_core::{Access, Generation, MemoryBlock, RegionId, tokens_equal};
 use tracing::{debug, warn};
 
 use crate::shared::{alive, mapping_of};
@@ -33,11 +33,6 @@ struct Export {
 /// The regions this node shares, by slot.
 #[derive(Default)]
 pub(crate) struct Exports(Mutex<HashMap<RegionId, Export>>);
-
-/// Compares tokens without an early exit.
-fn tokens_equal(a: u128, b: u128) -> bool {
-    std::hint::black_box(a ^ b) == 0
-}
 
 impl Exports {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RegionId, Export>> {

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock, Weak};
 
-use ferry_core::{Access, Generation, MemoryBlock, RegionId};
+use ferry_core::{Access, Generation, MemoryBlock, RegionId, tokens_equal};
 
 use crate::frame::{Refusal, Request, RequestKind};
 
@@ -114,12 +114,6 @@ impl RegionTable {
             offset: offset as usize,
         })
     }
-}
-
-/// Compares tokens without an early exit, so timing does not reveal how many
-/// leading bytes of a guessed token were right.
-fn tokens_equal(a: u128, b: u128) -> bool {
-    std::hint::black_box(a ^ b) == 0
 }
 
 /// Dropping this removes the region from the table: the TCP half of
