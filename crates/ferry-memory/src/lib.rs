@@ -163,8 +163,9 @@ impl MemoryBackend {
             let mut failed: Vec<(usize, OpError)> = Vec::new();
             let mut planned = Vec::with_capacity(ops.len());
             let mut links = Vec::with_capacity(ops.len());
+            let mut seen = Vec::new();
             for (index, op) in ops.iter().enumerate() {
-                match self.plan(op).await {
+                match self.plan(op, &mut seen).await {
                     Ok(Some((link, mapping, remote))) => {
                         links.push(link);
                         planned.push(copy::Planned {
@@ -201,15 +202,33 @@ impl MemoryBackend {
     }
 
     /// `op`'s link, mapping and remote address; `None` for an empty op.
+    /// `seen` holds the owners of this batch already looked at, so that
+    /// each is looked up and checked once per batch, not once per op.
     #[allow(clippy::type_complexity)]
     async fn plan(
         &self,
         op: &RdmaOp,
+        seen: &mut Vec<(NodeId, Result<Arc<peer::Link>, OpError>)>,
     ) -> Result<Option<(Arc<peer::Link>, Arc<peer::Mapping>, *mut u8)>, OpError> {
         if op.is_empty() {
             return Ok(None);
         }
         let owner = op.remote.owner();
+        let link = match seen.iter().find(|(id, _)| *id == owner.id) {
+            Some((_, link)) => link.clone()?,
+            None => {
+                let link = self.link_to(owner);
+                seen.push((owner.id, link.clone()));
+                link?
+            }
+        };
+        let mapping = link.mapping(op).await?;
+        let remote = mapping.locate(op)?;
+        Ok(Some((link, mapping, remote)))
+    }
+
+    /// The link to a live `owner`.
+    fn link_to(&self, owner: ferry_core::NodeAddr) -> Result<Arc<peer::Link>, OpError> {
         let Some(link) = self.0.links.get(owner) else {
             return Err(OpError::PeerUnreachable {
                 endpoint: owner.endpoint,
@@ -225,9 +244,7 @@ impl MemoryBackend {
                 endpoint: owner.endpoint,
             });
         }
-        let mapping = link.mapping(op).await?;
-        let remote = mapping.locate(op)?;
-        Ok(Some((link, mapping, remote)))
+        Ok(link)
     }
 }
 
