@@ -271,7 +271,10 @@ async fn initiate(args: Args) -> Result<(), String> {
     }
     let mut seed = 0u64;
     for &streams in &args.streams {
-        let mut builder = Node::builder().tcp_connections(streams);
+        // The demo measures the network path (its --streams are TCP
+        // connections): the same-host memory transport would take over
+        // between two processes of one host.
+        let mut builder = Node::builder().memory(false).tcp_connections(streams);
         if let Some(chunk) = args.chunk {
             builder = builder.tcp_chunk_size(chunk);
         }
