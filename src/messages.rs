@@ -90,6 +90,13 @@ impl Node {
     /// error within `timeout`. Messages from one node to another arrive in
     /// the order they were sent; a full inbox holds the sender back until
     /// its deadline (then `Timeout`, and the message is not delivered).
+    ///
+    /// "Sent" is when a send takes its turn on the session, during its
+    /// first polls: sends awaited one after another keep their order, and
+    /// so do concurrent ones polled in a fixed order on every wake-up.
+    /// Sends in separate tasks, or in a `FuturesUnordered` (what
+    /// `join_all` uses past 30 futures), are polled in the order they were
+    /// woken, and may overtake each other.
     pub async fn send_message(
         &self,
         peer: NodeAddr,

@@ -275,6 +275,34 @@ async fn eight_concurrent_senders_each_keep_their_order() {
     assert_eq!(inbox.try_recv(), None);
 }
 
+/// Runs `futures` concurrently, polling every pending one in index order on
+/// every wake-up, so the first to wait for a turn is the first to get one.
+/// (`join_all` over more than 30 futures polls them in the order they were
+/// woken; one that yielded for tokio's cooperative budget then falls behind
+/// later ones, and their messages overtake its.)
+async fn join_in_order<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut futures: Vec<_> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if output.is_none() {
+                match future.as_mut().poll(cx) {
+                    std::task::Poll::Ready(done) => *output = Some(done),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().map(Option::unwrap).collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipelined_messages_keep_their_order_through_a_small_inbox() {
     // Many messages of one sender in flight at once, while a slow consumer
@@ -292,8 +320,10 @@ async fn pipelined_messages_keep_their_order_through_a_small_inbox() {
         .await
         .expect("session opens");
     // Polled in order, so the requests go out (and arrive) in order.
-    let sends = futures_util::future::join_all(
-        (0..200u32).map(|i| sender.send_message(peer, i.to_le_bytes().to_vec(), DEADLINE)),
+    let sends = join_in_order(
+        (0..200u32)
+            .map(|i| sender.send_message(peer, i.to_le_bytes().to_vec(), DEADLINE))
+            .collect(),
     );
     let consume = async {
         let mut inbox = receiver.inbox().unwrap();
