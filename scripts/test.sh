@@ -23,3 +23,6 @@ cargo run --locked -q --example kv_handoff >/dev/null
 # Real RDMA: the ibverbs tests inside a soft-RoCE VM (no NIC or KVM needed;
 # downloads Debian's kernel, QEMU and rdma-core into ~/.cache/ferry-rxe once).
 tests/rxe/ferry-tests.sh
+# Two machines: two soft-RoCE VMs joined by a wire the tests make lossy,
+# cut, flap, and whose owner they kill (tests/rxe_wire; about 3 minutes).
+tests/rxe/wire-tests.sh

@@ -125,6 +125,15 @@ impl NodeBuilder {
         self
     }
 
+    /// How long a peer may acknowledge nothing on its control session
+    /// before it is declared lost (default [`crate::DEFAULT_PEER_TIMEOUT`],
+    /// 20 s; see the README's "Liveness"). Shorter finds dead hosts sooner;
+    /// too short fails healthy peers on a congested or lossy path.
+    pub fn peer_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.endpoint.peer_timeout = timeout;
+        self
+    }
+
     /// The endpoint's whole configuration (limits, control frame size).
     pub fn endpoint_config(mut self, config: EndpointConfig) -> Self {
         self.endpoint = config;

@@ -2,7 +2,7 @@
 # tests/rxe/run.sh — run a command inside a throw-away QEMU VM that has a real
 # ibverbs device: soft-RoCE (rdma_rxe) on Debian 12's stock kernel.
 #
-# usage: tests/rxe/run.sh [--bin PATH]... [--perf] [--] [GUEST_COMMAND...]
+# usage: tests/rxe/run.sh [--bin PATH]... [--perf] [--two] [--] [GUEST_COMMAND...]
 #
 # Why a VM: CI hosts have no RDMA NIC and their kernels are built without
 # InfiniBand, so ibverbs code paths can only be exercised against rxe in a
@@ -22,6 +22,13 @@
 # is this script's stdout. We exit with that rc; anything else (download or
 # boot failure, timeout, missing marker) exits 125 (124 for a timeout).
 #
+# --two boots two VMs, "a" and "b", from the same initramfs, joined by two
+# virtual wires (QEMU socket netdevs over the host's loopback): "wire"
+# carries rxe0's RoCE traffic and everything ferry sends, and is what tests
+# make lossy (tc netem), take down or cut; "mgmt" is never touched, and
+# carries a command agent in VM a (`on-peer CMD` in VM b runs CMD there).
+# GUEST_COMMAND runs in VM b; VM a stops when it is done.
+#
 # See tests/rxe/README.md for options, environment variables and timings.
 set -Eeuo pipefail
 # Any unexpected failure of the harness itself exits 125, so that a caller
@@ -33,7 +40,7 @@ ARCH=x86_64-linux-gnu
 CACHE=${FERRY_RXE_CACHE:-$HOME/.cache/ferry-rxe}
 TIMEOUT=${FERRY_RXE_TIMEOUT:-900}   # whole VM run (boot + perf + command), seconds
 MEM=${FERRY_RXE_MEM:-2048}          # MiB; tests move up to 64 MiB per side, binaries live in RAM
-SMP=${FERRY_RXE_SMP:-2}             # 1 vCPU makes two busy-polling processes share a CPU: ~25x slower
+SMP=${FERRY_RXE_SMP:-}              # default 2 (1 each with --two); see tests/rxe/README.md
 LOG=${FERRY_RXE_LOG:-$CACHE/last-console.log}
 
 # Default guest command: prove the device works (device attributes plus a
@@ -50,28 +57,31 @@ GUEST_PKGS=(busybox-static iproute2 libibverbs1 ibverbs-providers ibverbs-utils
 QEMU_PKGS=(qemu-system-x86 qemu-system-common qemu-system-data seabios
            libcapstone4 libfdt1 libpmem1 libslirp0 libvdeplug2 libndctl6 libdaxctl1)
 # Kernel modules the guest loads; their dependencies are added automatically.
-MODULES=(rdma_rxe rdma_ucm crc32_generic dummy)
+MODULES=(rdma_rxe rdma_ucm crc32_generic dummy virtio_pci virtio_net sch_netem)
 # Guest tools copied from the extracted packages (with their libraries).
 GUEST_TOOLS=(usr/bin/ibv_devinfo usr/bin/ibv_devices usr/bin/ibv_rc_pingpong
              usr/bin/ib_write_bw usr/bin/ib_read_bw usr/bin/ib_send_bw usr/bin/ib_atomic_bw
              usr/bin/ib_write_lat usr/bin/ib_read_lat usr/bin/ib_send_lat
-             usr/bin/rping usr/bin/rdma bin/ip)
+             usr/bin/rping usr/bin/rdma bin/ip sbin/tc)
 
 log() { echo "[rxe $(date +%T)] $*" >&2; }
 die() { log "error: $*"; exit 125; }
 usage() {
     cat <<EOF
-usage: tests/rxe/run.sh [--bin PATH]... [--perf] [--] [GUEST_COMMAND...]
+usage: tests/rxe/run.sh [--bin PATH]... [--perf] [--two] [--] [GUEST_COMMAND...]
 
   --bin PATH   copy a host-built binary (and the libraries ldd lists) into the
                guest's /opt/ferry/bin, which is on the guest's PATH; repeatable
   --perf       also run the perftest battery (ib_write_bw/ib_read_bw at 4 KiB,
                64 KiB, 1 MiB; ib_write_lat at 8 B), printing "PERF ..." lines
+  --two        boot two VMs joined by a virtual wire; the command runs in VM b,
+               VM a serves as the peer (on-peer CMD runs CMD there)
   GUEST_COMMAND  a command line for the guest's sh (words are joined with
                spaces); default: $SMOKE
 
 The guest exports FERRY_RXE=1 FERRY_RXE_DEVICE=rxe0 FERRY_RXE_GID_INDEX=<n>
-FERRY_RXE_IP=10.77.0.1. Exit status: the guest command's; 125 harness failure;
+FERRY_RXE_IP=10.77.0.1 (with --two: 10.88.0.2 in b, and FERRY_RXE_PEER_IP=10.88.0.1,
+FERRY_RXE_WIRE=wire, FERRY_RXE_AGENT=10.99.0.1:7000). Exit status: the guest command's; 125 harness failure;
 124 timeout. Env: FERRY_RXE_CACHE FERRY_RXE_TIMEOUT FERRY_RXE_MEM FERRY_RXE_SMP
 FERRY_RXE_LOG (see tests/rxe/README.md).
 EOF
@@ -80,11 +90,13 @@ EOF
 # ------------------------------------------------------------ arguments
 BINS=()
 PERF=0
+VMS=1
 while [ $# -gt 0 ]; do
     case $1 in
         --bin)   [ $# -ge 2 ] || die "--bin needs a path"; BINS+=("$2"); shift 2 ;;
         --bin=*) BINS+=("${1#--bin=}"); shift ;;
         --perf)  PERF=1; shift ;;
+        --two)   VMS=2; shift ;;
         -h|--help) usage; exit 0 ;;
         --)      shift; break ;;
         -*)      die "unknown option $1 (try --help)" ;;
@@ -92,6 +104,9 @@ while [ $# -gt 0 ]; do
     esac
 done
 GUEST_CMD=${*:-$SMOKE}
+# One VM: 1 vCPU makes two busy-polling processes share a CPU (~25x slower).
+# Two VMs hold one ferry process each, and the host has 2 cores for both.
+[ -n "$SMP" ] || SMP=$((3 - VMS))
 [[ $TIMEOUT =~ ^[0-9]+$ ]] || die "FERRY_RXE_TIMEOUT must be a number of seconds"
 for b in "${BINS[@]}"; do
     if [ ! -f "$b" ] || [ ! -x "$b" ]; then die "--bin $b: not an executable file"; fi
@@ -228,7 +243,7 @@ fi
 
 # ------------------------------------------------------------- 3. initramfs
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ferry-rxe.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
+trap 'rm -rf "$WORK"; [ -z "${PID_A:-}" ] || kill "$PID_A" 2>/dev/null || true' EXIT
 R=$WORK/root
 mkdir -p "$R"/{usr/bin,usr/sbin,usr/lib/$ARCH,usr/lib64,etc,proc,sys,dev,tmp,run,root,opt/ferry/bin,ferry}
 # merged-/usr layout, as on Debian 12
@@ -288,7 +303,9 @@ done
 
 cp -a "$KDIR/lib/modules" "$R/usr/lib/"
 install -m 755 "$HERE/guest/init" "$R/init"
-install -m 755 "$HERE/guest/rxe-pair" "$R/usr/bin/rxe-pair"
+for g in rxe-pair on-peer peer-agent; do
+    install -m 755 "$HERE/guest/$g" "$R/usr/bin/$g"
+done
 echo "root:x:0:0:root:/root:/bin/sh" > "$R/etc/passwd"
 echo "root:x:0:" > "$R/etc/group"
 echo "FERRY_RXE_PERF=$PERF" > "$R/ferry/config"
@@ -316,18 +333,63 @@ log "initramfs $(du -h "$INITRD" | cut -f1) (${#BINS[@]} --bin file(s)), prepare
 # 70 -> 58 us, perftest's unchanged.
 # sed -u: strip the serial console's CRs and SeaBIOS's terminal escapes
 # (screen clears) without buffering the live output.
-log "booting: tcg, ${SMP} vCPU, ${MEM} MiB, timeout ${TIMEOUT}s; perf=$PERF; command: $GUEST_CMD"
+QEMU_BASE=("$QEMU_BIN" -L "$QROOT/usr/share/qemu" -L "$QROOT/usr/share/seabios"
+           -accel tcg -cpu max -smp "$SMP" -m "$MEM"
+           -nographic -nodefaults -no-reboot -serial stdio
+           -kernel "$KDIR/vmlinuz" -initrd "$INITRD")
+KARGS="console=ttyS0 panic=-1 loglevel=4 quiet clocksource=tsc tsc=reliable"
+console_filter() { sed -u 's/\r$//; s/\x1bc//g; s/\x1b\[[0-9;?]*[A-Za-z]//g'; }
 mkdir -p "$(dirname "$LOG")"
+log "booting $VMS VM(s): tcg, ${SMP} vCPU, ${MEM} MiB each, timeout ${TIMEOUT}s; perf=$PERF; command: $GUEST_CMD"
 QRC=0
-{   LD_LIBRARY_PATH=$QLIBS timeout --foreground -k 10 "$TIMEOUT" \
-        "$QEMU_BIN" -L "$QROOT/usr/share/qemu" -L "$QROOT/usr/share/seabios" \
-        -accel tcg -cpu max -smp "$SMP" -m "$MEM" \
-        -nographic -nodefaults -no-reboot -serial stdio -nic none \
-        -kernel "$KDIR/vmlinuz" -initrd "$INITRD" \
-        -append "console=ttyS0 panic=-1 loglevel=4 quiet clocksource=tsc tsc=reliable" \
-        < /dev/null 2>&1 | sed -u 's/\r$//; s/\x1bc//g; s/\x1b\[[0-9;?]*[A-Za-z]//g' | tee "$LOG"
-    QRC=${PIPESTATUS[0]}
-} || true   # qemu's status is only a hint; the verdict comes from the console
+if [ "$VMS" = 1 ]; then
+    {   LD_LIBRARY_PATH=$QLIBS timeout --foreground -k 10 "$TIMEOUT" \
+            "${QEMU_BASE[@]}" -nic none -append "$KARGS" \
+            < /dev/null 2>&1 | console_filter | tee "$LOG"
+        QRC=${PIPESTATUS[0]}
+    } || true   # qemu's status is only a hint; the verdict comes from the console
+else
+    # Two loopback ports for the two wires; VM a listens, VM b connects.
+    free_port() {
+        local p
+        while :; do
+            p=$((20000 + RANDOM % 20000))
+            # /proc/net/tcp lists local ports in hex; skip any in use.
+            grep -qi ":$(printf '%04X' "$p") " /proc/net/tcp /proc/net/tcp6 2>/dev/null || break
+        done
+        echo "$p"
+    }
+    WIRE_PORT=$(free_port)
+    MGMT_PORT=$(free_port)
+    [ "$WIRE_PORT" != "$MGMT_PORT" ] || MGMT_PORT=$((WIRE_PORT + 1))
+    nics() {  # nics a|b listen|connect: both wires, MACs that name the role
+        local n=1
+        [ "$1" = a ] || n=2
+        echo "-netdev socket,id=wire,$2=127.0.0.1:$WIRE_PORT" \
+             "-device virtio-net-pci,netdev=wire,mac=52:54:00:88:00:0$n,romfile=" \
+             "-netdev socket,id=mgmt,$2=127.0.0.1:$MGMT_PORT" \
+             "-device virtio-net-pci,netdev=mgmt,mac=52:54:00:99:00:0$n,romfile="
+    }
+    LOG_A=${LOG%.log}-a.log
+    # shellcheck disable=SC2046  # nics prints a word list on purpose
+    LD_LIBRARY_PATH=$QLIBS timeout -k 10 "$TIMEOUT" "${QEMU_BASE[@]}" $(nics a listen) \
+        -append "$KARGS ferry_role=a" < /dev/null > >(console_filter > "$LOG_A") 2>&1 &
+    PID_A=$!
+    # VM a must be listening before VM b connects.
+    for _ in $(seq 100); do
+        grep -qi ":$(printf '%04X' "$MGMT_PORT") .* 0A " /proc/net/tcp 2>/dev/null && break
+        sleep 0.1
+    done
+    {   # shellcheck disable=SC2046
+        LD_LIBRARY_PATH=$QLIBS timeout --foreground -k 10 "$TIMEOUT" \
+            "${QEMU_BASE[@]}" $(nics b connect) -append "$KARGS ferry_role=b" \
+            < /dev/null 2>&1 | console_filter | tee "$LOG"
+        QRC=${PIPESTATUS[0]}
+    } || true
+    kill "$PID_A" 2>/dev/null || true
+    wait "$PID_A" 2>/dev/null || true
+    log "VM a's console: $LOG_A"
+fi
 T_END=$(date +%s)
 TIMES="wall $((T_END - T_START)) s (prepare $((T_BUILT - T_START)) s, VM $((T_END - T_BUILT)) s)"
 
@@ -343,6 +405,10 @@ if [ -z "$RC" ]; then
 fi
 if ! grep -q '^FERRY-RXE: READY' "$LOG"; then
     die "guest setup failed before rxe0 was ready (guest rc $RC); $TIMES; console log: $LOG"
+fi
+if [ "$RC" != 0 ] && [ "$VMS" = 2 ]; then
+    log "VM a's console, last lines:"
+    tail -n 40 "$LOG_A" >&2 || true
 fi
 log "guest command exit status $RC; $TIMES"
 exit "$RC"

@@ -37,65 +37,71 @@ async fn next_batch(inbox: &mut Inbox, peer: NodeAddr, seen: &mut [bool]) -> usi
 /// The peer writes `BATCHES` notified batches into `node`'s memory; on
 /// each notification, `node` finds that batch's bytes in place.
 pub async fn notified_writes_each_find_their_bytes_in_place(node: &Node) {
+    notified_writes_from(node, &mut PeerProcess::spawn().await, BATCHES).await;
+}
+
+/// As [`notified_writes_each_find_their_bytes_in_place`], `batches` of
+/// them from `peer`.
+pub async fn notified_writes_from(node: &Node, peer: &mut PeerProcess, batches: usize) {
     let target = node
-        .alloc((BATCHES * SLOT) as u64, Access::ReadWrite)
+        .alloc((batches * SLOT) as u64, Access::ReadWrite)
         .await
         .unwrap();
     let mut inbox = node.inbox().unwrap();
-    let mut peer = PeerProcess::spawn().await;
     let peer_addr = peer.node_addr().await.unwrap();
     let remote = target.remote();
-    let writer = tokio::spawn(async move {
-        let result = peer
-            .notified_batches("write", BATCHES, IN_FLIGHT, &remote)
-            .await;
-        (peer, result)
-    });
-    let mut seen = vec![false; BATCHES];
-    for _ in 0..BATCHES {
-        let i = next_batch(&mut inbox, peer_addr, &mut seen).await;
-        let mut landed = vec![0; SLOT];
-        target.read_at((i * SLOT) as u64, &mut landed).unwrap();
-        assert!(
-            landed == slot_bytes(i),
-            "batch {i}: notified before all of its bytes landed"
-        );
-    }
-    let (_peer, result) = writer.await.unwrap();
+    let writer = peer.notified_batches("write", batches, IN_FLIGHT, &remote);
+    let check = async {
+        let mut seen = vec![false; batches];
+        for _ in 0..batches {
+            let i = next_batch(&mut inbox, peer_addr, &mut seen).await;
+            let mut landed = vec![0; SLOT];
+            target.read_at((i * SLOT) as u64, &mut landed).unwrap();
+            assert!(
+                landed == slot_bytes(i),
+                "batch {i}: notified before all of its bytes landed"
+            );
+        }
+    };
+    let (result, ()) = tokio::join!(writer, check);
     assert_eq!(result, Ok(()));
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(inbox.try_recv(), None, "a notification beyond the batches");
+    node.return_inbox(inbox);
 }
 
 /// The peer reads `BATCHES` notified batches from `node`'s memory; on
 /// each notification `node` overwrites that batch's bytes, and the peer
 /// finds none of the overwritten bytes in what it read.
 pub async fn notified_reads_are_done_when_the_owner_hears(node: &Node) {
+    notified_reads_from(node, &mut PeerProcess::spawn().await, BATCHES).await;
+}
+
+/// As [`notified_reads_are_done_when_the_owner_hears`], `batches` of them
+/// by `peer`.
+pub async fn notified_reads_from(node: &Node, peer: &mut PeerProcess, batches: usize) {
     let source = node
-        .alloc((BATCHES * SLOT) as u64, Access::ReadWrite)
+        .alloc((batches * SLOT) as u64, Access::ReadWrite)
         .await
         .unwrap();
-    for i in 0..BATCHES {
+    for i in 0..batches {
         source.write_at((i * SLOT) as u64, &slot_bytes(i)).unwrap();
     }
     let mut inbox = node.inbox().unwrap();
-    let mut peer = PeerProcess::spawn().await;
     let peer_addr = peer.node_addr().await.unwrap();
     let remote = source.remote();
-    let reader = tokio::spawn(async move {
-        let result = peer
-            .notified_batches("read", BATCHES, IN_FLIGHT, &remote)
-            .await;
-        (peer, result)
-    });
-    let mut seen = vec![false; BATCHES];
-    for _ in 0..BATCHES {
-        // Notified: the reads are done, so the owner reuses the slot at
-        // once. A read still to come would carry these bytes to the peer,
-        // which checks for them.
-        let i = next_batch(&mut inbox, peer_addr, &mut seen).await;
-        source.write_at((i * SLOT) as u64, &[0xee; SLOT]).unwrap();
-    }
-    let (_peer, result) = reader.await.unwrap();
+    let reader = peer.notified_batches("read", batches, IN_FLIGHT, &remote);
+    let reuse = async {
+        let mut seen = vec![false; batches];
+        for _ in 0..batches {
+            // Notified: the reads are done, so the owner reuses the slot at
+            // once. A read still to come would carry these bytes to the
+            // peer, which checks for them.
+            let i = next_batch(&mut inbox, peer_addr, &mut seen).await;
+            source.write_at((i * SLOT) as u64, &[0xee; SLOT]).unwrap();
+        }
+    };
+    let (result, ()) = tokio::join!(reader, reuse);
     assert_eq!(result, Ok(()));
+    node.return_inbox(inbox);
 }

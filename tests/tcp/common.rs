@@ -4,17 +4,19 @@
 //! `ferry_peer` test with `FERRY_TEST_PEER=1`. It answers one line per command,
 //! prefixed with `FERRY `; everything else on its stdout (libtest's chatter)
 //! is ignored. A peer whose node fails to start answers every command with
-//! `FERRY spawn-failed <error>`.
+//! `FERRY spawn-failed <error>`. A peer in another machine (the two-VM
+//! suite) speaks the same lines over a TCP stream instead of pipes.
 
 use std::ffi::OsStr;
 use std::io::{BufRead, Write};
+use std::pin::Pin;
 use std::process::Stdio;
 use std::time::Duration;
 
 use ferry::NodeAddr;
 use ferry::prelude::*;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, Command};
 
 pub const PEER_ENV: &str = "FERRY_TEST_PEER";
 /// The address a peer's node listens on (`IP:PORT`); default `127.0.0.1:0`.
@@ -27,7 +29,7 @@ const PREFIX: &str = "FERRY ";
 /// A peer's answer to every command when its node did not start.
 const SPAWN_FAILED: &str = "spawn-failed ";
 /// Upper bound for any one harness command, including 256 MiB digests.
-const COMMAND_DEADLINE: Duration = Duration::from_secs(60);
+pub const COMMAND_DEADLINE: Duration = Duration::from_secs(60);
 /// Deadline of a peer's own submit (`write`, `read`): shorter than the
 /// command's, so a stuck transfer is answered with its error.
 const PEER_OP_DEADLINE: Duration = Duration::from_secs(30);
@@ -70,9 +72,12 @@ pub fn slot_bytes(i: usize) -> Vec<u8> {
 }
 
 pub struct PeerProcess {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Lines<BufReader<ChildStdout>>,
+    /// The peer's process, when it is this host's child (killed when this
+    /// drops).
+    #[allow(dead_code)] // read only by `kill`, which not every suite uses
+    child: Option<Child>,
+    stdin: Pin<Box<dyn AsyncWrite + Send>>,
+    lines: Lines<BufReader<Pin<Box<dyn AsyncRead + Send>>>>,
 }
 
 /// A region allocated in the peer, filled with `pattern(len, seed)`.
@@ -131,12 +136,25 @@ impl PeerProcess {
             .kill_on_drop(true)
             .spawn()
             .expect("spawn peer process");
-        let stdin = child.stdin.take().unwrap();
-        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let stdin = Box::pin(child.stdin.take().unwrap());
+        let stdout: Pin<Box<dyn AsyncRead + Send>> = Box::pin(child.stdout.take().unwrap());
         PeerProcess {
-            child,
+            child: Some(child),
             stdin,
-            lines,
+            lines: BufReader::new(stdout).lines(),
+        }
+    }
+
+    /// A peer running on another machine, whose stdin and stdout are
+    /// `stream` (e.g. started by `nc -l -e`). Its host kills it.
+    #[allow(dead_code)] // only the two-VM suite has peers elsewhere
+    pub fn over_stream(stream: tokio::net::TcpStream) -> PeerProcess {
+        let (read, write) = stream.into_split();
+        let read: Pin<Box<dyn AsyncRead + Send>> = Box::pin(read);
+        PeerProcess {
+            child: None,
+            stdin: Box::pin(write),
+            lines: BufReader::new(read).lines(),
         }
     }
 
@@ -284,8 +302,13 @@ impl PeerProcess {
         if reply == "ok" { Ok(()) } else { Err(reply) }
     }
 
+    #[allow(dead_code)] // not every suite kills its peers this way
     pub async fn kill(&mut self) {
-        self.child.kill().await.expect("kill peer");
+        let child = self
+            .child
+            .as_mut()
+            .expect("a peer elsewhere is killed by its host");
+        child.kill().await.expect("kill peer");
     }
 }
 
@@ -545,6 +568,7 @@ pub fn with_wrong_token(handle: &RemoteBuffer) -> RemoteBuffer {
 /// back: the write must land with the margins around it untouched, the read
 /// must return it, and the source must be unchanged. `route` is the
 /// transport the op must take, where the test knows it.
+#[allow(dead_code)] // the two-VM suite moves its own sizes
 pub async fn write_then_read_back(
     node: &Node,
     peer: &mut PeerProcess,

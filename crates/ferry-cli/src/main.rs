@@ -101,12 +101,23 @@ struct Limits {
     hello_timeout_s: f64,
 }
 
+/// How a node tells a dead peer from a slow one (README, "Liveness").
+#[derive(Serialize)]
+struct Liveness {
+    /// A peer that acknowledges nothing on its control session for this
+    /// long is declared lost (`serve --peer-timeout`).
+    peer_timeout_s: f64,
+    /// Keepalive probes of an idle control connection, this far apart.
+    keepalive_interval_s: f64,
+}
+
 #[derive(Serialize)]
 struct Info {
     /// Fastest first.
     transports: Vec<Transport>,
     /// Bounds a node's endpoint puts on the connections it accepts here.
     connection_limits: Limits,
+    liveness: Liveness,
     devices: Vec<DeviceReport>,
 }
 
@@ -137,6 +148,10 @@ async fn info() -> Result<Info, Failure> {
             max_per_address: limits.max_per_address,
             hello_timeout_s: limits.hello_timeout.as_secs_f64(),
         },
+        liveness: Liveness {
+            peer_timeout_s: ferry::DEFAULT_PEER_TIMEOUT.as_secs_f64(),
+            keepalive_interval_s: (ferry::DEFAULT_PEER_TIMEOUT.as_secs() / 5).max(1) as f64,
+        },
         devices: describe_devices().unwrap_or_default(),
     })
 }
@@ -155,6 +170,12 @@ fn print_info(info: &Info) {
     println!(
         "endpoint: at most {} accepted connections, {} per remote address, hello within {} s",
         limits.max_connections, limits.max_per_address, limits.hello_timeout_s
+    );
+    let liveness = &info.liveness;
+    println!(
+        "liveness: a peer silent for {} s is lost (keepalive probes every {} s when idle); \
+         a peer process that dies is seen at once",
+        liveness.peer_timeout_s, liveness.keepalive_interval_s
     );
     if info.devices.is_empty() {
         println!("RDMA devices: none");

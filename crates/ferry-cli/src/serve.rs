@@ -55,6 +55,10 @@ pub struct ServeArgs {
     /// TTL; keep-alives go out every third of it).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub lease_ttl: u64,
+    /// Seconds a peer may acknowledge nothing on its control session before
+    /// it is declared lost (see `ferry info`, and the README's "Liveness").
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub peer_timeout: Option<u64>,
     /// Also stop when stdin closes (for a parent process that pipes it).
     #[arg(long)]
     pub stdin: bool,
@@ -79,6 +83,9 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
     let mut builder = Node::builder()
         .listen(args.listen)
         .ibverbs(!args.no_ibverbs);
+    if let Some(secs) = args.peer_timeout {
+        builder = builder.peer_timeout(std::time::Duration::from_secs(secs));
+    }
     if let Some(advertise) = args.advertise {
         builder = builder.advertise(advertise);
     }

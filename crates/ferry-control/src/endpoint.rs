@@ -37,6 +37,13 @@ pub struct EndpointConfig {
     /// Requests of one session that may run here at once; more are answered
     /// `Busy`.
     pub max_requests_in_flight: usize,
+    /// A peer that acknowledges nothing on its control session for this
+    /// long (no data, no keepalive probe) is declared lost: the session
+    /// ends, and with it what depends on it, except transfers a data plane
+    /// still sees completing (see [`Session::went_silent`]). A peer process
+    /// that dies on a live host is seen at once: its kernel closes the
+    /// connection.
+    pub peer_timeout: std::time::Duration,
 }
 
 impl Default for EndpointConfig {
@@ -45,6 +52,7 @@ impl Default for EndpointConfig {
             limits: ConnectionLimits::default(),
             max_frame: DEFAULT_MAX_FRAME,
             max_requests_in_flight: 64,
+            peer_timeout: crate::socket::DEFAULT_PEER_TIMEOUT,
         }
     }
 }

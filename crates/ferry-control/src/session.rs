@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -77,6 +77,10 @@ struct Inner {
     handling: Mutex<HashMap<u64, tokio::task::AbortHandle>>,
     next_request: AtomicU64,
     closed: CancellationToken,
+    /// The connection failed because the peer acknowledged nothing for the
+    /// peer timeout (ETIMEDOUT), rather than being closed or reset.
+    went_silent: AtomicBool,
+    peer_timeout: Duration,
 }
 
 impl std::fmt::Debug for Session {
@@ -114,6 +118,22 @@ impl Session {
     /// Resolves when the session has ended, for whatever reason.
     pub async fn closed(&self) {
         self.0.closed.cancelled().await
+    }
+
+    /// Whether the session ended because the peer acknowledged nothing for
+    /// its peer timeout: its host or the path to it is down, or the path is
+    /// lossy enough to lose every keepalive probe of that time. A data
+    /// plane that still sees its own transfers with this peer complete may
+    /// let them finish (the path works for them); a session closed or reset
+    /// by the peer (its process died) is not this.
+    pub fn went_silent(&self) -> bool {
+        self.0.went_silent.load(Ordering::Acquire)
+    }
+
+    /// How long this session's peer may acknowledge nothing before it is
+    /// declared lost ([`crate::EndpointConfig::peer_timeout`]).
+    pub fn peer_timeout(&self) -> Duration {
+        self.0.peer_timeout
     }
 
     /// Ends the session now; requests in flight fail with `SessionClosed`.
@@ -205,6 +225,13 @@ impl Drop for PendingGuard<'_> {
 }
 
 impl Inner {
+    /// Records why the connection failed, if the peer went silent.
+    fn note_failure(&self, error: &std::io::Error) {
+        if error.kind() == std::io::ErrorKind::TimedOut {
+            self.went_silent.store(true, Ordering::Release);
+        }
+    }
+
     fn lock_handling(&self) -> std::sync::MutexGuard<'_, HashMap<u64, tokio::task::AbortHandle>> {
         self.handling.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -294,6 +321,9 @@ pub(crate) async fn start(
     let remote = stream
         .peer_addr()
         .unwrap_or_else(|_| expected.map_or(shared.local.endpoint, |p| p.endpoint));
+    if let Err(e) = crate::socket::set_liveness(&stream, shared.config.peer_timeout) {
+        debug!(%remote, error = %e, "cannot set a control connection's keepalive");
+    }
     let (read, write) = stream.into_split();
     let max_frame = shared.config.max_frame;
     let mut read = FramedRead::new(read, ControlCodec::new(max_frame));
@@ -310,6 +340,8 @@ pub(crate) async fn start(
         handling: Mutex::default(),
         next_request: AtomicU64::new(1),
         closed: shared.shutdown.child_token(),
+        went_silent: AtomicBool::new(false),
+        peer_timeout: shared.config.peer_timeout,
     });
     let session = Session(inner.clone());
     debug!(peer = %peer.endpoint, node = %peer.id, id = inner.id, version, "control session open");
@@ -329,6 +361,9 @@ async fn run(
     let closed = inner.closed.clone();
     let writing = async {
         if let Err(e) = write_loop(write, queue, &closed).await {
+            if let crate::frame::FrameError::Io(e) = &e {
+                inner.note_failure(e);
+            }
             debug!(peer = %inner.peer.endpoint, error = %e, "control session: write failed");
         }
         closed.cancel();
@@ -396,6 +431,7 @@ async fn read_loop(
             Some(Err(crate::frame::FrameError::Io(e)))
                 if e.kind() != std::io::ErrorKind::InvalidData =>
             {
+                inner.note_failure(&e);
                 debug!(peer = %inner.peer.endpoint, error = %e, "control session: connection lost");
                 return Ok(());
             }

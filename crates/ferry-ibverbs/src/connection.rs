@@ -136,6 +136,9 @@ pub(crate) struct PeerQp {
     closed: CancellationToken,
     /// Notifications on this QP, if the peer posted receive buffers for it.
     notify: Option<NotifyLane>,
+    /// When a completion was last applied (or the QP started): the
+    /// data plane's own sign that the path to the peer works.
+    progressed_at: Mutex<std::time::Instant>,
 }
 
 /// One submitter's use of a QP: it posts its pieces through this and, while
@@ -439,6 +442,7 @@ impl PeerQp {
     /// Applies completions: every record up to and including the completed
     /// request is finished (RC completes in order) and its credit returned.
     fn complete(&self, completions: &[Completion]) {
+        *self.progressed_at.lock().unwrap_or_else(|e| e.into_inner()) = std::time::Instant::now();
         let mut freed = 0;
         let mut failure = None;
         {
@@ -598,6 +602,7 @@ impl PeerQp {
             poller_wake: Notify::new(),
             closed: CancellationToken::new(),
             notify,
+            progressed_at: Mutex::new(std::time::Instant::now()),
         });
         tokio::spawn(conn.clone().poll_completions(cq, channel));
         conn
@@ -606,6 +611,19 @@ impl PeerQp {
     /// Cancelled once the QP is broken.
     pub(crate) fn closed(&self) -> &CancellationToken {
         &self.closed
+    }
+
+    /// Whether work posted on this QP is still outstanding.
+    pub(crate) fn is_busy(&self) -> bool {
+        self.credits.available_permits() < self.max_credits
+    }
+
+    /// How long ago a completion was last applied.
+    pub(crate) fn since_progress(&self) -> std::time::Duration {
+        self.progressed_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed()
     }
 }
 

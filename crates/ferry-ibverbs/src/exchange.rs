@@ -5,6 +5,7 @@
 //! long as the session lives.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_control::{Endpoint, Service, Session};
@@ -95,17 +96,35 @@ pub(crate) async fn connect(
     Ok(conn)
 }
 
-/// Fails the QP as soon as the control session it was set up over ends:
-/// the peer's process died or the path between the nodes broke, and RC
-/// retries would only report it much later.
+/// Fails the QP once the control session it was set up over ends, since
+/// RC retries would report a dead peer much later (never, on soft-RoCE):
+///
+/// - closed or reset by the peer (its process died): at once;
+/// - the peer went silent for the peer timeout (its host or the path is
+///   down, or every keepalive probe was lost): at once if the QP is idle or
+///   has completed nothing for that long; otherwise its transfers are still
+///   completing, the path works for them, and the QP goes on until it is
+///   idle or stalls for the peer timeout. Each transfer's own deadline
+///   bounds it meanwhile.
 async fn watch_session(conn: std::sync::Weak<PeerQp>, session: Session, closed: CancellationToken) {
     tokio::select! {
-        _ = closed.cancelled() => {}
-        _ = session.closed() => {
-            if let Some(conn) = conn.upgrade() {
-                let endpoint = conn.peer().endpoint;
-                conn.break_with(OpError::ConnectionLost { endpoint });
-            }
+        _ = closed.cancelled() => return,
+        _ = session.closed() => {}
+    }
+    let peer_timeout = session.peer_timeout();
+    loop {
+        let Some(qp) = conn.upgrade() else { return };
+        let progressing =
+            session.went_silent() && qp.is_busy() && qp.since_progress() < peer_timeout;
+        if !progressing {
+            let endpoint = qp.peer().endpoint;
+            qp.break_with(OpError::ConnectionLost { endpoint });
+            return;
+        }
+        drop(qp);
+        tokio::select! {
+            _ = closed.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
         }
     }
 }

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Builds ferry's two-machine test suite (tests/rxe_wire) on the host and runs
+# it inside two soft-RoCE VMs joined by a virtual wire (tests/rxe/run.sh
+# --two): the suite runs in VM b, its peers in VM a. Exits non-zero if any
+# in-guest test fails. Extra arguments are passed to the test binary (e.g. a
+# test name filter).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+# cargo names each test binary it builds on stderr (see ferry-tests.sh).
+built=$(cargo test --locked -p ferry --test rxe_wire --no-run 2>&1)
+echo "$built" >&2
+path=$(sed -n 's|.*Executable .* (\(target/[^)]*/rxe_wire-[0-9a-f]*\))|\1|p' <<<"$built" | tail -n 1)
+[ -n "$path" ] || { echo "wire-tests: no test binary named rxe_wire was built" >&2; exit 1; }
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+cp "$path" "$stage/rxe_wire"   # both VMs run it under its plain name
+
+exec tests/rxe/run.sh --two --bin "$stage/rxe_wire" -- \
+    "rxe_wire --include-ignored --test-threads=1 --nocapture $*"

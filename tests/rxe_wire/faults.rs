@@ -1,0 +1,178 @@
+//! Faults of the wire and of the owner: a 3 s flap during a long read, a
+//! long outage, and `kill -9` of the owner. Each ends in completed,
+//! verified transfers or in a typed error within a stated bound, and the
+//! next transfer works.
+
+use std::time::{Duration, Instant};
+
+use ferry::prelude::*;
+
+use crate::common::PeerRegion;
+use crate::peer::{RemotePeer, Wire};
+use crate::{STEP, is_unfinished, ops, rdma_node};
+
+/// The owner's region the faults hit.
+const REGION: u64 = 1 << 20;
+/// Op size of the reads.
+const PIECE: u64 = 64 << 10;
+/// Deadline of each read while a fault is on.
+const READ_DEADLINE: Duration = Duration::from_secs(30);
+/// How late past its deadline a failed submit may report.
+const REPORT_SLACK: Duration = Duration::from_secs(2);
+/// How long a node takes at most to declare an unreachable peer lost:
+/// its liveness bound (`ferry::DEFAULT_PEER_TIMEOUT`, plus one keepalive
+/// probe interval) and some slack for TCG.
+const DEAD_PEER_BOUND: Duration = Duration::from_secs(30);
+/// How long a node takes at most to report the death of a peer whose host
+/// stays up (its kernel closes the connections at once).
+const KILLED_PEER_BOUND: Duration = Duration::from_secs(2);
+
+/// Reads the owner's whole region into `back` and checks it.
+async fn read_and_check(
+    node: &Node,
+    back: &Region,
+    owner: &PeerRegion,
+    deadline: Duration,
+) -> Result<(), SubmitError> {
+    node.submit(ops(back, &owner.handle, PIECE, false), deadline)
+        .await?;
+    assert!(
+        back.to_vec() == owner.original(),
+        "the read brought other bytes"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs two VMs: run by tests/rxe/wire-tests.sh"]
+async fn a_3_second_flap_during_long_reads_completes_or_fails_typed() {
+    let wire = Wire::clean();
+    let node = rdma_node().await;
+    let mut owner = RemotePeer::start().await;
+    let region = owner
+        .process
+        .alloc(REGION as usize, Access::ReadWrite, 3)
+        .await;
+    let back = node.alloc(REGION, Access::ReadWrite).await.unwrap();
+    read_and_check(&node, &back, &region, STEP).await.unwrap();
+    // The owner's end goes down 1 s into the reads, for 3 s.
+    let flap = tokio::task::spawn_blocking(move || {
+        std::thread::sleep(Duration::from_secs(1));
+        wire.flap(Duration::from_secs(3));
+        wire
+    });
+    let started = Instant::now();
+    let (mut completed, mut failed) = (0, 0);
+    while started.elapsed() < Duration::from_secs(8) {
+        let submitted = Instant::now();
+        match read_and_check(&node, &back, &region, READ_DEADLINE).await {
+            Ok(()) => completed += 1,
+            Err(e) => {
+                assert!(
+                    is_unfinished(&e),
+                    "a typed error of an unfinished read: {e}"
+                );
+                assert!(
+                    submitted.elapsed() <= READ_DEADLINE + REPORT_SLACK,
+                    "{e} after {:?}",
+                    submitted.elapsed()
+                );
+                failed += 1;
+            }
+        }
+    }
+    let _wire = flap.await.unwrap();
+    eprintln!("flap: {completed} reads completed, {failed} failed typed");
+    // Healed: the next read works.
+    read_and_check(&node, &back, &region, STEP).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs two VMs: run by tests/rxe/wire-tests.sh"]
+async fn a_long_outage_is_a_typed_error_then_the_same_and_a_fresh_owner_work() {
+    let wire = Wire::clean();
+    let node = rdma_node().await;
+    let mut owner = RemotePeer::start().await;
+    let region = owner
+        .process
+        .alloc(REGION as usize, Access::ReadWrite, 4)
+        .await;
+    let back = node.alloc(REGION, Access::ReadWrite).await.unwrap();
+    read_and_check(&node, &back, &region, STEP).await.unwrap();
+
+    wire.cut();
+    let cut = Instant::now();
+    let error = read_and_check(&node, &back, &region, STEP)
+        .await
+        .expect_err("a read across a cut wire");
+    let took = cut.elapsed();
+    eprintln!("outage: {error} after {took:?}");
+    assert!(
+        matches!(
+            error,
+            SubmitError::Op {
+                error: OpError::ConnectionLost { .. } | OpError::PeerUnreachable { .. },
+                ..
+            }
+        ),
+        "the peer is reported lost, not just late: {error}"
+    );
+    assert!(took <= DEAD_PEER_BOUND, "{error} after {took:?}");
+
+    wire.heal();
+    // The same owner, reached again.
+    read_and_check(&node, &back, &region, STEP)
+        .await
+        .unwrap_or_else(|e| panic!("the same owner after the outage: {e}"));
+    // A fresh owner.
+    owner.kill_9();
+    let mut fresh = RemotePeer::start().await;
+    let region = fresh
+        .process
+        .alloc(REGION as usize, Access::ReadWrite, 5)
+        .await;
+    read_and_check(&node, &back, &region, STEP)
+        .await
+        .unwrap_or_else(|e| panic!("a fresh owner after the outage: {e}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs two VMs: run by tests/rxe/wire-tests.sh"]
+async fn kill_9_of_the_owner_is_a_typed_error_within_2_seconds() {
+    let _wire = Wire::clean();
+    let node = rdma_node().await;
+    let mut owner = RemotePeer::start().await;
+    let region = owner
+        .process
+        .alloc(REGION as usize, Access::ReadWrite, 6)
+        .await;
+    let back = node.alloc(REGION, Access::ReadWrite).await.unwrap();
+    read_and_check(&node, &back, &region, STEP).await.unwrap();
+    // Reads in a loop; the owner dies under them.
+    let reads = async {
+        loop {
+            if let Err(e) = read_and_check(&node, &back, &region, STEP).await {
+                return (e, Instant::now());
+            }
+        }
+    };
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::task::block_in_place(|| owner.kill_9());
+        Instant::now()
+    };
+    let ((error, failed), killed) = tokio::join!(reads, kill);
+    let took = failed.saturating_duration_since(killed);
+    eprintln!("kill -9: {error} {took:?} after the kill");
+    assert!(
+        matches!(
+            error,
+            SubmitError::Op {
+                error: OpError::ConnectionLost { .. } | OpError::PeerUnreachable { .. },
+                ..
+            }
+        ),
+        "the owner is reported lost: {error}"
+    );
+    assert!(took <= KILLED_PEER_BOUND, "{error} {took:?} after the kill");
+}
