@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::verbs::{Context, ProtectionDomain, VerbsError, device_names};
+use crate::verbs::{Context, ProtectionDomain, QpTiming, VerbsError, device_names};
 
 /// How the ibverbs backend picks and uses its device.
 #[derive(Clone, Debug)]
@@ -28,6 +28,8 @@ pub struct IbvConfig {
     /// Bytes per notification receive buffer: larger notifications (up to
     /// the node's message limit) go over the control session.
     pub notify_slot_len: u32,
+    /// How queue pairs retransmit (see [`QpTiming`] for the defaults).
+    pub qp_timing: QpTiming,
 }
 
 impl Default for IbvConfig {
@@ -40,6 +42,7 @@ impl Default for IbvConfig {
             max_wr_bytes: None,
             notify_slots: 32,
             notify_slot_len: 4096,
+            qp_timing: QpTiming::default(),
         }
     }
 }
@@ -59,6 +62,7 @@ pub(crate) struct Device {
     /// Notification receive buffers per initiator, and their size.
     pub notify_slots: u16,
     pub notify_slot_len: u32,
+    pub qp_timing: QpTiming,
 }
 
 impl Device {
@@ -113,6 +117,7 @@ impl Device {
                 .notify_slots
                 .min(limits.max_qp_wr.min(u32::from(u16::MAX)) as u16),
             notify_slot_len: config.notify_slot_len,
+            qp_timing: config.qp_timing,
             context,
         })
     }

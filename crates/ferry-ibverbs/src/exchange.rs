@@ -80,9 +80,10 @@ pub(crate) async fn connect(
         port: device.port,
         gid_index: device.gid_index,
         mtu: device.mtu.min(theirs.mtu as u32),
+        timing: device.qp_timing,
     };
     qp.to_rtr(&theirs.endpoint, &path).map_err(setup)?;
-    qp.to_rts(psn).map_err(setup)?;
+    qp.to_rts(psn, &path.timing).map_err(setup)?;
     let credits = qp.max_send_wr().min(device.max_send_wr) as usize;
     let lane =
         NotifyLane::new(&device.pd, theirs.recv_slots, theirs.recv_slot_len).map_err(setup)?;

@@ -39,3 +39,4 @@ pub use info::{IbvQpHandle, IbvRegionKeys, IbvTransportInfo};
 /// raw handles of [`IbvTransportInfo`].
 pub use rdma_sys as sys;
 pub use report::{DeviceReport, GidReport, PortReport, describe_devices};
+pub use verbs::QpTiming;

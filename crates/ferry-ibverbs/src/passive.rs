@@ -154,6 +154,7 @@ pub(crate) async fn accept(
             port: device.port,
             gid_index: device.gid_index,
             mtu: device.mtu.min(theirs.mtu as u32),
+            timing: device.qp_timing,
         };
         passive.qp.to_init(device.port)?;
         // Posted before the initiator can send: it learns of the buffers
@@ -162,7 +163,7 @@ pub(crate) async fn accept(
             (0..u64::from(slots)).try_for_each(|slot| passive.post(slot))?;
         }
         passive.qp.to_rtr(&theirs.endpoint, &path)?;
-        passive.qp.to_rts(psn)?;
+        passive.qp.to_rts(psn, &path.timing)?;
         Ok((passive, psn))
     };
     let (qp, psn) = setup().map_err(|e| {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use ferry_core::{Access, MemoryBlock};
 use ferry_ibverbs::verbs::{
     Completion, CompletionQueue, Context, MemoryRegion, PathConfig, PostBuffers, ProtectionDomain,
-    QpEndpoint, QueuePair, RdmaOpcode, VerbsError, WorkRequest, device_names,
+    QpEndpoint, QpTiming, QueuePair, RdmaOpcode, VerbsError, WorkRequest, device_names,
 };
 
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -72,6 +72,7 @@ fn connected_pair(ctx: &Arc<Context>) -> Pair {
         port,
         gid_index,
         mtu: info.active_mtu,
+        timing: QpTiming::default(),
     };
     let ep = |qp: &QueuePair, psn| QpEndpoint {
         qpn: qp.qpn(),
@@ -83,7 +84,7 @@ fn connected_pair(ctx: &Arc<Context>) -> Pair {
     for (qp, mine, theirs) in [(&a, ea, eb), (&b, eb, ea)] {
         qp.to_init(port).unwrap();
         qp.to_rtr(&theirs, &path).unwrap();
-        qp.to_rts(mine.psn).unwrap();
+        qp.to_rts(mine.psn, &path.timing).unwrap();
     }
     Pair {
         ctx: ctx.clone(),

@@ -409,4 +409,4 @@ mod cq;
 mod qp;
 
 pub use cq::{Completion, CompletionChannel, CompletionQueue};
-pub use qp::{PathConfig, PostBuffers, QpEndpoint, QueuePair, RdmaOpcode, WorkRequest};
+pub use qp::{PathConfig, PostBuffers, QpEndpoint, QpTiming, QueuePair, RdmaOpcode, WorkRequest};

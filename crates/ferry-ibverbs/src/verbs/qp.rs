@@ -22,7 +22,7 @@ pub struct QpEndpoint {
     pub lid: u16,
 }
 
-/// Path parameters for bringing a QP to RTR.
+/// Path parameters for bringing a QP to RTR and RTS.
 #[derive(Clone, Copy, Debug)]
 pub struct PathConfig {
     /// The local port, numbered from 1.
@@ -31,6 +31,45 @@ pub struct PathConfig {
     pub gid_index: u32,
     /// `ibv_mtu` value.
     pub mtu: u32,
+    /// Retransmission timers.
+    pub timing: QpTiming,
+}
+
+/// How a reliable-connected QP retries, in the verbs' own encodings.
+///
+/// The defaults are perftest's, and sane on real NICs: a lost packet is
+/// resent after about 67 ms, and a peer that acknowledges nothing for
+/// about half a second (7 tries) fails the work request, which ferry
+/// reports as `ConnectionLost`. Soft-RoCE (rxe) treats a retry count of 7
+/// as "retry forever", like the RNR retry of 7 everywhere; there only the
+/// control session's peer timeout (see the README's "Liveness") ends a
+/// dead peer's transfers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpTiming {
+    /// Local ACK timeout: 4.096 µs × 2^`ack_timeout` (14: 67 ms; 0 means
+    /// wait forever). Lower resends sooner on a lossy path, but a value
+    /// under the path's round trip resends packets that were not lost.
+    pub ack_timeout: u8,
+    /// Resends of an unacknowledged packet before the work request fails
+    /// (0 to 7).
+    pub retry_count: u8,
+    /// Resends after the peer said it had no receive buffer ready (0 to 7;
+    /// 7: forever). Ferry's notifications are credited, so these are rare.
+    pub rnr_retry: u8,
+    /// The wait this QP asks of a sender it turns away for lack of a
+    /// receive buffer, encoded (12: 0.64 ms).
+    pub min_rnr_timer: u8,
+}
+
+impl Default for QpTiming {
+    fn default() -> Self {
+        QpTiming {
+            ack_timeout: 14,
+            retry_count: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+        }
+    }
 }
 
 /// A reliable-connected queue pair.
@@ -192,7 +231,7 @@ impl QueuePair {
         attr.dest_qp_num = remote.qpn;
         attr.rq_psn = remote.psn;
         attr.max_dest_rd_atomic = 16;
-        attr.min_rnr_timer = 12;
+        attr.min_rnr_timer = path.timing.min_rnr_timer;
         attr.ah_attr.is_global = 1;
         attr.ah_attr.dlid = remote.lid;
         attr.ah_attr.port_num = path.port;
@@ -209,15 +248,16 @@ impl QueuePair {
         self.modify(&mut attr, mask, "ibv_modify_qp(RTR)")
     }
 
-    /// RTR -> RTS: ready to send, starting at packet sequence number `psn`.
-    pub fn to_rts(&self, psn: u32) -> Result<(), VerbsError> {
+    /// RTR -> RTS: ready to send, starting at packet sequence number `psn`,
+    /// retrying as `timing` says.
+    pub fn to_rts(&self, psn: u32, timing: &QpTiming) -> Result<(), VerbsError> {
         // SAFETY: as in `to_init`.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ibv_qp_state::IBV_QPS_RTS;
         attr.sq_psn = psn;
-        attr.timeout = 14;
-        attr.retry_cnt = 7;
-        attr.rnr_retry = 7;
+        attr.timeout = timing.ack_timeout;
+        attr.retry_cnt = timing.retry_count;
+        attr.rnr_retry = timing.rnr_retry;
         attr.max_rd_atomic = 16;
         let mask = ibv_qp_attr_mask::IBV_QP_STATE
             | ibv_qp_attr_mask::IBV_QP_SQ_PSN
