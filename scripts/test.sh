@@ -6,13 +6,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/install-deps.sh
 # etcd-server: the discovery tests start a real etcd on loopback ports
-# (each test its own, with a temporary data directory).
-ferry_install_deps etcd-server
+# (each test its own, with a temporary data directory). g++: libFuzzer,
+# which the fuzz targets link, is C++.
+ferry_install_deps etcd-server g++
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 cargo test --workspace --all-targets --all-features --locked
 cargo test --workspace --doc --all-features --locked
+# Fuzzing: every decoder of bytes from the network or another node, for
+# FERRY_FUZZ_SECONDS per target (default 20), from the committed seeds; a
+# crash fails the run and leaves its input in fuzz/regressions/. Adds about
+# 7 minutes on 2 cores: cargo-fuzz install (2, skipped once installed),
+# the instrumented build (4), the runs (1.5). See fuzz/README.md.
+scripts/fuzz.sh "${FERRY_FUZZ_SECONDS:-20}"
 # The deploy files: manifests validated, every ferry command line in them
 # parsed by the binary just built (the image itself is not built here).
 scripts/check-deploy.sh target/debug/ferry

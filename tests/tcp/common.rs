@@ -273,6 +273,24 @@ impl PeerProcess {
             .unwrap()
     }
 
+    /// The peer region's whole current contents, byte for byte.
+    #[allow(dead_code)] // tests/ibverbs and tests/memory share this file
+    pub async fn contents(&mut self, region: &PeerRegion) -> Vec<u8> {
+        let hex = self.command(&format!("contents {}", region.index)).await;
+        (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex contents"))
+            .collect()
+    }
+
+    /// How many panics the peer process has seen, on any of its threads
+    /// (its node's tasks included): a panic there means a bug, even when
+    /// tokio contains it and the node goes on.
+    #[allow(dead_code)] // tests/ibverbs and tests/memory share this file
+    pub async fn panics(&mut self) -> usize {
+        self.command("panics").await.parse().unwrap()
+    }
+
     /// Drops the peer's handle to the region, deregistering it.
     pub async fn drop_region(&mut self, region: &PeerRegion) {
         assert_eq!(
@@ -314,6 +332,12 @@ impl PeerProcess {
 
 /// The peer side: a node plus a table of regions, driven by stdin.
 pub fn peer_main() {
+    static PANICS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        PANICS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        report(info)
+    }));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -373,6 +397,13 @@ pub fn peer_main() {
                         .expect("live region");
                     digest(&region.to_vec()).to_string()
                 }
+                ["contents", index] => {
+                    let region = regions[index.parse::<usize>().unwrap()]
+                        .as_ref()
+                        .expect("live region");
+                    region.to_vec().iter().map(|b| format!("{b:02x}")).collect()
+                }
+                ["panics"] => PANICS.load(std::sync::atomic::Ordering::SeqCst).to_string(),
                 ["drop", index] => {
                     regions[index.parse::<usize>().unwrap()] = None;
                     "dropped".to_string()

@@ -222,13 +222,10 @@ impl Rpc {
         let endpoint = peer.endpoint;
         let error = |e: ControlError| call_error(e, name, timeout);
         let session = self.endpoint.session(peer, timeout).await.map_err(error)?;
-        let mut request = BytesMut::with_capacity(2 + name.len() + body.len());
-        request.put_u16_le(name.len() as u16);
-        request.put_slice(name.as_bytes());
-        request.put_slice(&body);
+        let request = encode_call(name, &body);
         let left = deadline.saturating_duration_since(Instant::now());
         let answer = session
-            .request(Service::RPC, request.freeze(), left)
+            .request(Service::RPC, request, left)
             .await
             .map_err(error)?;
         let protocol = |reason: &str| RpcError::Protocol {
@@ -260,17 +257,8 @@ impl Rpc {
 
     /// Runs the named handler for one request of the RPC service.
     async fn answer(&self, request: Request) -> Result<Bytes, ServiceError> {
-        let bad = |reason: &str| ServiceError(format!("malformed RPC request: {reason}"));
-        let body = request.body;
-        if body.len() < 2 {
-            return Err(bad("no name"));
-        }
-        let name_len = usize::from(u16::from_le_bytes([body[0], body[1]]));
-        let name = body
-            .get(2..2 + name_len)
-            .and_then(|n| std::str::from_utf8(n).ok())
-            .ok_or_else(|| bad("truncated or non-UTF-8 name"))?
-            .to_string();
+        let (name, body) = decode_call(&request.body)
+            .map_err(|reason| ServiceError(format!("malformed RPC request: {reason}")))?;
         let handler = self
             .handlers
             .read()
@@ -283,7 +271,7 @@ impl Rpc {
         let call = RpcRequest {
             from: request.session.peer(),
             name,
-            body: body.slice(2 + name_len..),
+            body,
             deadline: request.deadline,
         };
         let (outcome, payload) = match handler(call).await {
@@ -339,4 +327,26 @@ fn call_error(e: ControlError, name: &str, timeout: Duration) -> RpcError {
             reason: other.to_string(),
         },
     }
+}
+
+/// A call's request body: `name length (u16 LE) | name | payload`. The
+/// caller has checked the name with `check_name`, so its length fits.
+pub fn encode_call(name: &str, body: &[u8]) -> Bytes {
+    let mut request = BytesMut::with_capacity(2 + name.len() + body.len());
+    request.put_u16_le(name.len() as u16);
+    request.put_slice(name.as_bytes());
+    request.put_slice(body);
+    request.freeze()
+}
+
+/// Reads a call's request body, as a peer sent it: the handler's name and
+/// the caller's argument, or why the body is not a call.
+pub fn decode_call(body: &Bytes) -> Result<(String, Bytes), &'static str> {
+    let len = body.get(..2).ok_or("no name")?;
+    let end = 2 + usize::from(u16::from_le_bytes([len[0], len[1]]));
+    let name = body
+        .get(2..end)
+        .and_then(|n| std::str::from_utf8(n).ok())
+        .ok_or("truncated or non-UTF-8 name")?;
+    Ok((name.to_string(), body.slice(end..)))
 }

@@ -424,7 +424,7 @@ struct PeerGroup {
 /// for one of our QPs (the `IBVERBS_CREDITS` service). Credits for a QP
 /// that is gone, replaced by a newer one, are ignored.
 fn take_credits(shared: &Weak<Shared>, request: &Request) -> Result<Bytes, ServiceError> {
-    let (qpn, count) = passive::decode_credits(&request.body)
+    let (qpn, count) = crate::wire::decode_credits(&request.body)
         .ok_or_else(|| ServiceError("malformed credit return".into()))?;
     let owner = request.session.peer();
     let qp = shared.upgrade().and_then(|shared| {

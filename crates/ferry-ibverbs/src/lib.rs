@@ -25,7 +25,8 @@ mod notify;
 mod passive;
 mod report;
 pub mod verbs;
-mod wire;
+#[doc(hidden)]
+pub mod wire;
 
 pub use backend::{
     FOREIGN_WR_ID_BIT, IbvBackend, IbvDevice, IbvManagerActor, IbvRegistered, IbvRegistration,

@@ -323,9 +323,7 @@ async fn receive_notifications(
 
 /// Gives `count` credits back to the initiator of QP `initiator_qpn`.
 async fn return_credits(session: Session, initiator_qpn: u32, count: u32) {
-    let mut body = [0u8; 8];
-    body[..4].copy_from_slice(&initiator_qpn.to_le_bytes());
-    body[4..].copy_from_slice(&count.to_le_bytes());
+    let body = crate::wire::encode_credits(initiator_qpn, count);
     let sent = session
         .request(
             Service::IBVERBS_CREDITS,
@@ -338,13 +336,4 @@ async fn return_credits(session: Session, initiator_qpn: u32, count: u32) {
     {
         warn!(node = %session.peer().id, "returning {count} notification credits failed: {e}");
     }
-}
-
-/// Reads a credit return: (the initiator's QP number, how many).
-pub(crate) fn decode_credits(body: &[u8]) -> Option<(u32, u32)> {
-    let body: &[u8; 8] = body.try_into().ok()?;
-    Some((
-        u32::from_le_bytes(body[..4].try_into().unwrap()),
-        u32::from_le_bytes(body[4..].try_into().unwrap()),
-    ))
 }

@@ -3,18 +3,29 @@
 //! Both are one fixed-size little-endian frame. The owner's answer also
 //! says how many notification receive buffers it posted on its QP, and
 //! their size (zero: it takes notifications over the control session only).
+//! The owner of those buffers returns credits for them with an
+//! `IBVERBS_CREDITS` request whose body is [`encode_credits`].
+//!
+//! Public (and hidden from the docs) only so that the fuzz targets in
+//! `fuzz/` reach these decoders without a device: they are not part of
+//! ferry's API.
 
 use crate::verbs::QpEndpoint;
 
+/// Length of a [`QpInfo`] frame.
 pub const QP_INFO_LEN: usize = 40;
 const MAGIC: u32 = u32::from_le_bytes(*b"FQP1");
+/// Length of a credit return's body.
+pub const CREDITS_LEN: usize = 8;
 
+/// One side's queue-pair details, as the exchange carries them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QpInfo {
     /// 0 on success; non-zero in a reply means the owner could not set up a QP.
     pub status: u8,
     /// `ibv_mtu` value of the sender's port.
     pub mtu: u8,
+    /// Where the sender's QP is: what the peer connects its own QP to.
     pub endpoint: QpEndpoint,
     /// Receive buffers posted for notifications: the initiator's credits.
     pub recv_slots: u16,
@@ -24,6 +35,7 @@ pub struct QpInfo {
 }
 
 impl QpInfo {
+    /// The frame as sent.
     pub fn encode(&self) -> [u8; QP_INFO_LEN] {
         let mut b = [0; QP_INFO_LEN];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
@@ -38,6 +50,9 @@ impl QpInfo {
         b
     }
 
+    /// Parses a frame; `None` if it is not one (wrong magic). Every other
+    /// field is taken as sent: the verbs calls that use them refuse what
+    /// the device cannot do.
     pub fn decode(b: &[u8; QP_INFO_LEN]) -> Option<Self> {
         if b[0..4] != MAGIC.to_le_bytes() {
             return None;
@@ -55,6 +70,25 @@ impl QpInfo {
             recv_slot_len: u32::from_le_bytes(b[36..40].try_into().unwrap()),
         })
     }
+}
+
+/// A credit return's body: `count` receive buffers of the initiator's QP
+/// `initiator_qpn` are free again.
+pub fn encode_credits(initiator_qpn: u32, count: u32) -> [u8; CREDITS_LEN] {
+    let mut body = [0u8; CREDITS_LEN];
+    body[..4].copy_from_slice(&initiator_qpn.to_le_bytes());
+    body[4..].copy_from_slice(&count.to_le_bytes());
+    body
+}
+
+/// Reads a credit return: (the initiator's QP number, how many); `None` if
+/// the body is not exactly [`CREDITS_LEN`] bytes.
+pub fn decode_credits(body: &[u8]) -> Option<(u32, u32)> {
+    let body: &[u8; CREDITS_LEN] = body.try_into().ok()?;
+    Some((
+        u32::from_le_bytes(body[..4].try_into().unwrap()),
+        u32::from_le_bytes(body[4..].try_into().unwrap()),
+    ))
 }
 
 #[cfg(test)]
@@ -77,5 +111,7 @@ mod tests {
         };
         assert_eq!(QpInfo::decode(&info.encode()), Some(info));
         assert_eq!(QpInfo::decode(&[0; QP_INFO_LEN]), None);
+        assert_eq!(decode_credits(&encode_credits(7, 3)), Some((7, 3)));
+        assert_eq!(decode_credits(&[0; CREDITS_LEN + 1]), None);
     }
 }

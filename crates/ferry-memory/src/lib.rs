@@ -20,7 +20,8 @@ mod owner;
 mod peer;
 mod shared;
 mod socket;
-mod wire;
+#[doc(hidden)]
+pub mod wire;
 
 use std::sync::Arc;
 use std::time::Duration;

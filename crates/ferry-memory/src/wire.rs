@@ -1,6 +1,9 @@
 //! The two packets of the memory transport's setup: a peer asks for a
 //! region's memory (`Request`), the owner answers (`Reply`, with the memfd
 //! attached when granted). Fixed-size little-endian; nothing else crosses.
+//!
+//! Public (and hidden from the docs) only so that the fuzz targets in
+//! `fuzz/` reach these decoders: they are not part of ferry's API.
 
 use ferry_core::{Generation, OpError, RegionId};
 

@@ -1,0 +1,7 @@
+#![no_main]
+//! Fuzzes `tcp_client_stream`: see `ferry_fuzz::checks::tcp_client_stream` for the decoder and the
+//! invariant it must keep.
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    ferry_fuzz::checks::tcp_client_stream(data);
+});

@@ -1,0 +1,239 @@
+//! What each fuzz target asserts about its decoder, one function per target.
+//!
+//! Every decoder here reads bytes another node (or whoever reaches its
+//! listener) chose. The rule they share: a typed error or a value, never a
+//! panic; and a value must survive its own encoder (decode → encode →
+//! decode gives it back), so that what a node accepts is what it would
+//! send. Each function panics when a rule breaks; it returns how many
+//! values the input decoded to, so that the seed test can tell a valid seed
+//! from one the decoder refuses.
+//!
+//! This file is shared: the fuzz targets in `fuzz/fuzz_targets/` call it,
+//! and `tests/fuzz_corpus.rs` in the main workspace includes it to replay
+//! every seed and regression input without cargo-fuzz.
+
+use bytes::{Bytes, BytesMut};
+use ferry_control::frame::{self, ControlCodec, Frame};
+use ferry_control::hello::{HELLO_LEN, Hello, HelloReply};
+use ferry_core::RemoteBuffer;
+use ferry_discovery::NodeMetadata;
+use ferry_tcp::frame::{ClientFrame, MAX_CHUNK, REQUEST_LEN, RESPONSE_LEN, Response};
+use tokio_util::codec::{Decoder, Encoder};
+
+/// A fuzz target's check.
+pub type Check = fn(&[u8]) -> usize;
+
+/// Every target by name: the names of `fuzz/fuzz_targets/*.rs` and of the
+/// directories under `fuzz/corpus/` and `fuzz/regressions/`.
+pub const TARGETS: &[(&str, Check)] = &[
+    ("tcp_client_stream", tcp_client_stream),
+    ("tcp_response_stream", tcp_response_stream),
+    ("control_stream", control_stream),
+    ("hello", hello),
+    ("rpc_call", rpc_call),
+    ("ibverbs_wire", ibverbs_wire),
+    ("memory_wire", memory_wire),
+    ("metadata", metadata),
+    ("handle_json", handle_json),
+];
+
+/// A data connection as the owner reads it (`ferry-tcp`'s server): request
+/// and notification headers, each followed by the payload its length
+/// announces. A header that does not parse ends the stream, as it ends the
+/// connection, and must still name the request id for the error response.
+pub fn tcp_client_stream(data: &[u8]) -> usize {
+    let mut rest = data;
+    let mut decoded = 0;
+    while let Some((header, tail)) = rest.split_first_chunk::<REQUEST_LEN>() {
+        let id = u64::from_le_bytes(header[8..16].try_into().unwrap());
+        match ClientFrame::decode(header) {
+            Ok(frame) => {
+                assert_eq!(ClientFrame::decode(&frame.encode()), Ok(frame));
+                assert_eq!(frame.id(), id);
+                assert!(frame.bytes() <= MAX_CHUNK, "{frame:?} over MAX_CHUNK");
+                let payload = usize::try_from(frame.payload_len()).unwrap();
+                rest = &tail[payload.min(tail.len())..];
+                decoded += 1;
+            }
+            Err((error_id, _)) => {
+                assert_eq!(error_id, id, "the error response names the request");
+                break;
+            }
+        }
+    }
+    decoded
+}
+
+/// A data connection as the initiator reads it (`ferry-tcp`'s client):
+/// response headers, read data following `ReadData`. An owner is as
+/// untrusted as any peer.
+pub fn tcp_response_stream(data: &[u8]) -> usize {
+    let mut rest = data;
+    let mut decoded = 0;
+    while let Some((header, tail)) = rest.split_first_chunk::<RESPONSE_LEN>() {
+        let Ok(response) = Response::decode(header) else {
+            break;
+        };
+        assert_eq!(Response::decode(&response.encode()), Ok(response));
+        let payload = match response {
+            Response::ReadData { len, .. } => {
+                assert!(len <= MAX_CHUNK, "{response:?} over MAX_CHUNK");
+                usize::try_from(len).unwrap()
+            }
+            _ => 0,
+        };
+        rest = &tail[payload.min(tail.len())..];
+        decoded += 1;
+    }
+    decoded
+}
+
+/// A control session's byte stream through the session's own codec
+/// (length prefix, bound, frame parse), then the same bytes as one
+/// unprefixed frame.
+pub fn control_stream(data: &[u8]) -> usize {
+    // A small bound, so that inputs can reach the "frame too long" path.
+    let mut codec = ControlCodec::new(4096);
+    let mut buf = BytesMut::from(data);
+    let mut decoded = 0;
+    loop {
+        match codec.decode(&mut buf) {
+            Ok(Some(frame)) => {
+                control_round_trip(frame);
+                decoded += 1;
+            }
+            Ok(None) => {
+                // End of stream: what is left is a truncated frame or nothing.
+                if let Ok(Some(frame)) = codec.decode_eof(&mut buf) {
+                    control_round_trip(frame);
+                    decoded += 1;
+                }
+                break;
+            }
+            Err(_) => break,
+        }
+    }
+    if let Ok(frame) = frame::parse(Bytes::copy_from_slice(data)) {
+        control_round_trip(frame);
+        decoded += 1;
+    }
+    decoded
+}
+
+fn control_round_trip(frame: Frame) {
+    assert_eq!(frame::parse(frame::serialize(&frame)).unwrap(), frame);
+    let mut codec = ControlCodec::new(usize::MAX);
+    let mut wire = BytesMut::new();
+    codec.encode(frame.clone(), &mut wire).unwrap();
+    assert_eq!(codec.decode(&mut wire).unwrap(), Some(frame));
+    assert!(wire.is_empty(), "the codec consumed the whole frame");
+}
+
+/// The endpoint's hello and its reply, as consecutive 24-byte frames.
+pub fn hello(data: &[u8]) -> usize {
+    let mut decoded = 0;
+    for chunk in data.chunks_exact(HELLO_LEN) {
+        let bytes: &[u8; HELLO_LEN] = chunk.try_into().unwrap();
+        if let Ok(hello) = Hello::decode(bytes) {
+            assert_eq!(Hello::decode(&hello.encode()), Ok(hello));
+            decoded += 1;
+        }
+        if let Ok(reply) = HelloReply::decode(bytes) {
+            assert_eq!(HelloReply::decode(&reply.encode()), Ok(reply));
+        }
+    }
+    decoded
+}
+
+/// An RPC request body as the callee reads it. Its layout leaves nothing
+/// ignored, so a decoded call re-encodes to exactly the input.
+pub fn rpc_call(data: &[u8]) -> usize {
+    let body = Bytes::copy_from_slice(data);
+    match ferry_control::rpc::decode_call(&body) {
+        Ok((name, argument)) => {
+            assert_eq!(ferry_control::rpc::encode_call(&name, &argument), body);
+            1
+        }
+        Err(_) => 0,
+    }
+}
+
+/// The ibverbs queue-pair exchange frame (first 40 bytes) and a credit
+/// return body (the whole input). Pure code: no device is opened.
+pub fn ibverbs_wire(data: &[u8]) -> usize {
+    use ferry_ibverbs::wire::{QP_INFO_LEN, QpInfo, decode_credits, encode_credits};
+    let mut decoded = 0;
+    if let Some((bytes, _)) = data.split_first_chunk::<QP_INFO_LEN>()
+        && let Some(info) = QpInfo::decode(bytes)
+    {
+        assert_eq!(QpInfo::decode(&info.encode()), Some(info));
+        decoded += 1;
+    }
+    if let Some((qpn, count)) = decode_credits(data) {
+        assert_eq!(encode_credits(qpn, count)[..], data[..]);
+        decoded += 1;
+    }
+    decoded
+}
+
+/// The memory transport's setup packets, as the owner reads a request and
+/// the peer reads an answer. The input is offered whole to each decoder,
+/// as a datagram would be.
+pub fn memory_wire(data: &[u8]) -> usize {
+    use ferry_memory::wire::{Answer, Reply, Request};
+    let mut decoded = 0;
+    if let Some(request) = Request::decode(data) {
+        assert_eq!(Request::decode(&request.encode()), Some(request));
+        decoded += 1;
+    }
+    if let Some(answer) = Answer::decode(data) {
+        assert_eq!(Answer::decode(&answer.encode()), Some(answer));
+        decoded += 1;
+    }
+    if let Some(reply) = Reply::decode(data) {
+        assert_eq!(Reply::decode(&reply.encode()), Some(reply));
+        decoded += 1;
+    }
+    decoded
+}
+
+/// A node's metadata blob, as a peer or etcd hands it over. Beyond the
+/// round trip, the decoder promises that every published handle belongs to
+/// the node the blob describes.
+pub fn metadata(data: &[u8]) -> usize {
+    let Ok(metadata) = NodeMetadata::decode(data) else {
+        return 0;
+    };
+    for handle in metadata.regions.values() {
+        assert_eq!(handle.owner().id, metadata.node.id);
+    }
+    assert_eq!(NodeMetadata::decode(&metadata.encode()), Ok(metadata));
+    1
+}
+
+/// A handle as JSON, as users pass them between processes. A forged one
+/// must still round-trip, and its range checks must agree with each other
+/// instead of overflowing.
+pub fn handle_json(data: &[u8]) -> usize {
+    let Ok(handle) = serde_json::from_slice::<RemoteBuffer>(data) else {
+        return 0;
+    };
+    let json = serde_json::to_vec(&handle).unwrap();
+    assert_eq!(
+        serde_json::from_slice::<RemoteBuffer>(&json).unwrap(),
+        handle
+    );
+    let whole = handle.slice(0..handle.len());
+    match handle.check_address_range() {
+        Ok(()) => {
+            assert_eq!(whole.as_ref(), Ok(&handle));
+            let half = handle.len() / 2;
+            let tail = handle.slice(half..handle.len()).unwrap();
+            assert_eq!(tail.addr(), handle.addr() + half);
+            assert_eq!(tail.len(), handle.len() - half);
+        }
+        Err(e) => assert_eq!(whole, Err(e)),
+    }
+    assert!(!handle.read_only().access().allows_write());
+    1
+}

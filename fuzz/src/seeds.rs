@@ -1,0 +1,289 @@
+//! The seed corpus: small, valid inputs for every fuzz target, made by the
+//! real encoders, so that the fuzzer starts from frames a node really
+//! sends and mutates from there.
+//!
+//! `fuzz/corpus/<target>/<name>` holds each seed. `tests/fuzz_corpus.rs`
+//! checks that the committed files are exactly what this makes, and
+//! rewrites them when asked:
+//!
+//! ```text
+//! cargo test --test fuzz_corpus -- --ignored write_seed_corpus
+//! ```
+//!
+//! Everything here is deterministic: fixed ids, tokens and addresses.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use ferry_control::frame::{ControlCodec, Frame, Service, Status};
+use ferry_control::hello::{Hello, HelloReply, VERSION};
+use ferry_control::{Channel, HelloStatus};
+use ferry_core::{
+    Access, Generation, IbvRemote, MemRemote, MemoryBlock, NodeAddr, NodeId, RdmaTransportLevel,
+    RegionId, RegionIds, RegionParts, RemoteBuffer, RemoteTransports, TcpRemote,
+};
+use ferry_discovery::NodeMetadata;
+use ferry_tcp::frame::{
+    ClientFrame, Notify, NotifyOutcome, Refusal, Request, RequestKind, Response,
+};
+use tokio_util::codec::Encoder;
+
+/// One seed: its target, its file name, its bytes.
+pub struct Seed {
+    /// The fuzz target it feeds.
+    pub target: &'static str,
+    /// Its file name under `fuzz/corpus/<target>/`.
+    pub name: &'static str,
+    /// The input.
+    pub bytes: Vec<u8>,
+}
+
+fn seed(target: &'static str, name: &'static str, bytes: impl Into<Vec<u8>>) -> Seed {
+    Seed {
+        target,
+        name,
+        bytes: bytes.into(),
+    }
+}
+
+fn node(id: u128, endpoint: &str) -> NodeAddr {
+    NodeAddr {
+        id: NodeId(id),
+        endpoint: endpoint.parse().unwrap(),
+    }
+}
+
+/// A handle as a node hands it out, with every transport's credentials,
+/// at a fixed address (a real region's address changes from run to run).
+fn handle(owner: NodeAddr, slots: &RegionIds) -> RemoteBuffer {
+    let remote = RegionParts {
+        slot: slots.allocate(),
+        memory: Arc::new(MemoryBlock::alloc(4096).unwrap()),
+        access: Access::ReadWrite,
+        owner,
+        transports: RemoteTransports {
+            tcp: Some(TcpRemote { token: 0x1111 }),
+            ibverbs: Some(IbvRemote {
+                rkey: 0x2222,
+                gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+            }),
+            memory: Some(MemRemote {
+                boot_id: 0x3333,
+                token: 0x4444,
+            }),
+        },
+        registrations: Vec::new(),
+    }
+    .into_region()
+    .remote();
+    // Through the handle's own serializer and back, with only the address
+    // made fixed: what a forger on the wire could do, too.
+    let mut json = serde_json::to_value(&remote).unwrap();
+    json["addr"] = 0x7f00_0000_1000u64.into();
+    serde_json::from_value(json).unwrap()
+}
+
+/// Every seed of every target.
+pub fn seeds() -> Vec<Seed> {
+    let me = node(0x0123_4567_89ab_cdef_0011_2233_4455_6677, "10.0.0.1:7000");
+    let me_v6 = node(7, "[fd00::1]:7001");
+    let slots = RegionIds::new();
+    let handle = handle(me, &slots);
+    let mut out = Vec::new();
+
+    // TCP data channel: a write with its payload, a read, a notification
+    // with its body; the owner's answers, read data after its header.
+    let write = Request {
+        kind: RequestKind::Write,
+        id: 1,
+        region: RegionId(0),
+        generation: Generation(1),
+        addr: handle.addr(),
+        len: 8,
+        token: 0x1111,
+        tag: 5,
+    };
+    let read = Request {
+        kind: RequestKind::Read,
+        id: 2,
+        len: 4096,
+        tag: 0,
+        ..write
+    };
+    let notify = |from| Notify {
+        id: 3,
+        tag: 5,
+        len: 4,
+        discard: false,
+        from,
+    };
+    let mut stream = Vec::new();
+    stream.extend_from_slice(&ClientFrame::Op(write).encode());
+    stream.extend_from_slice(b"payload!");
+    stream.extend_from_slice(&ClientFrame::Op(read).encode());
+    stream.extend_from_slice(&ClientFrame::Notify(notify(me)).encode());
+    stream.extend_from_slice(b"done");
+    out.push(seed("tcp_client_stream", "write-read-notify", stream));
+    let mut v6 = ClientFrame::Notify(notify(me_v6)).encode().to_vec();
+    v6.extend_from_slice(b"done");
+    out.push(seed("tcp_client_stream", "notify-ipv6", v6));
+
+    let responses = [
+        Response::WriteAck { id: 1 },
+        Response::Refused {
+            id: 2,
+            refusal: Refusal::OutOfBounds {
+                offset: 4096,
+                bound: 4096,
+            },
+            len: 8,
+        },
+        Response::Refused {
+            id: 3,
+            refusal: Refusal::StaleGeneration {
+                current: Generation(2),
+            },
+            len: 8,
+        },
+        Response::Notified {
+            id: 4,
+            outcome: NotifyOutcome::TooLarge { limit: 1024 },
+        },
+    ];
+    let mut stream: Vec<u8> = responses.iter().flat_map(|r| r.encode()).collect();
+    stream.extend_from_slice(&Response::ReadData { id: 5, len: 4 }.encode());
+    stream.extend_from_slice(b"data");
+    out.push(seed("tcp_response_stream", "answers", stream));
+
+    // Control session: both Opens, a request, its response, a cancel, as
+    // the codec frames them on the wire.
+    let mut codec = ControlCodec::default();
+    let mut wire = BytesMut::new();
+    for frame in [
+        Frame::Open {
+            min_version: 1,
+            max_version: 2,
+            node: me,
+        },
+        Frame::Open {
+            min_version: 1,
+            max_version: 2,
+            node: me_v6,
+        },
+        Frame::Request {
+            id: 1,
+            service: Service::RPC,
+            deadline: Duration::from_millis(2500),
+            body: ferry_control::rpc::encode_call("echo", b"hi"),
+        },
+        Frame::Response {
+            id: 1,
+            status: Status::Ok,
+            body: Bytes::from_static(b"\0hi"),
+        },
+        Frame::Cancel { id: 2 },
+    ] {
+        codec.encode(frame, &mut wire).unwrap();
+    }
+    out.push(seed("control_stream", "session", wire.to_vec()));
+
+    // Endpoint hello, then the server's reply.
+    let mut hellos = Hello {
+        version: VERSION,
+        channel: Channel::CONTROL,
+        node: me.id,
+    }
+    .encode()
+    .to_vec();
+    hellos.extend_from_slice(
+        &HelloReply {
+            version: VERSION,
+            status: HelloStatus::BadChannel,
+            node: me_v6.id,
+        }
+        .encode(),
+    );
+    out.push(seed("hello", "hello-and-reply", hellos));
+
+    out.push(seed(
+        "rpc_call",
+        "echo",
+        ferry_control::rpc::encode_call("echo", b"argument").to_vec(),
+    ));
+
+    // ibverbs: a QP exchange frame; a credit return.
+    {
+        use ferry_ibverbs::verbs::QpEndpoint;
+        use ferry_ibverbs::wire::{QpInfo, encode_credits};
+        let info = QpInfo {
+            status: 0,
+            mtu: 3,
+            endpoint: QpEndpoint {
+                qpn: 0x11,
+                psn: 0xabcdef,
+                gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+                lid: 0,
+            },
+            recv_slots: 16,
+            recv_slot_len: 4096,
+        };
+        out.push(seed("ibverbs_wire", "qp-info", info.encode()));
+        out.push(seed("ibverbs_wire", "credits", encode_credits(0x11, 4)));
+    }
+
+    // Memory transport: a request, and the owner's answers to it.
+    {
+        use ferry_memory::wire::{Answer, Refusal, Reply, Request};
+        let request = Request {
+            region: RegionId(0),
+            generation: Generation(1),
+            write: true,
+            token: 0x4444,
+        };
+        out.push(seed("memory_wire", "request", request.encode()));
+        let granted = Reply::Granted {
+            base: handle.addr(),
+            len: 4096,
+            data_len: 4096,
+        };
+        out.push(seed(
+            "memory_wire",
+            "answer-granted",
+            Answer::to(&request, granted).encode(),
+        ));
+        let stale = Reply::Refused(Refusal::StaleGeneration {
+            current: Generation(2),
+        });
+        out.push(seed(
+            "memory_wire",
+            "answer-stale",
+            Answer::to(&request, stale).encode(),
+        ));
+    }
+
+    // Discovery: a node's metadata blob, two published regions.
+    let metadata = NodeMetadata {
+        name: Some("prefill-0".into()),
+        node: me,
+        transports: vec![RdmaTransportLevel::Tcp, RdmaTransportLevel::Nic],
+        regions: [
+            ("kv/0".to_string(), handle.clone()),
+            ("kv/1".to_string(), handle.slice(0..64).unwrap().read_only()),
+        ]
+        .into(),
+    };
+    out.push(seed("metadata", "two-regions", metadata.encode().to_vec()));
+
+    out.push(seed(
+        "handle_json",
+        "handle",
+        serde_json::to_vec(&handle).unwrap(),
+    ));
+    out.push(seed(
+        "handle_json",
+        "slice-read-only",
+        serde_json::to_vec(&handle.slice(16..32).unwrap().read_only()).unwrap(),
+    ));
+    out
+}
