@@ -425,6 +425,14 @@ async fn a_timed_out_submit_flushes_its_qp_and_the_next_op_reconnects() {
     let target = peer.alloc(len, Access::ReadWrite, 9).await;
     let local = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
     let key = (local.id(), local.generation());
+    // Connected first: the queue-pair exchange alone may take longer than
+    // the deadline below on a loaded host, and this test is about the
+    // flush of a connected QP.
+    let warm = node.alloc(4096, Access::ReadWrite).await.unwrap();
+    let first = target.handle.slice(0..4096).unwrap();
+    node.submit(vec![RdmaOp::read(warm.whole(), first)], DEADLINE)
+        .await
+        .unwrap();
     // Much more than soft-RoCE under emulation moves in 200 ms.
     let ops: Vec<_> = (0..64)
         .map(|_| RdmaOp::read(local.whole(), target.handle.clone()))
