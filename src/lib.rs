@@ -31,6 +31,7 @@ mod meters;
 mod names;
 mod node;
 mod rpc;
+mod tables;
 mod transports;
 
 pub use actor::{Alloc, NodeActor, Register, Transports};
@@ -60,6 +61,7 @@ pub use messages::{InboxTaken, NotifyError, SendMessage, SubmitWithNotification}
 pub use names::NameTaken;
 pub use node::{Node, NodeTransportInfo};
 pub use rpc::Call;
+pub use tables::PeerTables;
 pub use transports::{TransportState, TransportStatus};
 
 /// What a program using ferry usually needs, in one import.

@@ -177,14 +177,50 @@ impl Node {
     /// Fetches the metadata of the node listening at `address` from it
     /// directly (no server needed) within `timeout`, and loads it. Returns
     /// the name it is known under, and what loading changed.
+    ///
+    /// A peer without a name is known by its node id, which no later
+    /// incarnation shares: its metadata lasts as long as this node's
+    /// control session to it, and is forgotten when the session closes
+    /// (the peer shut down or vanished; at the latest when keepalive gives
+    /// up on it), so unnamed peers that come and go leave nothing behind.
+    /// A named peer's metadata stays until [`Node::forget_peer`] or until
+    /// a new incarnation under its name replaces it (which a fetch reports
+    /// as [`Loaded::Restarted`]): one entry per name. (Metadata given to
+    /// [`Node::load_metadata`] stays until [`Node::forget_peer`]; through
+    /// etcd, until its key goes.)
     pub async fn fetch_metadata(
         &self,
         address: SocketAddr,
         timeout: Duration,
     ) -> Result<(String, Loaded), DiscoveryError> {
-        let metadata = fetch(&self.0.router.endpoint, address, None, timeout).await?;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let endpoint = &self.0.router.endpoint;
+        let metadata = fetch(endpoint, address, None, timeout).await?;
+        let node = metadata.node;
         let key = key_of(&metadata);
-        Ok((key, self.0.router.names.peers.load(metadata)))
+        if metadata.name.is_some() {
+            return Ok((key, self.0.router.names.peers.load(metadata)));
+        }
+        // The session the fetch used: open unless the peer has just gone.
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let session = endpoint.session(node, left).await?;
+        let loaded = self.0.router.names.peers.load(metadata);
+        let peers = Arc::downgrade(&self.0.router.names.peers);
+        let forget = key.clone();
+        // Ends with the session (which ends with this node's endpoint).
+        tokio::spawn(async move {
+            session.closed().await;
+            if let Some(peers) = peers.upgrade() {
+                peers.forget_incarnation(&forget, node);
+            }
+        });
+        Ok((key, loaded))
+    }
+
+    /// How many peers' metadata this node holds (see
+    /// [`Node::fetch_metadata`] for when each goes).
+    pub fn known_peers(&self) -> usize {
+        self.0.router.names.peers.len()
     }
 
     /// The handle of the region `peer` published as `region`, from the

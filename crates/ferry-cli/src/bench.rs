@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use clap::{Args, ValueEnum};
 use ferry::prelude::*;
-use kameo::actor::Spawn;
 use serde::Serialize;
 
-use crate::discovery::{EtcdArgs, resolve};
-use crate::loopback::start_server;
-use crate::submitter::{Echo, Submitter};
-use crate::{Failure, export_metrics, parse_size};
+use crate::discovery::EtcdArgs;
+use crate::submitter::Submitter;
+use crate::target::{Target, setup};
+use crate::verify::{BenchError, VERIFY_PIECE, VerifyError, prepare, verify};
+use crate::{Failure, parse_size};
 
 /// Deadline of any single submit.
 pub(crate) const SUBMIT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -241,7 +241,7 @@ fn fill(region: &Region, range: std::ops::Range<u64>, seed: Option<u8>) -> Resul
 
 /// The first offset in `range` where `region` (holding `range` at `base`)
 /// differs from the pattern.
-fn first_difference(
+pub(crate) fn first_difference(
     region: &Region,
     base: u64,
     range: std::ops::Range<u64>,
@@ -265,7 +265,7 @@ fn first_difference(
 /// One worker's share of a block size's run: `batch` blocks from `first`.
 #[derive(Clone)]
 pub(crate) struct Share {
-    local: Region,
+    pub local: Region,
     pub remote: RemoteBuffer,
     first: u64,
     batch: usize,
@@ -275,7 +275,8 @@ pub(crate) struct Share {
 }
 
 impl Share {
-    fn range(&self) -> std::ops::Range<u64> {
+    /// The target's bytes this share covers.
+    pub fn range(&self) -> std::ops::Range<u64> {
         self.first..self.first + self.batch as u64 * self.block
     }
 
@@ -341,79 +342,19 @@ async fn work(
     }
 }
 
-/// Runs `ferry bench`: one row per block size.
-pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
-    if let Some(addr) = args.metrics {
-        export_metrics(addr)?;
-    }
-    let mut builder = Node::builder();
-    if let Some(window) = args.window {
-        builder = builder.tcp_window(u32::try_from(window).unwrap_or(u32::MAX));
-    }
-    let builder = args.etcd.apply(builder, None)?;
-    let node = builder
-        .tcp_connections(args.streams)
-        .ibverbs(matches!(
-            args.transport,
-            Transport::Auto | Transport::Ibverbs
-        ))
-        .memory(matches!(
-            args.transport,
-            Transport::Auto | Transport::Memory
-        ))
-        .spawn()
-        .await?;
-    let (_server, remote) = match (&args.handle, &args.peer, &args.region) {
-        (Some(path), _, _) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| Failure(format!("cannot read handle file {}: {e}", path.display())))?;
-            let handle = serde_json::from_str(text.trim())
-                .map_err(|e| Failure(format!("{} is not a ferry handle: {e}", path.display())))?;
-            (None, handle)
-        }
-        (None, Some(peer), Some(region)) => (None, resolve(&node, peer, region, &args.etcd).await?),
-        _ => {
-            let (server, handle) = start_server(&args)?;
-            (Some(server), handle)
-        }
-    };
-    let size = remote.len();
-    let local = node.alloc(size, Access::ReadWrite).await?;
-    let probe = RdmaOp::write(local.slice(0..1)?, remote.slice(0..1)?);
-    let level = node
-        .route(&probe)
-        .ok_or_else(|| Failure("no transport shared with the target".into()))?;
-    let transport = match args.op {
-        // Calls and messages go over the control session, whatever the data
-        // transports are.
-        Op::Rpc | Op::Message => "control",
-        Op::Write | Op::Read => level.backend(),
-    };
-    let transfers = matches!(args.op, Op::Write | Op::Read);
-    if transfers && args.transport == Transport::Memory && level != RdmaTransportLevel::Memory {
-        let why = node
-            .unavailable(RdmaTransportLevel::Memory)
-            .unwrap_or("the target is not on this host (or shares no memory)");
-        return Err(Failure(format!(
-            "--transport memory: not available here: {why}"
-        )));
-    }
-    if transfers && args.transport == Transport::Ibverbs && level != RdmaTransportLevel::Nic {
-        let why = node
-            .unavailable(RdmaTransportLevel::Nic)
-            .unwrap_or("the target has no RDMA device");
-        return Err(Failure(format!(
-            "--transport ibverbs: not available here: {why}"
-        )));
-    }
-    // Fits usize: parse_size keeps it far below, and the node refuses what
-    // is over its message limit.
-    let notification = args.notify.map(|len| Bytes::from(vec![0x4E; len as usize]));
-    let submitter = match args.via {
-        Via::Node => Submitter::Node(node.clone(), notification),
-        Via::Actor => Submitter::Actor(node.actor().clone(), notification),
-        Via::Echo => Submitter::Echo(Echo::spawn(Echo)),
-    };
+/// Runs `ferry bench`: one row per block size. A failure says whether it
+/// came from the setup, a measured run, or a verification.
+pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, BenchError> {
+    let Target {
+        node,
+        server: _server,
+        remote,
+        local,
+        size,
+        transport,
+        transfers,
+        submitter,
+    } = setup(&args).await?;
     let workers = args.workers.max(1);
 
     let progress = progress_bar(&args);
@@ -423,7 +364,7 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
         // Fits usize: at most the length of `local`, which this process holds.
         let per_worker = (size / block) as usize / workers;
         if per_worker == 0 {
-            return Err(Failure(format!(
+            return Err(BenchError::Setup(format!(
                 "{workers} worker(s) need {workers} blocks of {block} B, more than the \
                  {size}-byte target region holds"
             )));
@@ -434,6 +375,16 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             false => 1,
         };
         let seed = block as u8;
+        let run_failed = |error: String| BenchError::Run {
+            op: args.op.name(),
+            block,
+            error,
+        };
+        let verify_failed = |error: VerifyError| BenchError::Verify {
+            op: args.op.name(),
+            block,
+            error,
+        };
         let payload = match args.op {
             // Fits usize: a block of the region this process allocated.
             Op::Rpc | Op::Message => Bytes::from(vec![seed; block as usize]),
@@ -455,7 +406,7 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
         if args.op == Op::Read && args.verify {
             // Put known bytes there first, so the reads have something to check.
             for share in &shares {
-                node.submit(share.ops(Op::Write)?, SUBMIT_TIMEOUT).await?;
+                prepare(&node, share).await.map_err(verify_failed)?;
                 fill(&local, share.range(), None)?;
             }
         }
@@ -481,21 +432,31 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             .collect();
         let warmups = SUBMIT_TIMEOUT * (args.warmup as u32 + 1);
         if tokio::time::timeout(warmups, start.wait()).await.is_err() {
-            return Err(Failure(format!(
+            return Err(run_failed(format!(
                 "the warm-up did not finish within {warmups:?}"
             )));
         }
         let started = Instant::now();
         let mut latencies = Vec::new();
         for task in tasks {
-            latencies.extend(task.await??);
+            match task.await {
+                Ok(Ok(measured)) => latencies.extend(measured),
+                Ok(Err(Failure(e))) => return Err(run_failed(e)),
+                Err(e) => return Err(run_failed(e.to_string())),
+            }
         }
         let seconds = started.elapsed().as_secs_f64();
         let verified = match (args.via, args.op) {
             (Via::Echo, _) | (_, Op::Message) => false,
             // Every answer was compared with what was sent.
             (_, Op::Rpc) => true,
-            _ => args.verify && verify(&node, &shares, seed, args.op).await?,
+            _ if args.verify => {
+                verify(&node, &shares, seed, args.op)
+                    .await
+                    .map_err(verify_failed)?;
+                true
+            }
+            _ => false,
         };
         let submits = latencies.len();
         let bytes = submits as u64 * batch as u64 * block;
@@ -519,10 +480,12 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, Failure> {
             lat_p99_us: percentile(&latencies, 0.99),
             verified,
             peak_rss: peak_rss(),
-            // The local region, plus the read-back region of a verified write.
+            // The local region, plus the piece-sized read-back region of a
+            // verified write.
             registered: size
                 + if verified && args.op == Op::Write {
-                    shares.iter().map(|s| s.range().end - s.range().start).sum()
+                    let longest = shares.iter().map(|s| s.range().end - s.range().start);
+                    longest.max().unwrap_or(0).min(VERIFY_PIECE)
                 } else {
                     0
                 },
@@ -551,35 +514,6 @@ fn progress_bar(args: &BenchArgs) -> indicatif::ProgressBar {
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
     bar.set_style(style);
     bar
-}
-
-/// After writes: reads each worker's range of the target back into a second
-/// region and compares with what was written. After reads: compares what
-/// arrived.
-async fn verify(node: &Node, shares: &[Share], seed: u8, op: Op) -> Result<bool, Failure> {
-    for share in shares {
-        let range = share.range();
-        let difference = match op {
-            Op::Read => first_difference(&share.local, 0, range, seed)?,
-            Op::Write => {
-                let back = node
-                    .alloc(range.end - range.start, Access::ReadWrite)
-                    .await?;
-                let read = RdmaOp::read(back.whole(), share.remote.slice(range.clone())?);
-                node.submit(vec![read], SUBMIT_TIMEOUT).await?;
-                first_difference(&back, range.start, range, seed)?
-            }
-            // Not transfers: nothing in memory to compare.
-            Op::Rpc | Op::Message => None,
-        };
-        if let Some(at) = difference {
-            return Err(Failure(format!(
-                "verify failed: byte {at} of the {}-byte-block run differs",
-                share.block
-            )));
-        }
-    }
-    Ok(true)
 }
 
 /// Prints rows as a table.

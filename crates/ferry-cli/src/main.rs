@@ -9,6 +9,8 @@ mod discovery;
 mod loopback;
 mod serve;
 mod submitter;
+mod target;
+mod verify;
 
 use std::process::ExitCode;
 
@@ -250,7 +252,7 @@ fn main() -> ExitCode {
                     }
                 }
                 Ok(rows) => bench::print_table(&rows),
-                Err(Failure(e)) => return fail(e),
+                Err(e) => return fail(e),
             }
         }
         Command::Ls(args) => match rt.block_on(discovery::ls(&args)) {

@@ -38,7 +38,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub no_ibverbs: bool,
     /// Serve Prometheus metrics on this address (GET /metrics): bytes and
-    /// requests served per transport and op kind. It listens once the node
+    /// requests served per transport and op kind, and the sizes of the
+    /// node's per-peer tables (`ferry_peer_table_entries`). It listens once the node
     /// is up and published, so it doubles as a readiness check.
     #[arg(long)]
     pub metrics: Option<std::net::SocketAddr>,
@@ -104,6 +105,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
     }
     if let Some(addr) = args.metrics {
         export_metrics(addr)?;
+        tokio::spawn(table_gauges(node.clone()));
     }
     let handle = serde_json::to_string(&region.remote())?;
     // Ready before the handle goes out: a client may call or send at once.
@@ -155,6 +157,22 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
     node.shutdown().await;
     drop(region);
     Ok(())
+}
+
+/// How often the per-peer table gauges are refreshed.
+const TABLE_GAUGES_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Exports the sizes of the node's per-peer tables as
+/// `ferry_peer_table_entries{table=...}`, refreshed every second: a table
+/// that keeps growing while peers come and go is a leak to see here.
+async fn table_gauges(node: Node) {
+    let mut every = tokio::time::interval(TABLE_GAUGES_EVERY);
+    loop {
+        every.tick().await;
+        for (table, entries) in node.peer_tables().entries() {
+            metrics::gauge!("ferry_peer_table_entries", "table" => table).set(entries as f64);
+        }
+    }
 }
 
 /// Waits for SIGTERM, SIGINT, or (with `stdin`) the end of stdin (how

@@ -8,6 +8,9 @@ use std::process::{Command, Output};
 /// soft-RoCE VM too.
 #[path = "cli/under_load.rs"]
 mod under_load;
+/// `bench --verify` in pieces, and its failures told from the run's.
+#[path = "cli/verify.rs"]
+mod verify;
 
 /// The binary under test: `FERRY_BIN` inside the VM, cargo's build here.
 fn ferry_bin() -> String {
@@ -433,6 +436,76 @@ fn serve_metrics_count_exactly_the_bytes_bench_moved() {
         "{after}"
     );
     assert!(moved[0] > 0 && moved[1] > 0);
+    drop(server.stdin.take());
+    assert!(server.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The value of the gauge line that starts with `prefix`; panics if the
+/// page has none (unlike [`metric`], for which missing reads as 0).
+fn gauge(page: &str, prefix: &str) -> u64 {
+    let line = page.lines().find(|l| l.starts_with(prefix));
+    let line = line.unwrap_or_else(|| panic!("no {prefix} in {page}"));
+    line.rsplit(' ').next().unwrap().parse::<f64>().unwrap() as u64
+}
+
+/// The sizes of serve's per-peer tables `tables`, from its gauges.
+fn table_sizes(metrics: &str, tables: &[&str]) -> Vec<u64> {
+    let page = http_get(metrics, "/metrics");
+    tables
+        .iter()
+        .map(|t| gauge(&page, &format!("ferry_peer_table_entries{{table=\"{t}\"}}")))
+        .collect()
+}
+
+/// Polls `tables` (up to 30 s) until `done` says yes; the last sizes.
+fn poll_tables(metrics: &str, tables: &[&str], done: impl Fn(&[u64]) -> bool) -> Vec<u64> {
+    let started = std::time::Instant::now();
+    loop {
+        let sizes = table_sizes(metrics, tables);
+        if done(&sizes) || started.elapsed().as_secs() > 30 {
+            return sizes;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
+/// A bench process sends messages for a few seconds: while it runs,
+/// serve's gauges show its session, its connection and its line of
+/// messages; once it has exited, none of them.
+#[test]
+fn serve_per_peer_table_gauges_return_to_zero_after_a_client_leaves() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let metrics = format!("127.0.0.1:{port}");
+    let dir = std::env::temp_dir().join(format!("ferry-cli-tables-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let handle = dir.join("handle.json");
+    let mut server = spawn_serve(&["--size", "1M", "--metrics", &metrics], &handle);
+    let tables = ["accepted_connections", "live_sessions", "message_lines"];
+    assert_eq!(
+        table_sizes(&metrics, &tables),
+        [0, 0, 0],
+        "before any client"
+    );
+    let h = handle.to_str().unwrap();
+    let mut bench = Command::new(ferry_bin())
+        .args(["bench", "--handle", h, "--op", "message", "--block", "64"])
+        .args(["--duration", "4", "--json"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let during = poll_tables(&metrics, &tables, |s| s.iter().all(|&n| n > 0));
+    assert!(
+        during.iter().all(|&n| n > 0),
+        "{tables:?} during the bench: {during:?}"
+    );
+    assert!(bench.wait().unwrap().success());
+    let after = poll_tables(&metrics, &tables, |s| s.iter().all(|&n| n == 0));
+    assert_eq!(after, [0, 0, 0], "{tables:?} after the bench left");
     drop(server.stdin.take());
     assert!(server.wait().unwrap().success());
     let _ = std::fs::remove_dir_all(&dir);

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -98,9 +98,15 @@ pub(crate) struct Shared {
     admission: Arc<Admission>,
     channels: RwLock<HashMap<Channel, ChannelHandler>>,
     services: RwLock<HashMap<Service, ServiceHandler>>,
-    /// Sessions this node opened, by peer.
+    /// Sessions this node opened, by peer. A slot lives while its session
+    /// is open or a caller is opening one: [`Shared::release_slot`] removes
+    /// it when the session closes and when the last opener gives up, so a
+    /// peer that went away leaves nothing here.
     sessions: Mutex<BTreeMap<NodeAddr, SessionSlot>>,
     next_session: AtomicU64,
+    /// Sessions running now, both those this node opened and those peers
+    /// opened to it.
+    live_sessions: AtomicUsize,
 }
 
 /// The session to one peer, and a lock that makes concurrent first
@@ -130,7 +136,8 @@ impl Shared {
         self.sessions.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Drops a closed session from the table, if it is still the one there.
+    /// Drops a closed session from the table, if it is still the one there,
+    /// and its slot with it unless a caller is opening a new one.
     pub fn forget_session(&self, session: &Session) {
         let mut sessions = self.lock_sessions();
         if let Some(slot) = sessions.get_mut(&session.peer())
@@ -141,6 +148,31 @@ impl Shared {
         {
             slot.session = None;
         }
+        Self::release_slot(&mut sessions, session.peer());
+    }
+
+    /// Removes `peer`'s slot if it holds no session and nobody holds its
+    /// opening lock (the table's own reference is the only one). Callers
+    /// drop their clone of the lock before calling, under the table's lock,
+    /// so that of two openers finishing at once the second sees the count
+    /// the first left.
+    fn release_slot(sessions: &mut BTreeMap<NodeAddr, SessionSlot>, peer: NodeAddr) {
+        if sessions
+            .get(&peer)
+            .is_some_and(|slot| slot.session.is_none() && Arc::strong_count(&slot.opening) == 1)
+        {
+            sessions.remove(&peer);
+        }
+    }
+
+    /// A session started running (see [`Shared::session_ended`]).
+    pub fn session_started(&self) {
+        self.live_sessions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A session's task ended.
+    pub fn session_ended(&self) {
+        self.live_sessions.fetch_sub(1, Ordering::Relaxed);
     }
 
     fn live_session(&self, peer: NodeAddr) -> Option<Session> {
@@ -190,6 +222,7 @@ impl Endpoint {
             services: RwLock::default(),
             sessions: Mutex::default(),
             next_session: AtomicU64::new(1),
+            live_sessions: AtomicUsize::new(0),
         });
         Ok(Endpoint(Arc::new(Owner {
             shared,
@@ -298,6 +331,26 @@ impl Endpoint {
             .or_default()
             .opening
             .clone();
+        let opened = self.open_session(peer, deadline, &opening, timed_out).await;
+        // However the attempt ended, a slot with no session and no other
+        // opener goes (a peer that could not be reached leaves nothing).
+        let mut sessions = shared.lock_sessions();
+        drop(opening);
+        Shared::release_slot(&mut sessions, peer);
+        opened
+    }
+
+    /// Opens a session to `peer` by `deadline`, one caller at a time per
+    /// peer (`opening`); a caller that waited finds the session its
+    /// predecessor opened.
+    async fn open_session(
+        &self,
+        peer: NodeAddr,
+        deadline: Instant,
+        opening: &tokio::sync::Mutex<()>,
+        timed_out: impl Fn() -> ControlError,
+    ) -> Result<Session, ControlError> {
+        let shared = &self.0.shared;
         let _turn = tokio::time::timeout_at(deadline, opening.lock())
             .await
             .map_err(|_| timed_out())?;
@@ -315,8 +368,38 @@ impl Endpoint {
                 return Err(ControlError::SessionClosed { endpoint: peer.endpoint });
             }
         };
-        shared.lock_sessions().entry(peer).or_default().session = Some(session.clone());
+        // Recorded while this caller still holds the turn, so the next one
+        // finds it. A session that already closed is not: its task has
+        // already forgotten it (it marks itself closed first), and nothing
+        // would take it out again.
+        let mut sessions = shared.lock_sessions();
+        if !session.is_closed() {
+            sessions.entry(peer).or_default().session = Some(session.clone());
+        }
         Ok(session)
+    }
+
+    /// How many peers have an entry in this node's table of sessions it
+    /// opened (open, or being opened now). Each entry goes when its session
+    /// closes (the peer shut down, vanished, or broke the protocol: at the
+    /// latest when keepalive gives up on a silent peer, see
+    /// [`crate::socket::KEEPALIVE`]) or when the last caller opening it
+    /// fails. For leak checks and `ferry info`.
+    pub fn session_table_len(&self) -> usize {
+        self.0.shared.lock_sessions().len()
+    }
+
+    /// Control sessions running now, in both directions (opened by this
+    /// node or by peers). A session's count goes when its task has ended.
+    pub fn live_sessions(&self) -> usize {
+        self.0.shared.live_sessions.load(Ordering::Relaxed)
+    }
+
+    /// Accepted connections open now (control and data channels, counted
+    /// against [`ConnectionLimits`]); each is released when its connection
+    /// task ends.
+    pub fn accepted_connections(&self) -> usize {
+        self.0.shared.admission.open_total()
     }
 
     /// Stops accepting, and ends every session and connection.

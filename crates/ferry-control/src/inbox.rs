@@ -224,9 +224,13 @@ pub struct Messages {
     inbox: mpsc::Sender<Delivery>,
     /// The receiving end, until the application takes it.
     receiver: Mutex<Option<Inbox>>,
-    /// Per session (by id), the line its messages wait in.
-    lines: Mutex<HashMap<u64, mpsc::UnboundedSender<Queued>>>,
+    /// Per session (by id), the line its messages wait in. A line's task
+    /// removes its entry when it ends, which is when its session closes.
+    lines: Arc<Lines>,
 }
+
+/// Sessions' lines, by session id.
+type Lines = Mutex<HashMap<u64, mpsc::UnboundedSender<Queued>>>;
 
 impl Messages {
     /// Serves messages on `endpoint`'s sessions into an inbox of `capacity`
@@ -246,7 +250,7 @@ impl Messages {
                 head: None,
                 receiver,
             })),
-            lines: Mutex::default(),
+            lines: Arc::default(),
         });
         for (service, kind) in [
             (Service::MESSAGE, DeliveryKind::Message),
@@ -285,6 +289,13 @@ impl Messages {
             })?;
         }
         Ok(messages)
+    }
+
+    /// Sessions with a line of messages here: one per session a message
+    /// arrived on, released when that session closes. For leak checks and
+    /// `ferry info`.
+    pub fn lines(&self) -> usize {
+        self.lines.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// The bound on a message's length, in bytes.
@@ -396,15 +407,20 @@ impl Messages {
             delivered,
         };
         let mut lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
-        // Lines of sessions that ended have no task left.
-        lines.retain(|_, line| !line.is_closed());
         let line = lines.entry(request.session.id()).or_insert_with(|| {
             let (line, waiting) = mpsc::unbounded_channel();
-            tokio::spawn(deliver_in_order(
-                waiting,
-                self.inbox.clone(),
-                request.session.clone(),
-            ));
+            let session = request.session.clone();
+            let all = Arc::downgrade(&self.lines);
+            let inbox = self.inbox.clone();
+            tokio::spawn(async move {
+                let id = session.id();
+                deliver_in_order(waiting, inbox, session).await;
+                // Its session has ended (ids are never reused): nothing more
+                // can come down this line.
+                if let Some(all) = all.upgrade() {
+                    all.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                }
+            });
             line
         });
         // The line's task ends only when its session has ended.

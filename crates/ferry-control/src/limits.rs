@@ -137,6 +137,11 @@ impl Admission {
         })
     }
 
+    /// Connections open now, in total.
+    pub fn open_total(&self) -> usize {
+        self.lock().total
+    }
+
     /// Connections open now: (total, from `address`).
     #[cfg(test)]
     pub fn open(&self, address: IpAddr) -> (usize, usize) {

@@ -358,6 +358,15 @@ async fn run(
     write: FramedWrite<OwnedWriteHalf, ControlCodec>,
     queue: mpsc::Receiver<Frame>,
 ) {
+    // Counted for as long as this task runs, however it ends.
+    struct Live<'a>(&'a Shared);
+    impl Drop for Live<'_> {
+        fn drop(&mut self) {
+            self.0.session_ended();
+        }
+    }
+    shared.session_started();
+    let _live = Live(&shared);
     let closed = inner.closed.clone();
     let writing = async {
         if let Err(e) = write_loop(write, queue, &closed).await {

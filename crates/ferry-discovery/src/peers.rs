@@ -91,4 +91,27 @@ impl Peers {
     pub fn forget(&self, peer: &str) -> bool {
         self.lock().remove(peer).is_some()
     }
+
+    /// Forgets `peer` if what is known under that name is still the
+    /// incarnation `node` (a restarted peer's newer metadata stays);
+    /// returns whether it was forgotten.
+    pub fn forget_incarnation(&self, peer: &str, node: NodeAddr) -> bool {
+        let mut peers = self.lock();
+        if peers.get(peer).is_some_and(|m| m.node.id == node.id) {
+            peers.remove(peer);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// How many peers are known. For leak checks and `ferry info`.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether no peer is known.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
 }

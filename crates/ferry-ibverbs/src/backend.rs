@@ -72,6 +72,13 @@ struct PeerSlot {
 
 /// Queue pairs to peers, one per peer, connected on first use. A B-tree:
 /// looked up for every submit, and small maps need no hashing.
+///
+/// A slot whose connection attempt failed goes with its last waiter. A
+/// slot holding a queue pair stays after its peer has gone, until a new
+/// queue pair to the same address replaces it: releasing it when its
+/// control session closes would destroy a queue pair whose flush
+/// completions may still be pending, which the memory-safety rules forbid
+/// without the drain the passive side does (left for the VM stage).
 #[derive(Default)]
 struct Peers(Mutex<BTreeMap<NodeAddr, PeerSlot>>);
 
@@ -112,14 +119,35 @@ impl Peers {
         deadline: Instant,
     ) -> Result<Arc<PeerQp>, OpError> {
         let connecting = self.lock().entry(peer).or_default().connecting.clone();
-        let _turn = connecting.lock().await;
-        // Another submit may have connected while this one waited.
-        if let Some(qp) = self.connected(peer) {
-            return Ok(qp);
+        let connected = async {
+            let _turn = connecting.lock().await;
+            // Another submit may have connected while this one waited.
+            if let Some(qp) = self.connected(peer) {
+                return Ok(qp);
+            }
+            let qp = exchange::connect(device, endpoint, peer, deadline).await?;
+            self.lock().entry(peer).or_default().connected = Some(qp.clone());
+            Ok(qp)
         }
-        let qp = exchange::connect(device, endpoint, peer, deadline).await?;
-        self.lock().entry(peer).or_default().connected = Some(qp.clone());
-        Ok(qp)
+        .await;
+        // A slot that never got a queue pair (the peer could not be reached)
+        // goes with its last waiter: the lock is dropped under the table's
+        // lock, so of two waiters leaving at once the second removes it.
+        // Slots holding a queue pair stay (see `Peers`).
+        let mut peers = self.lock();
+        drop(connecting);
+        if peers.get(&peer).is_some_and(|slot| {
+            slot.connected.is_none() && Arc::strong_count(&slot.connecting) == 1
+        }) {
+            peers.remove(&peer);
+        }
+        connected
+    }
+
+    /// Peers with a slot: a queue pair (usable or broken), or a connection
+    /// attempt under way.
+    fn len(&self) -> usize {
+        self.lock().len()
     }
 
     fn all(&self) -> Vec<Arc<PeerQp>> {
@@ -656,6 +684,14 @@ impl IbvBackend {
     /// The manager actor, for workers that send it messages.
     pub fn actor(&self) -> &ActorRef<IbvManagerActor> {
         &self.actor
+    }
+
+    /// Peers this node has a queue-pair slot for (see the note on the
+    /// table: a connected peer's slot stays after it has gone), and the
+    /// queue pairs it keeps for initiators (released when their control
+    /// session ends). For leak checks and `ferry info`.
+    pub fn peer_tables(&self) -> (usize, usize) {
+        (self.shared.peers.len(), self.shared.passive.len())
     }
 
     /// The device's name, e.g. `rxe0`.

@@ -66,6 +66,8 @@ struct Inner {
     boot_id: u128,
     exports: Arc<owner::Exports>,
     links: Arc<peer::Links>,
+    /// Same-host peers the owner side answers now.
+    served: Arc<std::sync::atomic::AtomicUsize>,
     server: tokio::task::JoinHandle<()>,
     sweeper: tokio::task::JoinHandle<()>,
 }
@@ -88,7 +90,8 @@ impl MemoryBackend {
         let boot_id = boot_id().ok_or(MemoryError::NoBootId)?;
         let listener = socket::Listener::bind(&socket_name(node))?;
         let exports = Arc::new(owner::Exports::default());
-        let server = tokio::spawn(owner::serve(listener, exports.clone()));
+        let served = Arc::default();
+        let server = tokio::spawn(owner::serve(listener, exports.clone(), Arc::clone(&served)));
         let links = Arc::new(peer::Links::default());
         let sweeper = {
             let links = Arc::downgrade(&links);
@@ -105,9 +108,24 @@ impl MemoryBackend {
             boot_id,
             exports,
             links,
+            served,
             server,
             sweeper,
         })))
+    }
+
+    /// Same-host owners this node keeps a link to (or remembers as
+    /// unreachable). An owner's entry goes within a second (the sweep)
+    /// after its socket closed, and an unreachable verdict after a few
+    /// seconds. For leak checks and `ferry info`.
+    pub fn links(&self) -> usize {
+        self.0.links.len()
+    }
+
+    /// Same-host peers whose socket this node answers now; one goes as
+    /// soon as its socket closes.
+    pub fn served_peers(&self) -> usize {
+        self.0.served.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// What `ferry info` says about it.

@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ferry_core::{Access, Generation, MemoryBlock, RegionId, tokens_equal};
@@ -163,12 +163,19 @@ const MAX_PEERS: usize = 1024;
 
 /// Answers peers on `listener` until the task is aborted.
 /// The peers' tasks belong to it: aborting it (the node stopping) ends
-/// them too.
-pub(crate) async fn serve(listener: Listener, exports: Arc<Exports>) {
+/// them too. `served` counts the peers answered now: each one's task is
+/// reaped, and its count released, as soon as its socket closes.
+pub(crate) async fn serve(listener: Listener, exports: Arc<Exports>, served: Arc<AtomicUsize>) {
     let mut peers = tokio::task::JoinSet::new();
     loop {
-        while peers.try_join_next().is_some() {}
-        match listener.accept().await {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            Some(_) = peers.join_next(), if !peers.is_empty() => {
+                served.store(peers.len(), Ordering::Relaxed);
+                continue;
+            }
+        };
+        match accepted {
             Ok(peer) => {
                 if peers.len() >= MAX_PEERS {
                     warn!("memory transport: {MAX_PEERS} same-host peers already; one turned away");
@@ -176,6 +183,7 @@ pub(crate) async fn serve(listener: Listener, exports: Arc<Exports>) {
                 }
                 debug!(pid = ?peer.peer_pid(), "memory transport: a same-host peer connected");
                 peers.spawn(answer_peer(peer, exports.clone()));
+                served.store(peers.len(), Ordering::Relaxed);
             }
             Err(e) => {
                 // E.g. out of descriptors: back off instead of spinning.

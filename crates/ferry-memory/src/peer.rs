@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use ferry_core::{Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaOp, RegionId};
 
@@ -249,28 +250,39 @@ impl Link {
     }
 }
 
+/// How long an owner found unreachable over the socket is remembered (its
+/// ops meanwhile go over other transports without a connect each). After
+/// that the next op tries again: a failed connect to an abstract socket
+/// costs microseconds, and forgetting keeps owners that are gone for good
+/// from piling up here.
+pub(crate) const UNREACHABLE_FOR: Duration = Duration::from_secs(5);
+
 /// What this node knows of each same-host owner it tried.
 enum LinkState {
     Up(Arc<Link>),
-    /// Not reachable over the socket (another host or network namespace,
-    /// or it stopped): other transports carry its ops.
-    Unreachable,
+    /// Not reachable over the socket (another network namespace, or it
+    /// stopped), as of then: other transports carry its ops.
+    Unreachable(Instant),
 }
 
-/// The links to same-host owners, by node.
+/// The links to same-host owners, by node. An owner's entry goes at the
+/// first [`Links::sweep`] after its socket closed (the owner stopped or
+/// died) with no copy using it, and an unreachable verdict after
+/// [`UNREACHABLE_FOR`].
 #[derive(Default)]
 pub(crate) struct Links(Mutex<HashMap<NodeId, LinkState>>);
 
 impl Links {
     /// The link to `owner`, connecting on first use; `None` when it cannot
-    /// be reached this way (remembered).
+    /// be reached this way (remembered for [`UNREACHABLE_FOR`]).
     pub fn get(&self, owner: NodeAddr) -> Option<Arc<Link>> {
         let mut links = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(state) = links.get(&owner.id) {
-            return match state {
-                LinkState::Up(link) => Some(link.clone()),
-                LinkState::Unreachable => None,
-            };
+        match links.get(&owner.id) {
+            Some(LinkState::Up(link)) => return Some(link.clone()),
+            Some(LinkState::Unreachable(since)) if since.elapsed() < UNREACHABLE_FOR => {
+                return None;
+            }
+            _ => {}
         }
         // AsyncFd needs a runtime: outside one, only known links count.
         tokio::runtime::Handle::try_current().ok()?;
@@ -282,10 +294,10 @@ impl Links {
                 mapped: Mutex::default(),
             })),
             // Nobody listens under that name here (another host, another
-            // network namespace, memory off): remembered.
+            // network namespace, memory off, or it stopped): remembered.
             Err(e) if matches!(e.raw_os_error(), Some(libc::ECONNREFUSED | libc::ENOENT)) => {
                 tracing::debug!(owner = %owner.endpoint, "memory transport: not reachable on this host: {e}");
-                LinkState::Unreachable
+                LinkState::Unreachable(Instant::now())
             }
             // Anything else (a full backlog, out of descriptors) may pass:
             // other transports carry this batch, the next one tries again.
@@ -296,19 +308,26 @@ impl Links {
         };
         let link = match &state {
             LinkState::Up(link) => Some(link.clone()),
-            LinkState::Unreachable => None,
+            LinkState::Unreachable(_) => None,
         };
         links.insert(owner.id, state);
         link
     }
 
     /// Forgets `owner` (it closed its socket): its mappings go when the
-    /// last copy through them ends.
+    /// last copy through them ends. Ops that still name it find it
+    /// unreachable (and remember that for a while).
     pub fn drop_link(&self, owner: NodeId) {
         self.0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(owner, LinkState::Unreachable);
+            .insert(owner, LinkState::Unreachable(Instant::now()));
+    }
+
+    /// Owners with an entry here (linked, or remembered unreachable). For
+    /// leak checks and `ferry info`.
+    pub fn len(&self) -> usize {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// Unmaps regions their owners stopped sharing, and every region of
@@ -321,15 +340,19 @@ impl Links {
         let mut gone: Vec<Arc<Link>> = Vec::new();
         {
             let mut links = self.0.lock().unwrap_or_else(|e| e.into_inner());
-            for state in links.values_mut() {
+            // Owners gone, and verdicts of unreachable that expired, leave.
+            let dead = links.extract_if(|_, state| match state {
+                LinkState::Up(link) => !link.is_alive(),
+                LinkState::Unreachable(since) => since.elapsed() >= UNREACHABLE_FOR,
+            });
+            gone.extend(dead.filter_map(|(_, state)| match state {
+                LinkState::Up(link) => Some(link),
+                LinkState::Unreachable(_) => None,
+            }));
+            for state in links.values() {
                 let LinkState::Up(link) = state else { continue };
-                if link.is_alive() {
-                    let mut mapped = link.mapped.lock().unwrap_or_else(|e| e.into_inner());
-                    unmap.extend(mapped.extract_if(|_, m| !m.is_alive()).map(|(_, m)| m));
-                } else if let LinkState::Up(link) = std::mem::replace(state, LinkState::Unreachable)
-                {
-                    gone.push(link);
-                }
+                let mut mapped = link.mapped.lock().unwrap_or_else(|e| e.into_inner());
+                unmap.extend(mapped.extract_if(|_, m| !m.is_alive()).map(|(_, m)| m));
             }
         }
         drop(unmap);

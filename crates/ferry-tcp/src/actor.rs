@@ -289,6 +289,20 @@ impl TcpBackend {
         })
     }
 
+    /// Peers this node keeps a connection pool for: one per peer with a
+    /// data connection open or a submit under way. A pool is released when
+    /// its last connection closes (the peer went away or the connection
+    /// broke) with no submit using it. For leak checks and `ferry info`.
+    pub fn peer_pools(&self) -> usize {
+        self.shared.peers.len()
+    }
+
+    /// Data connections this node has open to peers (those peers accepted
+    /// from it are the endpoint's).
+    pub fn open_connections(&self) -> usize {
+        self.shared.peers.connected()
+    }
+
     /// The regions currently served, as (id, generation), sorted.
     pub fn registered(&self) -> Vec<(RegionId, Generation)> {
         self.shared.table.registered()

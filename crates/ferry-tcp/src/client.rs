@@ -46,16 +46,68 @@ struct Notification {
     outcomes: Vec<Arc<OnceLock<NotificationResult>>>,
 }
 
-struct Peer {
+pub(crate) struct Peer {
     addr: NodeAddr,
     slots: Vec<tokio::sync::Mutex<Option<Conn>>>,
     next: AtomicUsize,
+    /// The table it is in, for its connections to release it as they end.
+    table: std::sync::Weak<PeerTable>,
 }
 
-/// Connection pools to every peer this node has talked to.
+/// A submit's use of a peer's pool; dropping it releases the pool's entry
+/// if nothing else holds it and no connection of it is open.
+struct PeerRef(Option<Arc<Peer>>);
+
+impl std::ops::Deref for PeerRef {
+    type Target = Peer;
+
+    fn deref(&self) -> &Peer {
+        self.0.as_ref().expect("taken only on drop")
+    }
+}
+
+impl Drop for PeerRef {
+    fn drop(&mut self) {
+        if let Some(peer) = self.0.take() {
+            let addr = peer.addr;
+            let table = peer.table.clone();
+            // Dropped under the table's lock (see `release`).
+            release(&table, addr, Some(peer));
+        }
+    }
+}
+
+/// Removes `addr`'s pool from `table` if no submit holds it (the table's
+/// reference is the only one once `holding`, the caller's, is dropped) and
+/// none of its connections is open. The caller's reference is dropped under
+/// the table's lock, so that of two users leaving at once the second sees
+/// the count the first left, and one of them removes the entry.
+pub(crate) fn release(
+    table: &std::sync::Weak<PeerTable>,
+    addr: NodeAddr,
+    holding: Option<Arc<Peer>>,
+) {
+    let Some(table) = table.upgrade() else { return };
+    let mut peers = table.lock().unwrap_or_else(|e| e.into_inner());
+    drop(holding);
+    if peers
+        .get(&addr)
+        .is_some_and(|p| Arc::strong_count(p) == 1 && p.idle())
+    {
+        peers.remove(&addr);
+    }
+}
+
+/// Pools by peer. An entry lives while a connection of its pool is open
+/// or a submit is using it: it is released when its last connection closes
+/// (the peer went away, or the connection broke) with no submit using it,
+/// or when the last submit using it ends with no connection open.
+pub(crate) type PeerTable = Mutex<HashMap<NodeAddr, Arc<Peer>>>;
+
+/// Connection pools to the peers this node talks to.
 pub(crate) struct Peers {
     config: ClientConfig,
-    peers: Mutex<HashMap<NodeAddr, Arc<Peer>>>,
+    peers: Arc<PeerTable>,
     deadlines: Arc<Deadlines>,
     /// The last tag given to a notified batch.
     tags: AtomicU64,
@@ -66,7 +118,7 @@ impl Peers {
     pub fn new(config: ClientConfig) -> Self {
         Peers {
             config,
-            peers: Mutex::default(),
+            peers: Arc::default(),
             deadlines: Deadlines::start(),
             tags: AtomicU64::new(0),
         }
@@ -77,9 +129,14 @@ impl Peers {
         peers.values().map(|p| p.live_connections()).sum()
     }
 
-    fn peer(&self, addr: NodeAddr) -> Arc<Peer> {
+    /// Peers with a pool entry now (see [`PeerTable`] for when one goes).
+    pub fn len(&self) -> usize {
+        self.peers.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    fn peer(&self, addr: NodeAddr) -> PeerRef {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        peers
+        let peer = peers
             .entry(addr)
             .or_insert_with(|| {
                 Arc::new(Peer {
@@ -88,9 +145,11 @@ impl Peers {
                         .map(|_| Default::default())
                         .collect(),
                     next: AtomicUsize::new(0),
+                    table: Arc::downgrade(&self.peers),
                 })
             })
-            .clone()
+            .clone();
+        PeerRef(Some(peer))
     }
 
     /// Runs one batch to completion or deadline.
@@ -337,6 +396,15 @@ impl Drop for Peers {
 }
 
 impl Peer {
+    /// Whether no connection of the pool is open (or being opened: a slot
+    /// locked by a connecting submit, who holds the pool too).
+    fn idle(&self) -> bool {
+        self.slots.iter().all(|s| {
+            s.try_lock()
+                .is_ok_and(|c| c.as_ref().is_none_or(|c| c.closed.is_cancelled()))
+        })
+    }
+
     fn live_connections(&self) -> usize {
         self.slots
             .iter()
@@ -353,7 +421,12 @@ impl Peer {
         let mut guard = self.slots[slot].lock().await;
         match &*guard {
             Some(conn) if !conn.closed.is_cancelled() => Ok(conn.clone()),
-            _ => Ok(guard.insert(connect(self.addr, config).await?).clone()),
+            _ => {
+                let release = (self.table.clone(), self.addr);
+                Ok(guard
+                    .insert(connect(self.addr, config, release).await?)
+                    .clone())
+            }
         }
     }
 }

@@ -15,7 +15,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::client::{ClientConfig, NotificationResult};
+use crate::client::{ClientConfig, NotificationResult, PeerTable, release};
 use crate::frame::{ClientFrame, RESPONSE_LEN, RequestKind, Response};
 use crate::io::{FrameReader, IoVecs};
 
@@ -160,18 +160,23 @@ impl Conn {
     }
 }
 
-pub(crate) async fn connect(addr: NodeAddr, config: ClientConfig) -> Result<Conn, OpError> {
+/// Opens a data connection to `addr` and runs it in a task of its own,
+/// which releases the peer's pool entry in `pool` when the connection ends.
+pub(crate) async fn connect(
+    addr: NodeAddr,
+    config: ClientConfig,
+    pool: (std::sync::Weak<PeerTable>, NodeAddr),
+) -> Result<Conn, OpError> {
     let stream = ferry_control::connect(addr, config.local.id, Channel::TCP_DATA).await?;
     let endpoint = addr.endpoint;
     let (tx, rx) = mpsc::channel(config.queue_depth.max(1));
     let closed = CancellationToken::new();
-    tokio::spawn(run_connection(
-        stream,
-        rx,
-        closed.clone(),
-        endpoint,
-        config.window.max(1),
-    ));
+    let run = run_connection(stream, rx, closed.clone(), endpoint, config.window.max(1));
+    tokio::spawn(async move {
+        run.await;
+        // Closed by now (both loops mark it): the pool may be empty.
+        release(&pool.0, pool.1, None);
+    });
     debug!(%endpoint, node = ?addr.id, "data connection open");
     Ok(Conn { tx, closed })
 }
