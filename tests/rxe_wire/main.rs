@@ -75,17 +75,22 @@ fn ops(local: &Region, remote: &RemoteBuffer, piece: u64, write: bool) -> Vec<Rd
         .collect()
 }
 
-/// Whether `error` is one of the ways a transfer that could not finish is
-/// reported: its deadline passed, or its connection was declared lost.
-fn is_unfinished(error: &SubmitError) -> bool {
+/// Whether `error` reports the peer lost: its connection declared dead, or
+/// a new one refused.
+fn is_peer_lost(error: &SubmitError) -> bool {
     matches!(
         error,
-        SubmitError::Timeout { .. }
-            | SubmitError::Op {
-                error: OpError::ConnectionLost { .. } | OpError::PeerUnreachable { .. },
-                ..
-            }
+        SubmitError::Op {
+            error: OpError::ConnectionLost { .. } | OpError::PeerUnreachable { .. },
+            ..
+        }
     )
+}
+
+/// Whether `error` is one of the ways a transfer that could not finish is
+/// reported: its deadline passed, or its peer was reported lost.
+fn is_unfinished(error: &SubmitError) -> bool {
+    matches!(error, SubmitError::Timeout { .. }) || is_peer_lost(error)
 }
 
 /// Generous bound for one step of a test under TCG: only a hang fails it.
