@@ -349,40 +349,41 @@ if [ "$VMS" = 1 ]; then
         QRC=${PIPESTATUS[0]}
     } || true   # qemu's status is only a hint; the verdict comes from the console
 else
-    # Two loopback ports for the two wires; VM a listens, VM b connects.
-    free_port() {
-        local p
+    # Each wire is a pair of UDP sockets on the host's loopback, one per VM,
+    # each frame one datagram. Not QEMU's TCP socket netdev: with it, any
+    # round trip that needed user space in both VMs (a TCP request and its
+    # answer, perftest's ib_send_lat) took ~48 ms instead of ~1 ms, most
+    # likely Nagle and delayed ACKs on the host TCP stream under the frames.
+    free_ports() {  # the first of four consecutive free UDP ports
+        local p i busy
         while :; do
-            p=$((20000 + RANDOM % 20000))
-            # /proc/net/tcp lists local ports in hex; skip any in use.
-            grep -qi ":$(printf '%04X' "$p") " /proc/net/tcp /proc/net/tcp6 2>/dev/null || break
+            p=$((20000 + RANDOM % 20000)) busy=0
+            # /proc/net/udp lists local ports in hex; skip any in use.
+            for i in 0 1 2 3; do
+                grep -qi ":$(printf '%04X' $((p + i))) " /proc/net/udp /proc/net/udp6 2>/dev/null && busy=1
+            done
+            [ $busy = 1 ] || break
         done
         echo "$p"
     }
-    WIRE_PORT=$(free_port)
-    MGMT_PORT=$(free_port)
-    [ "$WIRE_PORT" != "$MGMT_PORT" ] || MGMT_PORT=$((WIRE_PORT + 1))
-    nics() {  # nics a|b listen|connect: both wires, MACs that name the role
-        local n=1
-        [ "$1" = a ] || n=2
-        echo "-netdev socket,id=wire,$2=127.0.0.1:$WIRE_PORT" \
+    WIRE_PORT=$(free_ports)   # VM a's end, then VM b's
+    MGMT_PORT=$((WIRE_PORT + 2))
+    nics() {  # nics a|b: both wires, MACs that name the role
+        local n=1 mine=0 theirs=1
+        [ "$1" = a ] || { n=2; mine=1; theirs=0; }
+        echo "-netdev socket,id=wire,udp=127.0.0.1:$((WIRE_PORT + theirs)),localaddr=127.0.0.1:$((WIRE_PORT + mine))" \
              "-device virtio-net-pci,netdev=wire,mac=52:54:00:88:00:0$n,romfile=" \
-             "-netdev socket,id=mgmt,$2=127.0.0.1:$MGMT_PORT" \
+             "-netdev socket,id=mgmt,udp=127.0.0.1:$((MGMT_PORT + theirs)),localaddr=127.0.0.1:$((MGMT_PORT + mine))" \
              "-device virtio-net-pci,netdev=mgmt,mac=52:54:00:99:00:0$n,romfile="
     }
     LOG_A=${LOG%.log}-a.log
     # shellcheck disable=SC2046  # nics prints a word list on purpose
-    LD_LIBRARY_PATH=$QLIBS timeout -k 10 "$TIMEOUT" "${QEMU_BASE[@]}" $(nics a listen) \
+    LD_LIBRARY_PATH=$QLIBS timeout -k 10 "$TIMEOUT" "${QEMU_BASE[@]}" $(nics a) \
         -append "$KARGS ferry_role=a" < /dev/null > >(console_filter > "$LOG_A") 2>&1 &
     PID_A=$!
-    # VM a must be listening before VM b connects.
-    for _ in $(seq 100); do
-        grep -qi ":$(printf '%04X' "$MGMT_PORT") .* 0A " /proc/net/tcp 2>/dev/null && break
-        sleep 0.1
-    done
     {   # shellcheck disable=SC2046
         LD_LIBRARY_PATH=$QLIBS timeout --foreground -k 10 "$TIMEOUT" \
-            "${QEMU_BASE[@]}" $(nics b connect) -append "$KARGS ferry_role=b" \
+            "${QEMU_BASE[@]}" $(nics b) -append "$KARGS ferry_role=b" \
             < /dev/null 2>&1 | console_filter | tee "$LOG"
         QRC=${PIPESTATUS[0]}
     } || true
