@@ -44,9 +44,8 @@ async fn write_read_verify(node: &Node, peer: &mut RemotePeer, piece: u64, seed:
     peer.process.drop_region(&target).await;
 }
 
-/// Everything this suite moves, on whatever the wire is now; notified
-/// reads only if `notified_reads`.
-async fn all_transfers(wire_state: &str, notified_reads: bool) {
+/// Everything this suite moves, on whatever the wire is now.
+async fn all_transfers(wire_state: &str) {
     let node = rdma_node().await;
     let mut peer = RemotePeer::start().await;
     for (i, piece) in [64 << 10, 1 << 20].into_iter().enumerate() {
@@ -54,9 +53,7 @@ async fn all_transfers(wire_state: &str, notified_reads: bool) {
     }
     eprintln!("{wire_state}: writes and reads verified");
     notified_writes_from(&node, &mut peer.process, BATCHES).await;
-    if notified_reads {
-        notified_reads_from(&node, &mut peer.process, BATCHES).await;
-    }
+    notified_reads_from(&node, &mut peer.process, BATCHES).await;
     eprintln!("{wire_state}: notified batches verified");
 }
 
@@ -64,7 +61,7 @@ async fn all_transfers(wire_state: &str, notified_reads: bool) {
 #[ignore = "needs two VMs: run by tests/rxe/wire-tests.sh"]
 async fn verified_transfers_over_a_clean_wire() {
     let _wire = Wire::clean();
-    all_transfers("clean wire", true).await;
+    all_transfers("clean wire").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -72,10 +69,7 @@ async fn verified_transfers_over_a_clean_wire() {
 async fn verified_transfers_at_2_percent_loss_each_way() {
     let wire = Wire::clean();
     wire.loss(2.0);
-    // Not notified reads: under loss one of their notifications (a SEND
-    // fenced behind the batch's READs) stalls until the initiator's batch
-    // deadline breaks the QP (seen: 30 s, then the owner drains it). Open
-    // in issue 12's note; `FERRY_WIRE_LOSSY_NOTIFIED_READS=1` runs them.
-    let reads = std::env::var_os("FERRY_WIRE_LOSSY_NOTIFIED_READS").is_some();
-    all_transfers("2 % loss", reads).await;
+    // Notified reads included: their SEND once waited behind a fence,
+    // which soft-RoCE never lifted after a lost read response.
+    all_transfers("2 % loss").await;
 }

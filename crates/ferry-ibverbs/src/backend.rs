@@ -211,20 +211,60 @@ impl Shared {
         // know whether another owner's share of the batch failed.
         let notification =
             notification.filter(|_| groups.len() == 1 && !groups[0].pieces.is_empty());
+        // A batch that reads notifies once its reads are back, in a SEND of
+        // its own (below), not in a SEND fenced behind them: a fence holds
+        // every later request on the QP, other batches' included, until the
+        // reads return, and soft-RoCE's fence never lifted once a read
+        // response was lost (the batch stalled until its deadline). Waiting
+        // for the reads' completion costs only the time to post the SEND.
+        let reads = ops.iter().any(|op| op.kind == OpKind::Read);
+        let (behind, after) = match notification {
+            Some(payload) if reads => (None, Some((groups[0].peer, payload))),
+            behind => (behind, None),
+        };
         let max_msg = u64::from(self.device.max_msg);
         let progress = Arc::new(BatchProgress::with_notifications(
             ops.iter().map(|op| op.len().div_ceil(max_msg) as u32),
-            usize::from(notification.is_some()),
+            usize::from(behind.is_some()),
         ));
         let notify_index = ops.len();
-        if let Some(payload) = notification {
+        if let Some(payload) = behind {
             groups[0].notification = Some(PendingNotification {
                 payload,
                 index: notify_index,
-                fence: ops.iter().any(|op| op.kind == OpKind::Read),
             });
         }
         drop(ops);
+        let outcome = self
+            .execute(groups, progress, notify_index, started, deadline, timeout)
+            .await;
+        let (Some((peer, payload)), Ok(QpNotification::NotSent)) = (after, &outcome) else {
+            return outcome;
+        };
+        let alone = PeerGroup {
+            peer,
+            pieces: Vec::new(),
+            session: None,
+            notification: Some(PendingNotification { payload, index: 0 }),
+        };
+        let progress = Arc::new(BatchProgress::with_notifications([], 1));
+        self.execute(vec![alone], progress, 0, Instant::now(), deadline, timeout)
+            .await
+    }
+
+    /// Posts `groups` (each op's pieces, and a notification behind them if
+    /// one is attached; a group may hold only a notification) and waits for
+    /// `progress` until `deadline`. `notify_index` is the notification's
+    /// index in `progress`; `started` begins the inline polling window.
+    async fn execute(
+        &self,
+        mut groups: Vec<PeerGroup>,
+        progress: Arc<BatchProgress>,
+        notify_index: usize,
+        started: Instant,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<QpNotification, SubmitError> {
         if progress.total_pieces() == 0 {
             return Ok(QpNotification::NotSent);
         }
@@ -263,7 +303,9 @@ impl Shared {
                 // A session try_now began is used as it is. Without
                 // pieces (posted already, or only zero-length ops) no QP
                 // is needed.
-                if group.session.is_none() && !group.pieces.is_empty() {
+                if group.session.is_none()
+                    && (!group.pieces.is_empty() || group.notification.is_some())
+                {
                     match self
                         .peers
                         .get(&self.device, &self.endpoint, group.peer, deadline)

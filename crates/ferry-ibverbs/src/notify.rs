@@ -1,11 +1,12 @@
 //! Notifications on the queue pair, the initiator's side.
 //!
-//! A notification attached to a batch to one peer is a SEND posted on that
-//! peer's QP right behind the batch's work requests (fenced, when the batch
-//! reads, so that it starts only once the reads have returned). An RC QP
-//! executes requests in order, and its peer accepts nothing after a request
-//! it refused: the owner receives the notification only once every op of
-//! the batch has been executed there. The SEND's completion is the owner's
+//! A notification attached to a batch of writes to one peer is a SEND
+//! posted on that peer's QP right behind the batch's work requests. An RC
+//! QP executes requests in order, and its peer accepts nothing after a
+//! request it refused: the owner receives the notification only once every
+//! op of the batch has been executed there. A batch that reads posts its
+//! SEND once the reads have completed, so the owner may reuse the memory as
+//! soon as it hears. The SEND's completion is the owner's
 //! acknowledgement that the notification sits in one of the receive buffers
 //! it posted for this QP, from where its node hands it to the inbox; the
 //! batch resolves then, with no round trip of its own.
@@ -171,8 +172,6 @@ pub(crate) struct PendingNotification {
     pub payload: Bytes,
     /// Its index in the batch's progress: right after the ops.
     pub index: usize,
-    /// Whether the batch reads: the SEND must wait for the reads' data.
-    pub fence: bool,
 }
 
 /// Puts `pending`, if there is one, behind `pieces` as a SEND on `qp`
@@ -193,8 +192,7 @@ pub(crate) fn attach_notification(
         .notify_lane()
         .and_then(|lane| lane.take(&notification.payload))
     {
-        Some((mut wr, slot)) => {
-            wr.fence = notification.fence;
+        Some((wr, slot)) => {
             pieces.push(Piece {
                 op: notification.index,
                 wr,
