@@ -40,9 +40,9 @@ pub struct PeerTables {
     /// ones stay, one per name, until forgotten or replaced by a restart;
     /// those loaded by hand stay until forgotten.
     pub known_peers: usize,
-    /// Peers with an ibverbs queue-pair slot (0 without a device). A slot
-    /// with a queue pair stays after its peer went away: see
-    /// `ferry_ibverbs`'s `Peers`.
+    /// Peers with an ibverbs queue-pair slot (0 without a device): released
+    /// once the queue pair is broken (its peer's control session ended, or
+    /// an op failed) and its outstanding requests have flushed.
     pub ibverbs_peers: usize,
     /// Queue pairs kept for ibverbs initiators: released when their
     /// control session ends.

@@ -11,6 +11,7 @@ mod node_actor;
 #[path = "../shared/notified_batches.rs"]
 mod notified_batches;
 mod notify;
+mod slots;
 #[path = "../shared/workers.rs"]
 mod workers;
 

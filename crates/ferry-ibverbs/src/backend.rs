@@ -74,13 +74,12 @@ struct PeerSlot {
 /// looked up for every submit, and small maps need no hashing.
 ///
 /// A slot whose connection attempt failed goes with its last waiter. A
-/// slot holding a queue pair stays after its peer has gone, until a new
-/// queue pair to the same address replaces it: releasing it when its
-/// control session closes would destroy a queue pair whose flush
-/// completions may still be pending, which the memory-safety rules forbid
-/// without the drain the passive side does (left for the VM stage).
+/// slot holding a queue pair goes once that queue pair is broken (its
+/// peer left, or an op failed) and drained, unless a new one replaced it
+/// meanwhile: destroying a queue pair whose flush completions are still
+/// pending would free memory they may touch (see `connection`).
 #[derive(Default)]
-struct Peers(Mutex<BTreeMap<NodeAddr, PeerSlot>>);
+struct Peers(Arc<Mutex<BTreeMap<NodeAddr, PeerSlot>>>);
 
 impl Peers {
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<NodeAddr, PeerSlot>> {
@@ -127,6 +126,7 @@ impl Peers {
             }
             let qp = exchange::connect(device, endpoint, peer, deadline).await?;
             self.lock().entry(peer).or_default().connected = Some(qp.clone());
+            self.release_when_drained(peer, &qp);
             Ok(qp)
         }
         .await;
@@ -142,6 +142,33 @@ impl Peers {
             peers.remove(&peer);
         }
         connected
+    }
+
+    /// Empties `peer`'s slot once `qp` is broken and drained, if the slot
+    /// still holds it, and removes the slot unless a connection attempt is
+    /// under way in it.
+    fn release_when_drained(&self, peer: NodeAddr, qp: &Arc<PeerQp>) {
+        let table = Arc::downgrade(&self.0);
+        let drained = qp.drained().clone();
+        let qp = Arc::downgrade(qp);
+        tokio::spawn(async move {
+            drained.cancelled().await;
+            let Some(table) = table.upgrade() else { return };
+            let mut peers = table.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(slot) = peers.get_mut(&peer) else {
+                return;
+            };
+            if slot
+                .connected
+                .as_ref()
+                .is_some_and(|held| std::ptr::eq(Arc::as_ptr(held), qp.as_ptr()))
+            {
+                slot.connected = None;
+                if Arc::strong_count(&slot.connecting) == 1 {
+                    peers.remove(&peer);
+                }
+            }
+        });
     }
 
     /// Peers with a slot: a queue pair (usable or broken), or a connection
@@ -728,10 +755,10 @@ impl IbvBackend {
         &self.actor
     }
 
-    /// Peers this node has a queue-pair slot for (see the note on the
-    /// table: a connected peer's slot stays after it has gone), and the
-    /// queue pairs it keeps for initiators (released when their control
-    /// session ends). For leak checks and `ferry info`.
+    /// Peers this node has a queue-pair slot for (released once the queue
+    /// pair is broken and drained), and the queue pairs it keeps for
+    /// initiators (released when their control session ends). For leak
+    /// checks and `ferry info`.
     pub fn peer_tables(&self) -> (usize, usize) {
         (self.shared.peers.len(), self.shared.passive.len())
     }

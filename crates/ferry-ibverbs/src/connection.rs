@@ -134,6 +134,10 @@ pub(crate) struct PeerQp {
     /// Cancelled when the QP is broken: stops the control-stream watcher,
     /// which closes the stream and so lets the peer destroy its QP.
     closed: CancellationToken,
+    /// Cancelled once the QP is broken and every request posted on it has
+    /// completed (flushes included): from then on nothing refers to the
+    /// memory it pinned, and dropping it is safe.
+    drained: CancellationToken,
     /// Notifications on this QP, if the peer posted receive buffers for it.
     notify: Option<NotifyLane>,
     /// When a completion was last applied (or the QP started): the
@@ -536,6 +540,7 @@ impl PeerQp {
             let outstanding = {
                 let inflight = self.lock();
                 if inflight.broken.is_some() && inflight.records.is_empty() {
+                    self.drained.cancel();
                     return;
                 }
                 !inflight.records.is_empty()
@@ -601,6 +606,7 @@ impl PeerQp {
             inline_pollers: AtomicUsize::new(0),
             poller_wake: Notify::new(),
             closed: CancellationToken::new(),
+            drained: CancellationToken::new(),
             notify,
             progressed_at: Mutex::new(std::time::Instant::now()),
         });
@@ -611,6 +617,12 @@ impl PeerQp {
     /// Cancelled once the QP is broken.
     pub(crate) fn closed(&self) -> &CancellationToken {
         &self.closed
+    }
+
+    /// Cancelled once the QP is broken and drained: whoever keeps it for
+    /// new work may let it go.
+    pub(crate) fn drained(&self) -> &CancellationToken {
+        &self.drained
     }
 
     /// Whether work posted on this QP is still outstanding.
