@@ -55,11 +55,12 @@ pub use ferry_discovery::{DiscoveryError, Loaded, LookupError, MetadataError, No
 pub use ferry_ibverbs as ibverbs;
 /// The same-host memory transport.
 pub use ferry_memory as memory;
+pub use ferry_memory::MemoryPath;
 /// The TCP fallback backend, for direct use of its actor and messages.
 pub use ferry_tcp as tcp;
 pub use messages::{InboxTaken, NotifyError, SendMessage, SubmitWithNotification};
 pub use names::NameTaken;
-pub use node::{Node, NodeTransportInfo};
+pub use node::{Node, NodeTransportInfo, TransportPath};
 pub use rpc::Call;
 pub use tables::PeerTables;
 pub use transports::{TransportState, TransportStatus};

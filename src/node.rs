@@ -12,7 +12,7 @@ use ferry_core::{
     RemoteTransports, SubmitError,
 };
 use ferry_ibverbs::{IbvBackend, IbvTransportInfo};
-use ferry_memory::MemoryBackend;
+use ferry_memory::{MemoryBackend, MemoryPath};
 use ferry_tcp::{TcpBackend, TcpTransportInfo};
 use kameo::actor::ActorRef;
 
@@ -48,13 +48,19 @@ impl Router {
 
     /// The fastest transport this node and the op's remote side share.
     pub fn route(&self, op: &RdmaOp) -> Option<RdmaTransportLevel> {
+        self.path(op).map(TransportPath::level)
+    }
+
+    /// The fastest transport this node and the op's remote side share, and
+    /// for the memory transport how it carries the op.
+    pub fn path(&self, op: &RdmaOp) -> Option<TransportPath> {
         let remote = op.remote.transports();
-        if self.memory.as_ref().is_some_and(|m| m.routes(&op.remote)) {
-            Some(RdmaTransportLevel::Memory)
+        if let Some(path) = self.memory.as_ref().and_then(|m| m.path(&op.remote)) {
+            Some(TransportPath::Memory(path))
         } else if self.ibverbs.is_some() && remote.ibverbs.is_some() {
-            Some(RdmaTransportLevel::Nic)
+            Some(TransportPath::Nic)
         } else {
-            remote.tcp.map(|_| RdmaTransportLevel::Tcp)
+            remote.tcp.map(|_| TransportPath::Tcp)
         }
     }
 
@@ -309,6 +315,31 @@ fn merge(
     }
 }
 
+/// How a node carries an op ([`Node::path`]): its transport, and for the
+/// same-host memory transport whether the region is a memfd mapped here or
+/// memory reached with `process_vm_readv`/`process_vm_writev`. Both are
+/// [`RdmaTransportLevel::Memory`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransportPath {
+    /// The TCP fallback.
+    Tcp,
+    /// ibverbs RDMA.
+    Nic,
+    /// Same-host memory, by this path.
+    Memory(MemoryPath),
+}
+
+impl TransportPath {
+    /// The transport's level.
+    pub fn level(self) -> RdmaTransportLevel {
+        match self {
+            TransportPath::Tcp => RdmaTransportLevel::Tcp,
+            TransportPath::Nic => RdmaTransportLevel::Nic,
+            TransportPath::Memory(_) => RdmaTransportLevel::Memory,
+        }
+    }
+}
+
 /// The transports a node runs, and their raw details.
 #[derive(Debug)]
 pub struct NodeTransportInfo {
@@ -418,9 +449,21 @@ impl Node {
         let _ = self.0.actor.stop_gracefully().await;
     }
 
-    /// The fastest transport this node and the op's remote side share.
+    /// The fastest transport this node and the op's remote side share:
+    /// what [`Node::submit`] will use for it. `None`: none (the submit
+    /// fails with `NoSharedTransport`).
     pub fn route(&self, op: &RdmaOp) -> Option<RdmaTransportLevel> {
         self.0.router.route(op)
+    }
+
+    /// [`Node::route`] in detail: for the memory transport, whether the op
+    /// goes through a mapped memfd or over `process_vm`. A region of memory
+    /// ferry did not allocate whose owner the kernel does not let this
+    /// process reach (another uid, Yama) is routed to the next transport,
+    /// and this says so. The first call for an owner may probe it (one
+    /// `process_vm_readv` of a byte).
+    pub fn path(&self, op: &RdmaOp) -> Option<TransportPath> {
+        self.0.router.path(op)
     }
 
     /// Runs a batch: each op over the fastest transport both ends share.

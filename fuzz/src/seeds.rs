@@ -71,6 +71,7 @@ fn handle(owner: NodeAddr, slots: &RegionIds) -> RemoteBuffer {
             memory: Some(MemRemote {
                 boot_id: 0x3333,
                 token: 0x4444,
+                process_vm: false,
             }),
         },
         registrations: Vec::new(),
@@ -240,6 +241,7 @@ pub fn seeds() -> Vec<Seed> {
             generation: Generation(1),
             write: true,
             token: 0x4444,
+            process_vm: true,
         };
         out.push(seed("memory_wire", "request", request.encode()));
         let granted = Reply::Granted {
@@ -259,6 +261,18 @@ pub fn seeds() -> Vec<Seed> {
             "memory_wire",
             "answer-stale",
             Answer::to(&request, stale).encode(),
+        ));
+        let process_vm = Reply::ProcessVm {
+            base: handle.addr(),
+            len: 4096,
+            gate: 7,
+            lane: 3,
+            stamp: 0x55,
+        };
+        out.push(seed(
+            "memory_wire",
+            "answer-process-vm",
+            Answer::to(&request, process_vm).encode(),
         ));
     }
 

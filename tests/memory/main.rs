@@ -1,16 +1,18 @@
 //! The same-host memory transport between two processes: copies byte for
 //! byte at every size, batches mixed with a TCP-only peer, forged and stale
 //! handles refused with typed errors and nothing changed, an owner killed
-//! mid-transfer, and memory ferry did not allocate going over TCP.
+//! mid-transfer; and memory ferry did not allocate going over `process_vm`
+//! or, where the kernel refuses, the next transport (`process_vm.rs`).
 
 #[path = "../tcp/common.rs"]
 mod common;
+mod process_vm;
 
 use std::time::Duration;
 
 use common::{PeerProcess, digest, forge, pattern, write_then_read_back};
+use ferry::DISABLE_MEMORY_ENV;
 use ferry::prelude::*;
-use ferry::{DISABLE_MEMORY_ENV, MemoryBlock};
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -263,30 +265,6 @@ async fn a_killed_owner_gives_a_result_and_a_restarted_one_works() {
         Some(RdmaTransportLevel::Memory),
     )
     .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_ferry_did_not_allocate_goes_over_tcp() {
-    let (owner, node) = (crate::node().await, crate::node().await);
-    let buffer = vec![0x5Au8; 8192].into_boxed_slice();
-    let ptr = std::ptr::NonNull::new(buffer.as_ptr() as *mut u8).unwrap();
-    // SAFETY: the boxed slice is kept alive by the block's guard.
-    let block = unsafe { MemoryBlock::from_raw(ptr, 8192, Box::new(buffer)) }.unwrap();
-    let raw = owner.register(block, Access::ReadWrite).await.unwrap();
-    assert!(raw.remote().transports().memory.is_none(), "not shareable");
-    let ferrys = owner.alloc(8192, Access::ReadWrite).await.unwrap();
-    assert!(ferrys.remote().transports().memory.is_some());
-    let local = node.alloc(8192, Access::ReadWrite).await.unwrap();
-    let from_raw = RdmaOp::read(local.whole(), raw.remote());
-    assert_eq!(
-        node.route(&from_raw),
-        Some(RdmaTransportLevel::Tcp),
-        "says which"
-    );
-    node.submit(vec![from_raw], DEADLINE).await.unwrap();
-    assert!(local.to_vec().iter().all(|&b| b == 0x5A));
-    let shared = RdmaOp::read(local.whole(), ferrys.remote());
-    assert_eq!(node.route(&shared), Some(RdmaTransportLevel::Memory));
 }
 
 /// Mappings of `ferry-region` memfds in this process.

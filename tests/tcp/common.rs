@@ -18,6 +18,10 @@ use ferry::prelude::*;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, Command};
 
+/// Peer commands on memory ferry did not allocate (`MemoryBlock::from_raw`).
+#[path = "raw.rs"]
+pub mod raw;
+
 pub const PEER_ENV: &str = "FERRY_TEST_PEER";
 /// The address a peer's node listens on (`IP:PORT`); default `127.0.0.1:0`.
 /// What it advertises comes from `FERRY_ADVERTISE`, which the node builder
@@ -372,6 +376,7 @@ pub fn peer_main() {
             }
         };
         let mut regions: Vec<Option<Region>> = Vec::new();
+        let mut raws = raw::Raws::default();
         for line in stdin.lock().lines() {
             let line = line.expect("stdin");
             let words: Vec<&str> = line.split_whitespace().collect();
@@ -454,7 +459,9 @@ pub fn peer_main() {
                         Err(error) => error.to_string().replace('\n', " "),
                     }
                 }
-                other => panic!("unknown peer command {other:?}"),
+                other => raw::command(&node, &mut regions, &mut raws, other, &line)
+                    .await
+                    .unwrap_or_else(|| panic!("unknown peer command {other:?}")),
             };
             writeln!(stdout, "{PREFIX}{reply}").unwrap();
             stdout.flush().unwrap();

@@ -50,8 +50,10 @@ pub struct IbvRemote {
 
 /// What the same-host memory transport needs to reach a region: the owner's
 /// boot (a peer on another boot, i.e. another host or kernel, never tries
-/// it) and an unguessable token the owner checks before it hands out the
-/// region's memory.
+/// it), an unguessable token the owner checks before it hands out the
+/// region's memory, and how that memory is reached: a memfd the peer maps
+/// (memory ferry allocated), or `process_vm_readv`/`process_vm_writev`
+/// (any other memory, e.g. `MemoryBlock::from_raw`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct MemRemote {
     /// The owner's kernel boot id (`/proc/sys/kernel/random/boot_id`).
@@ -61,14 +63,19 @@ pub struct MemRemote {
     /// Never logged: `Debug` redacts it.
     #[serde(with = "crate::ids::hex_u128")]
     pub token: u128,
+    /// The region is reached with `process_vm_readv`/`process_vm_writev`
+    /// rather than by mapping it. Absent from the JSON when false, so
+    /// handles of memfd regions read the same as before it existed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub process_vm: bool,
 }
 
 impl std::fmt::Debug for MemRemote {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "MemRemote {{ boot_id: {:032x}, token: <redacted> }}",
-            self.boot_id
+            "MemRemote {{ boot_id: {:032x}, token: <redacted>, process_vm: {} }}",
+            self.boot_id, self.process_vm
         )
     }
 }
@@ -84,7 +91,8 @@ pub struct RemoteTransports {
     #[serde(default)]
     pub ibverbs: Option<IbvRemote>,
     /// Set when the owner's memory backend registered the region (memory
-    /// ferry allocated, shareable with processes on its host).
+    /// ferry allocated, shared as a memfd; or other memory, reached with
+    /// `process_vm_*` where the kernel permits).
     #[serde(default)]
     pub memory: Option<MemRemote>,
 }

@@ -1,12 +1,14 @@
-//! The copies of a batch, once every op has its mapping: inline when
-//! small, else on blocking threads, a long batch or op split across a few
-//! of them by bytes (one thread's memcpy does not saturate memory).
+//! The copies of a batch, once every op has its mapping or `process_vm`
+//! grant: inline when small, else on blocking threads, a long batch or op
+//! split across a few of them by bytes (one thread's memcpy does not
+//! saturate memory).
 
 use std::sync::Arc;
 
 use ferry_core::{OpKind, RdmaOp};
 
 use crate::peer::Mapping;
+use crate::pvm::{Fail, Grant};
 
 /// Batches shorter than this are copied on the calling task.
 const INLINE: u64 = (1 << 20) + 1;
@@ -15,16 +17,25 @@ const PER_THREAD: u64 = 4 << 20;
 /// At most this many threads per batch.
 const MAX_THREADS: usize = 4;
 
-/// One op, ready to copy: its mapping and both addresses, checked.
+/// Where an op's remote bytes are, checked against the region.
+pub(crate) enum Located {
+    /// In a mapping of the region's memfd, at this address here.
+    Mapped {
+        mapping: Arc<Mapping>,
+        remote: *mut u8,
+    },
+    /// In the owner's address space, at this address there.
+    ProcessVm { grant: Arc<Grant>, remote: u64 },
+}
+
+/// One op, ready to copy: where its remote bytes are, checked.
 pub(crate) struct Planned {
     /// Its index in the batch.
     pub index: usize,
     /// The op: keeps its local region alive while a thread copies (a
     /// timed-out submit may drop its own copy first).
     pub op: RdmaOp,
-    pub mapping: Arc<Mapping>,
-    /// The remote bytes in `mapping`.
-    pub remote: *mut u8,
+    pub at: Located,
 }
 
 /// A byte range of one planned op, for one thread.
@@ -34,17 +45,26 @@ struct Piece {
     len: usize,
 }
 
-// SAFETY: the raw pointers point into mappings (kept by `mapping`) and
-// regions (kept by `op`) that live as long as the Planned does, and are
+// SAFETY: the raw pointers point into mappings (kept by `mapping`; a
+// grant's address is only handed to the kernel) and regions (kept by `op`) that live as long as the Planned does, and are
 // only used for copies, like DMA.
 unsafe impl Send for Planned {}
 // SAFETY: as for Send; Planned is only read.
 unsafe impl Sync for Planned {}
 
-/// Copies `piece`; whether its region was alive before and after.
-fn copy(planned: &Planned, offset: usize, len: usize) -> bool {
-    if !planned.mapping.is_alive() {
-        return false;
+/// Copies `len` bytes at `offset` of the op; `Err(Fail::Dead)` if its
+/// region was not alive throughout.
+fn copy(planned: &Planned, offset: usize, len: usize) -> Result<(), Fail> {
+    let (mapping, remote) = match &planned.at {
+        Located::Mapped { mapping, remote } => (mapping, *remote),
+        Located::ProcessVm { grant, remote } => {
+            // In range: offset + len <= the op's length.
+            let local = planned.op.local.as_ptr().wrapping_add(offset);
+            return grant.copy(planned.op.kind, local, remote + offset as u64, len);
+        }
+    };
+    if !mapping.is_alive() {
+        return Err(Fail::Dead);
     }
     // SAFETY: offset + len <= the op's length, and `remote..+len(op)` lies
     // in the mapping (`Mapping::locate`), `local..+len(op)` in the op's
@@ -54,7 +74,7 @@ fn copy(planned: &Planned, offset: usize, len: usize) -> bool {
     // and destination overlap are unspecified, as for overlapping ops.
     unsafe {
         let local = planned.op.local.as_ptr().add(offset);
-        let remote = planned.remote.add(offset);
+        let remote = remote.add(offset);
         match planned.op.kind {
             OpKind::Write => std::ptr::copy(local, remote, len),
             OpKind::Read => std::ptr::copy(remote, local, len),
@@ -64,12 +84,16 @@ fn copy(planned: &Planned, offset: usize, len: usize) -> bool {
     // which the owner clears with SeqCst: a write seen as done cannot land
     // after the owner stopped sharing the region.
     std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-    planned.mapping.is_alive()
+    if mapping.is_alive() {
+        Ok(())
+    } else {
+        Err(Fail::Dead)
+    }
 }
 
-/// Runs every copy; returns, for each planned op in order, whether its
-/// region stayed alive throughout (else the owner is asked why).
-pub(crate) async fn run(planned: Vec<Planned>) -> Vec<bool> {
+/// Runs every copy; returns, for each planned op in order, how it went
+/// (for a dead region, the owner is asked why).
+pub(crate) async fn run(planned: Vec<Planned>) -> Vec<Result<(), Fail>> {
     let total: u64 = planned.iter().map(|p| p.op.len()).sum();
     if total < INLINE {
         return planned
@@ -107,26 +131,28 @@ pub(crate) async fn run(planned: Vec<Planned>) -> Vec<bool> {
         tokio::task::spawn_blocking(move || {
             run.into_iter()
                 .map(|piece| {
-                    let alive = copy(&planned[piece.planned], piece.offset, piece.len);
-                    (piece.planned, alive)
+                    let result = copy(&planned[piece.planned], piece.offset, piece.len);
+                    (piece.planned, result)
                 })
                 .collect::<Vec<_>>()
         })
     });
-    let mut alive = vec![true; planned.len()];
+    let mut outcome = vec![Ok(()); planned.len()];
     for done in futures_join(tasks).await {
         match done {
             Ok(pieces) => {
-                for (i, ok) in pieces {
-                    alive[i] &= ok;
+                for (i, result) in pieces {
+                    if outcome[i].is_ok() {
+                        outcome[i] = result;
+                    }
                 }
             }
             // A copy thread cannot panic short of a bug; its ops are
             // reported through the owner's answer, not as done.
-            Err(_) => alive.iter_mut().for_each(|a| *a = false),
+            Err(_) => outcome.iter_mut().for_each(|a| *a = Err(Fail::Dead)),
         }
     }
-    alive
+    outcome
 }
 
 /// Awaits every task (no extra dependency for one join).

@@ -10,14 +10,38 @@
 //! carries this kernel's boot id *and* the socket connects (which it does
 //! not across network namespaces), never by IP address.
 //!
-//! Memory wrapped with `MemoryBlock::from_raw` cannot be shared this way;
-//! its handles carry no memory transport and go over the next one.
+//! Memory that is not such a memfd (wrapped with `MemoryBlock::from_raw`,
+//! or a plain `MemoryBlock::alloc`) cannot be mapped by another process.
+//! Its handles say `process_vm`: a peer asks the owner the same way and
+//! gets the region's address range in the owner instead of a memfd, and
+//! copies with `process_vm_readv`/`process_vm_writev` where the kernel
+//! permits it (the peer may ptrace the owner: same uid and Yama allowing,
+//! or `CAP_SYS_PTRACE`). The peer probes that once per owner; where the
+//! kernel refuses, those regions go over the next transport (ibverbs,
+//! TCP), and [`MemoryBackend::path`] says which. The owner's pid comes from
+//! the kernel (`SO_PEERCRED`), never from the owner's words.
+//!
+//! Access: the kernel does not know a region is read-only, so the
+//! initiator refuses writes to a region granted read-only (`ReadOnly`, as
+//! for a memfd region), and the owner grants writes only to regions that
+//! allow them. A process the kernel lets use `process_vm_writev` on the
+//! owner could as well ptrace it and write anywhere: the check guards
+//! against mistakes and forged handles, and `process_vm` grants no
+//! privilege beyond what the kernel already does.
+//!
+//! Deregistration: a `process_vm` write must never land after the
+//! owner's registration is dropped, since the caller may reuse the memory
+//! at once. Every copy goes in bounded steps through the owner's gate
+//! table, and the drop waits out the steps in flight: `gate.rs` states the
+//! invariant and enforces the owner's half, `pvm.rs` the peer's.
 
 #![warn(missing_docs)]
 
 mod copy;
+mod gate;
 mod owner;
 mod peer;
+mod pvm;
 mod shared;
 mod socket;
 #[doc(hidden)]
@@ -48,6 +72,16 @@ pub enum MemoryError {
     /// The node's socket could not be bound.
     #[error("cannot listen on the same-host socket: {0}")]
     Socket(#[from] std::io::Error),
+}
+
+/// How the memory transport carries an op on a region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryPath {
+    /// The region's memfd is mapped here; copies are `memcpy`s.
+    Mapped,
+    /// Copies are `process_vm_readv`/`process_vm_writev` into the owner's
+    /// address space (memory ferry did not allocate).
+    ProcessVm,
 }
 
 /// A region registered with the memory transport: its remote half for
@@ -89,7 +123,13 @@ impl MemoryBackend {
     pub fn start(node: NodeId) -> Result<Self, MemoryError> {
         let boot_id = boot_id().ok_or(MemoryError::NoBootId)?;
         let listener = socket::Listener::bind(&socket_name(node))?;
-        let exports = Arc::new(owner::Exports::default());
+        let gates = gate::Gates::new();
+        if gates.is_none() {
+            tracing::info!(
+                "memory transport: no gate table (memfd or pidfd unavailable); raw memory goes over the next transport"
+            );
+        }
+        let exports = Arc::new(owner::Exports::new(gates));
         let served = Arc::default();
         let server = tokio::spawn(owner::serve(listener, exports.clone(), Arc::clone(&served)));
         let links = Arc::new(peer::Links::default());
@@ -128,19 +168,31 @@ impl MemoryBackend {
         self.0.served.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// What `ferry info` says about it.
+    /// What `ferry info` says about it: the memfd path, and whether raw
+    /// memory goes over `process_vm` (which the kernel still decides per
+    /// pair of processes: same uid and Yama's ptrace scope, or
+    /// `CAP_SYS_PTRACE`).
     pub fn describe(&self) -> String {
+        let process_vm = if self.0.exports.process_vm() {
+            let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+                .map(|s| format!("Yama ptrace scope {}", s.trim()))
+                .unwrap_or_else(|_| "no Yama".into());
+            format!("other memory over process_vm_readv/writev where the kernel permits ({scope})")
+        } else {
+            "other memory over the next transport (no gate table)".into()
+        };
         format!(
-            "sealed memfd regions shared with processes on this host (boot {:08x}…)",
+            "sealed memfd regions shared with processes on this host (boot {:08x}…); {process_vm}",
             (self.0.boot_id >> 96) as u32
         )
     }
 
-    /// Shares `region` if its memory is a shared block ([`alloc`]); `None`
-    /// for other memory, which other transports carry.
+    /// Shares `region`: a shared block ([`alloc`]) as its memfd, other
+    /// memory over `process_vm`. `None` when neither can be had (no gate
+    /// table, or all its gates taken): other transports carry it.
     pub fn register(&self, region: &RegisterRegion) -> Option<MemRegistered> {
         let token = random_u128();
-        let registration = self.0.exports.insert(
+        let (registration, process_vm) = self.0.exports.insert(
             region.id,
             region.generation,
             region.access,
@@ -151,20 +203,35 @@ impl MemoryBackend {
             remote: MemRemote {
                 boot_id: self.0.boot_id,
                 token,
+                process_vm,
             },
             registration,
         })
     }
 
-    /// Whether this transport carries ops on `remote`: it was shared by a
-    /// node on this boot whose socket this node reaches (a refused connect
-    /// is remembered per owner; other failures are tried again).
+    /// Whether this transport carries ops on `remote`; see
+    /// [`path`](Self::path).
     pub fn routes(&self, remote: &RemoteBuffer) -> bool {
-        remote
+        self.path(remote).is_some()
+    }
+
+    /// How this transport would carry ops on `remote`, or `None` if it
+    /// does not: the region was shared by a node on this boot whose socket
+    /// this node reaches (a refused connect is remembered per owner; other
+    /// failures are tried again), and for a `process_vm` region, the
+    /// kernel lets this process reach the owner (probed once per owner and
+    /// remembered; a refusal leaves the op to the next transport).
+    pub fn path(&self, remote: &RemoteBuffer) -> Option<MemoryPath> {
+        let memory = remote
             .transports()
             .memory
-            .is_some_and(|m| m.boot_id == self.0.boot_id)
-            && self.0.links.get(remote.owner()).is_some()
+            .filter(|m| m.boot_id == self.0.boot_id)?;
+        let link = self.0.links.get(remote.owner())?;
+        if !memory.process_vm {
+            return Some(MemoryPath::Mapped);
+        }
+        link.process_vm_permitted(remote.addr())
+            .then_some(MemoryPath::ProcessVm)
     }
 
     /// Runs a batch whose ops all [`routes`](Self::routes) accepted: the
@@ -185,13 +252,12 @@ impl MemoryBackend {
             let mut seen = Vec::new();
             for (index, op) in ops.iter().enumerate() {
                 match self.plan(op, &mut seen).await {
-                    Ok(Some((link, mapping, remote))) => {
+                    Ok(Some((link, at))) => {
                         links.push(link);
                         planned.push(copy::Planned {
                             index,
                             op: op.clone(),
-                            mapping,
-                            remote,
+                            at,
                         });
                     }
                     Ok(None) => {}
@@ -199,11 +265,31 @@ impl MemoryBackend {
                 }
             }
             let indices: Vec<usize> = planned.iter().map(|p| p.index).collect();
-            let alive = copy::run(planned).await;
-            for ((index, alive), link) in indices.into_iter().zip(alive).zip(links) {
-                if !alive {
-                    failed.push((index, link.why_dead(&ops[index]).await));
-                }
+            let outcome = copy::run(planned).await;
+            for ((index, outcome), link) in indices.into_iter().zip(outcome).zip(links) {
+                let endpoint = ops[index].remote.owner().endpoint;
+                let error = match outcome {
+                    Ok(()) => continue,
+                    Err(pvm::Fail::Dead) => link.why_dead(&ops[index]).await,
+                    Err(pvm::Fail::ReadOnly) => OpError::ReadOnly,
+                    // The probe said yes, and now the kernel says no (the
+                    // owner changed its credentials): remembered, so the
+                    // next ops take the next transport.
+                    Err(pvm::Fail::Refused) => {
+                        link.refuse_process_vm();
+                        OpError::PeerUnreachable {
+                            endpoint,
+                            reason: "the kernel refuses process_vm access to the owner (EPERM)"
+                                .into(),
+                        }
+                    }
+                    Err(pvm::Fail::Gone) => OpError::ConnectionLost { endpoint },
+                    Err(pvm::Fail::Fault) => OpError::Protocol(
+                        "the owner's registered memory is not mapped in it (process_vm: EFAULT)"
+                            .into(),
+                    ),
+                };
+                failed.push((index, error));
             }
             failed.into_iter().min_by_key(|(index, _)| *index)
         };
@@ -220,15 +306,15 @@ impl MemoryBackend {
         }
     }
 
-    /// `op`'s link, mapping and remote address; `None` for an empty op.
-    /// `seen` holds the owners of this batch already looked at, so that
+    /// `op`'s link, and where its remote bytes are; `None` for an empty
+    /// op. `seen` holds the owners of this batch already looked at, so that
     /// each is looked up and checked once per batch, not once per op.
     #[allow(clippy::type_complexity)]
     async fn plan(
         &self,
         op: &RdmaOp,
         seen: &mut Vec<(NodeId, Result<Arc<peer::Link>, OpError>)>,
-    ) -> Result<Option<(Arc<peer::Link>, Arc<peer::Mapping>, *mut u8)>, OpError> {
+    ) -> Result<Option<(Arc<peer::Link>, copy::Located)>, OpError> {
         if op.is_empty() {
             return Ok(None);
         }
@@ -241,9 +327,17 @@ impl MemoryBackend {
                 link?
             }
         };
-        let mapping = link.mapping(op).await?;
-        let remote = mapping.locate(op)?;
-        Ok(Some((link, mapping, remote)))
+        let at = match link.mapping(op).await? {
+            peer::Target::Mapped(mapping) => {
+                let remote = mapping.locate(op)?;
+                copy::Located::Mapped { mapping, remote }
+            }
+            peer::Target::ProcessVm(grant) => {
+                let remote = grant.locate(op)?;
+                copy::Located::ProcessVm { grant, remote }
+            }
+        };
+        Ok(Some((link, at)))
     }
 
     /// The link to a live `owner`.

@@ -9,6 +9,17 @@
 //! user could still reopen it through `/proc`, or ptrace the owner: the
 //! memory transport protects against mistakes and forged handles, not
 //! against a hostile process of the same user, which no transport can.)
+//!
+//! Memory that is not a memfd (`MemoryBlock::from_raw`) is granted over
+//! `process_vm` instead: the answer is the region's address and length in
+//! this process, its gate and the peer's lane in the gate table (whose
+//! memfd comes with it), and writes only if the region allows them and the
+//! peer asked. The kernel checks whether the peer may reach this process at
+//! all (ptrace rules), not the region's access: a peer granted read-only is
+//! trusted to refuse its own writes, as the memory transport's peers are
+//! trusted not to reopen a read-only memfd through `/proc`. A process the
+//! kernel lets `process_vm_writev` here could ptrace this process anyway,
+//! so this grants nothing the kernel has not.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -18,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use ferry_core::{Access, Generation, MemoryBlock, RegionId, tokens_equal};
 use tracing::{debug, warn};
 
+use crate::gate::{Gate, Gates, Pidfd};
 use crate::shared::{alive, mapping_of};
 use crate::socket::{Listener, Packets};
 use crate::wire::{Answer, Refusal, Reply, Request};
@@ -27,20 +39,51 @@ struct Export {
     generation: Generation,
     token: u128,
     access: Access,
-    memory: Arc<MemoryBlock>,
+    how: Shared,
 }
 
-/// The regions this node shares, by slot.
-#[derive(Default)]
-pub(crate) struct Exports(Mutex<HashMap<RegionId, Export>>);
+/// How a region is shared.
+enum Shared {
+    /// As its memfd.
+    Memfd(Arc<MemoryBlock>),
+    /// Over `process_vm`, through gate `gate` (open while it holds
+    /// `stamp`).
+    ProcessVm {
+        base: u64,
+        len: u64,
+        gate: u32,
+        stamp: u64,
+    },
+}
+
+/// The regions this node shares, by slot, and its gate table (none where
+/// the kernel cannot give one: then only memfd regions are shared).
+pub(crate) struct Exports {
+    regions: Mutex<HashMap<RegionId, Export>>,
+    gates: Option<Arc<Gates>>,
+}
 
 impl Exports {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RegionId, Export>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    pub fn new(gates: Option<Arc<Gates>>) -> Self {
+        Exports {
+            regions: Mutex::default(),
+            gates,
+        }
     }
 
-    /// Shares `memory` (a shared block) as slot `id` of `generation`, and
-    /// marks it alive for peers.
+    /// Whether regions that are not memfds are shared over `process_vm`.
+    pub fn process_vm(&self) -> bool {
+        self.gates.is_some()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RegionId, Export>> {
+        self.regions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Shares `memory` as slot `id` of `generation`: a shared block as its
+    /// memfd, marked alive for peers; other memory over `process_vm`,
+    /// through a fresh gate. `None` when neither can be had; the second
+    /// value says whether it goes over `process_vm`.
     pub fn insert(
         self: &Arc<Self>,
         id: RegionId,
@@ -48,30 +91,46 @@ impl Exports {
         access: Access,
         memory: Arc<MemoryBlock>,
         token: u128,
-    ) -> Option<MemRegistration> {
-        let mapping = mapping_of(&memory)?;
-        mapping
-            .liveness()
-            .store(alive(generation), Ordering::Release);
+    ) -> Option<(MemRegistration, bool)> {
+        let (how, held) = match mapping_of(&memory) {
+            Some(mapping) => {
+                mapping
+                    .liveness()
+                    .store(alive(generation), Ordering::Release);
+                (Shared::Memfd(memory.clone()), Held::Memfd(memory))
+            }
+            None => {
+                let gate = self.gates.as_ref()?.open()?;
+                let how = Shared::ProcessVm {
+                    base: memory.addr(),
+                    len: memory.len(),
+                    gate: gate.index(),
+                    stamp: gate.stamp(),
+                };
+                (how, Held::Gate(gate))
+            }
+        };
+        let process_vm = matches!(held, Held::Gate(_));
         self.lock().insert(
             id,
             Export {
                 generation,
                 token,
                 access,
-                memory: memory.clone(),
+                how,
             },
         );
-        Some(MemRegistration {
+        let registration = MemRegistration {
             exports: self.clone(),
             id,
             generation,
-            memory,
-        })
+            held,
+        };
+        Some((registration, process_vm))
     }
 
-    /// The answer to `request`, with the descriptor to attach.
-    fn answer(&self, request: &Request) -> (Reply, Option<OwnedFd>) {
+    /// The answer to `request` from `asker`, with the descriptor to attach.
+    fn answer(&self, request: &Request, asker: &mut Asker) -> (Reply, Option<OwnedFd>) {
         let exports = self.lock();
         let Some(export) = exports.get(&request.region) else {
             return (Reply::Refused(Refusal::UnknownRegion), None);
@@ -89,7 +148,42 @@ impl Exports {
         if !tokens_equal(export.token, request.token) {
             return (Reply::Refused(Refusal::AccessDenied), None);
         }
-        let Some(mapping) = mapping_of(&export.memory) else {
+        let memory = match &export.how {
+            Shared::Memfd(memory) => memory,
+            &Shared::ProcessVm {
+                base,
+                len,
+                gate,
+                stamp,
+            } => {
+                let Some(gates) = &self.gates else {
+                    return (Reply::Refused(Refusal::UnknownRegion), None);
+                };
+                // A peer that cannot read the grant, or a region whose
+                // gate is shutting: not handed out.
+                if !request.process_vm || gates.table().live(gate).load(Ordering::SeqCst) != stamp {
+                    return (Reply::Refused(Refusal::UnknownRegion), None);
+                }
+                if request.write && !export.access.allows_write() {
+                    return (Reply::Refused(Refusal::ReadOnly), None);
+                }
+                let Some(lane) = asker.lane(gates) else {
+                    return (Reply::Refused(Refusal::NoLane), None);
+                };
+                let Ok(fd) = gates.fd().try_clone_to_owned() else {
+                    return (Reply::Refused(Refusal::UnknownRegion), None);
+                };
+                let reply = Reply::ProcessVm {
+                    base,
+                    len,
+                    gate,
+                    lane,
+                    stamp,
+                };
+                return (reply, Some(fd));
+            }
+        };
+        let Some(mapping) = mapping_of(memory) else {
             return (Reply::Refused(Refusal::UnknownRegion), None);
         };
         // Deregistration clears the word before it takes this table's
@@ -120,32 +214,67 @@ impl Exports {
         // SAFETY: open just returned it; nothing else owns it.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         let reply = Reply::Granted {
-            base: export.memory.addr(),
-            len: export.memory.len(),
+            base: memory.addr(),
+            len: memory.len(),
             data_len: mapping.data_len() as u64,
         };
         (reply, Some(fd))
     }
 }
 
+/// The peer process asking on one socket, as the kernel names it; its
+/// lane in the gate table is looked up at its first `process_vm` request.
+struct Asker<'a> {
+    socket: &'a Packets,
+    lane: Option<u16>,
+}
+
+impl Asker<'_> {
+    fn lane(&mut self, gates: &Gates) -> Option<u16> {
+        if self.lane.is_none() {
+            let pid = self.socket.peer_pid();
+            let pidfd = Pidfd::of_peer(self.socket.fd(), pid)?;
+            self.lane = gates.lane(pid.unwrap_or(0), pidfd);
+        }
+        self.lane
+    }
+}
+
+/// What a registration holds on to.
+enum Held {
+    /// The block of a memfd region.
+    Memfd(Arc<MemoryBlock>),
+    /// The gate of a `process_vm` region.
+    Gate(Gate),
+}
+
 /// The memory transport's half of a region's registration. Dropping it
-/// marks the region dead in its liveness word, so peers' copies through
-/// mappings they already hold are refused with `StaleGeneration`, and
-/// stops handing the region out.
+/// marks the region dead (its memfd's liveness word, or its gate), so
+/// peers' copies are refused with `StaleGeneration`, and stops handing the
+/// region out. For a `process_vm` region the drop returns only once no
+/// peer's write can land in the memory any more (the invariant in
+/// `gate.rs`): the caller may reuse the memory at once.
 pub struct MemRegistration {
     exports: Arc<Exports>,
     id: RegionId,
     generation: Generation,
-    memory: Arc<MemoryBlock>,
+    held: Held,
 }
 
 impl Drop for MemRegistration {
     fn drop(&mut self) {
-        // SeqCst, paired with the fence after a peer's copy: a copy whose
-        // second look at the word still saw it alive was complete before
-        // this store (see the invariant in peer.rs).
-        if let Some(mapping) = mapping_of(&self.memory) {
-            mapping.liveness().store(0, Ordering::SeqCst);
+        match &mut self.held {
+            // SeqCst, paired with the fence after a peer's copy: a copy
+            // whose second look at the word still saw it alive was
+            // complete before this store (see the invariant in peer.rs).
+            Held::Memfd(memory) => {
+                if let Some(mapping) = mapping_of(memory) {
+                    mapping.liveness().store(0, Ordering::SeqCst);
+                }
+            }
+            // Waits for peers' steps in flight; the gate is freed for
+            // another registration when `held` drops, after this.
+            Held::Gate(gate) => gate.shut(),
         }
         let mut exports = self.exports.lock();
         if exports
@@ -196,12 +325,16 @@ pub(crate) async fn serve(listener: Listener, exports: Arc<Exports>, served: Arc
 
 async fn answer_peer(peer: Packets, exports: Arc<Exports>) {
     let mut buf = [0u8; Request::LEN];
+    let mut asker = Asker {
+        socket: &peer,
+        lane: None,
+    };
     loop {
         let (answer, fd) = match peer.recv(&mut buf).await {
             Ok((0, _)) | Err(_) => return,
             Ok((n, _ignored_fd)) => match Request::decode(&buf[..n]) {
                 Some(request) => {
-                    let (reply, fd) = exports.answer(&request);
+                    let (reply, fd) = exports.answer(&request, &mut asker);
                     (Answer::to(&request, reply), fd)
                 }
                 // Not a request: nothing to answer to; the peer broke.

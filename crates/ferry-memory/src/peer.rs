@@ -9,15 +9,22 @@
 //! memfd it was made from, which are never reused for another region: so a
 //! copy that races a deregistration touches only that region's orphaned
 //! pages, and reports `StaleGeneration`. (The copies are `copy.rs`'s.)
+//!
+//! Regions granted over `process_vm` are no mapping but a [`Grant`]: the
+//! owner's address range, reached through the owner's gate (`gate.rs` has
+//! their invariant, `pvm.rs` the copies). Whether the kernel lets this
+//! process reach an owner at all is probed once per link.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_core::{Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaOp, RegionId};
 
+use crate::gate::Table;
+use crate::pvm::{Grant, Probe, probe};
 use crate::shared::alive;
 use crate::socket::Packets;
 use crate::wire::{Answer, Reply, Request};
@@ -142,16 +149,99 @@ impl Drop for Mapping {
     }
 }
 
+/// A region as granted by its owner: mapped here, or reached over
+/// `process_vm`.
+#[derive(Clone)]
+pub(crate) enum Target {
+    /// Its memfd, mapped here.
+    Mapped(Arc<Mapping>),
+    /// Its owner's address range.
+    ProcessVm(Arc<Grant>),
+}
+
+impl Target {
+    fn generation(&self) -> Generation {
+        match self {
+            Target::Mapped(m) => m.generation,
+            Target::ProcessVm(g) => g.generation,
+        }
+    }
+
+    fn writable(&self) -> bool {
+        match self {
+            Target::Mapped(m) => m.writable,
+            Target::ProcessVm(g) => g.writable,
+        }
+    }
+
+    /// Whether the region is still registered under the grant's generation.
+    pub fn is_alive(&self) -> bool {
+        match self {
+            Target::Mapped(m) => m.is_alive(),
+            Target::ProcessVm(g) => g.is_alive(),
+        }
+    }
+}
+
+/// Whether the kernel lets this process reach an owner over `process_vm`:
+/// not probed yet, permitted, refused.
+const UNPROBED: u8 = 0;
+const PERMITTED: u8 = 1;
+const REFUSED: u8 = 2;
+
 /// One owner's socket and the regions mapped through it.
 pub(crate) struct Link {
     packets: Packets,
     owner: NodeAddr,
+    /// The owner's pid, from the kernel when the socket connected.
+    owner_pid: Option<i32>,
+    /// [`UNPROBED`], [`PERMITTED`] or [`REFUSED`].
+    process_vm: AtomicU8,
+    /// The owner's gate table, mapped at its first `process_vm` grant.
+    table: Mutex<Option<Arc<Table>>>,
     /// One request in flight at a time: the replies come in order.
     asking: tokio::sync::Mutex<()>,
-    mapped: Mutex<HashMap<RegionId, Arc<Mapping>>>,
+    mapped: Mutex<HashMap<RegionId, Target>>,
 }
 
 impl Link {
+    /// Whether the kernel lets this process copy to and from the owner
+    /// over `process_vm`: probed once (reading a byte at `addr`, one of the
+    /// owner's addresses), then remembered. A refusal sends the owner's
+    /// `process_vm` regions over the next transport.
+    pub fn process_vm_permitted(&self, addr: u64) -> bool {
+        match self.process_vm.load(Ordering::Relaxed) {
+            PERMITTED => return true,
+            REFUSED => return false,
+            _ => {}
+        }
+        match probe(self.owner_pid.unwrap_or(0), addr) {
+            Probe::Permitted => {
+                self.process_vm.store(PERMITTED, Ordering::Relaxed);
+                true
+            }
+            Probe::Refused => {
+                self.refuse_process_vm();
+                false
+            }
+            // The owner is gone: nothing to remember, the socket says so.
+            Probe::Gone => false,
+        }
+    }
+
+    /// Remembers that the kernel refuses `process_vm` to the owner.
+    pub fn refuse_process_vm(&self) {
+        if self.process_vm.swap(REFUSED, Ordering::Relaxed) != REFUSED {
+            tracing::info!(
+                owner = %self.owner.endpoint,
+                pid = ?self.owner_pid,
+                "memory transport: the kernel refuses process_vm access to this owner \
+                 (EPERM: another uid, or ptrace restricted); its raw-memory regions go \
+                 over the next transport"
+            );
+        }
+    }
+
     /// Whether the owner is still there.
     pub fn is_alive(&self) -> bool {
         !self.packets.is_closed()
@@ -180,17 +270,17 @@ impl Link {
         }
     }
 
-    /// The mapping `op` needs: cached, or asked of the owner.
-    pub async fn mapping(&self, op: &RdmaOp) -> Result<Arc<Mapping>, OpError> {
+    /// The mapping or grant `op` needs: cached, or asked of the owner.
+    pub async fn mapping(&self, op: &RdmaOp) -> Result<Target, OpError> {
         let remote = &op.remote;
         let write = op.kind == OpKind::Write;
         let cached = || {
             let mapped = self.mapped.lock().unwrap_or_else(|e| e.into_inner());
             let mapping = mapped.get(&remote.region())?;
-            if mapping.generation != remote.generation() {
+            if mapping.generation() != remote.generation() {
                 return None;
             }
-            (mapping.writable || !write).then(|| mapping.clone())
+            (mapping.writable() || !write).then(|| mapping.clone())
         };
         if let Some(mapping) = cached() {
             return Ok(mapping);
@@ -206,6 +296,7 @@ impl Link {
             generation: remote.generation(),
             write,
             token,
+            process_vm: true,
         };
         self.packets
             .send(&request.encode(), None)
@@ -235,10 +326,39 @@ impl Link {
             return Err(refusal.error(remote.generation()));
         }
         let fd = fd.ok_or_else(|| OpError::Protocol("a grant without a descriptor".into()))?;
-        let mapping = Mapping::map(&fd, reply, remote.generation(), write).ok_or_else(|| {
-            OpError::Protocol("a same-host owner's region could not be mapped".into())
-        })?;
-        let mapping = Arc::new(mapping);
+        let mapping = match reply {
+            Reply::ProcessVm {
+                base,
+                len,
+                gate,
+                lane,
+                stamp,
+            } => {
+                let table = self.table(&fd)?;
+                let pid = self.owner_pid.filter(|&p| p > 0).ok_or_else(|| {
+                    OpError::Protocol("a process_vm grant from an owner of unknown pid".into())
+                })?;
+                let grant = Grant::new(
+                    table,
+                    lane,
+                    gate,
+                    stamp,
+                    pid,
+                    (base, len),
+                    remote.generation(),
+                    write,
+                )
+                .ok_or_else(|| OpError::Protocol("a malformed process_vm grant".into()))?;
+                Target::ProcessVm(Arc::new(grant))
+            }
+            reply => {
+                let mapping =
+                    Mapping::map(&fd, reply, remote.generation(), write).ok_or_else(|| {
+                        OpError::Protocol("a same-host owner's region could not be mapped".into())
+                    })?;
+                Target::Mapped(Arc::new(mapping))
+            }
+        };
         let replaced = self
             .mapped
             .lock()
@@ -247,6 +367,20 @@ impl Link {
         // Unmapped (if this was its last reference) outside the lock.
         drop(replaced);
         Ok(mapping)
+    }
+
+    /// The owner's gate table: mapped from `fd` at the first grant, the
+    /// same mapping after.
+    fn table(&self, fd: &OwnedFd) -> Result<Arc<Table>, OpError> {
+        let mut table = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(table) = &*table {
+            return Ok(table.clone());
+        }
+        let mapped = Arc::new(Table::map(fd).ok_or_else(|| {
+            OpError::Protocol("a same-host owner's gate table could not be mapped".into())
+        })?);
+        *table = Some(mapped.clone());
+        Ok(mapped)
     }
 }
 
@@ -288,8 +422,11 @@ impl Links {
         tokio::runtime::Handle::try_current().ok()?;
         let state = match Packets::connect(&crate::socket_name(owner.id)) {
             Ok(packets) => LinkState::Up(Arc::new(Link {
+                owner_pid: packets.peer_pid(),
                 packets,
                 owner,
+                process_vm: AtomicU8::new(UNPROBED),
+                table: Mutex::default(),
                 asking: tokio::sync::Mutex::new(()),
                 mapped: Mutex::default(),
             })),
@@ -336,7 +473,7 @@ impl Links {
     /// in flight hold their own reference and finish first.
     pub fn sweep(&self) {
         // Unmapping a large region takes a while: after the locks are gone.
-        let mut unmap: Vec<Arc<Mapping>> = Vec::new();
+        let mut unmap: Vec<Target> = Vec::new();
         let mut gone: Vec<Arc<Link>> = Vec::new();
         {
             let mut links = self.0.lock().unwrap_or_else(|e| e.into_inner());

@@ -153,7 +153,15 @@ impl Packets {
         }
     }
 
-    /// The peer's process id (`SO_PEERCRED`), for logs.
+    /// The socket's descriptor.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.0.get_ref().as_fd()
+    }
+
+    /// The peer's process id (`SO_PEERCRED`) as the kernel saw it when the
+    /// connection was made, in this process's pid namespace (0 where the
+    /// peer is outside it): a peer's word is never taken for it.
     pub fn peer_pid(&self) -> Option<i32> {
         // SAFETY: ucred is plain data.
         let mut cred: libc::ucred = unsafe { zeroed() };

@@ -1,6 +1,11 @@
 //! The two packets of the memory transport's setup: a peer asks for a
 //! region's memory (`Request`), the owner answers (`Reply`, with the memfd
-//! attached when granted). Fixed-size little-endian; nothing else crosses.
+//! attached when granted, or the gate table's memfd with a `process_vm`
+//! grant). Fixed-size little-endian; nothing else crosses.
+//!
+//! Peers built before `process_vm` send 0 in the request's byte 7 and
+//! never get a `process_vm` grant (they could not read one): the owner
+//! refuses them such a region as unknown.
 //!
 //! Public (and hidden from the docs) only so that the fuzz targets in
 //! `fuzz/` reach these decoders: they are not part of ferry's API.
@@ -9,6 +14,8 @@ use ferry_core::{Generation, OpError, RegionId};
 
 const MAGIC: [u8; 4] = *b"FMEM";
 const VERSION: u16 = 1;
+/// The reply code of a `process_vm` grant.
+const PROCESS_VM: u8 = 16;
 
 /// A peer asks for region `region`'s memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,6 +28,8 @@ pub struct Request {
     pub write: bool,
     /// The handle's memory token.
     pub token: u128,
+    /// Whether the peer takes a [`Reply::ProcessVm`] grant.
+    pub process_vm: bool,
 }
 
 impl Request {
@@ -33,6 +42,7 @@ impl Request {
         out[0..4].copy_from_slice(&MAGIC);
         out[4..6].copy_from_slice(&VERSION.to_le_bytes());
         out[6] = u8::from(self.write);
+        out[7] = u8::from(self.process_vm);
         out[8..12].copy_from_slice(&self.region.0.to_le_bytes());
         out[12..16].copy_from_slice(&self.generation.0.to_le_bytes());
         out[16..32].copy_from_slice(&self.token.to_le_bytes());
@@ -42,12 +52,17 @@ impl Request {
     /// Reads a packet; `None` if it is not one.
     pub fn decode(packet: &[u8]) -> Option<Self> {
         let packet: &[u8; Self::LEN] = packet.try_into().ok()?;
-        if packet[0..4] != MAGIC || packet[4..6] != VERSION.to_le_bytes() || packet[6] > 1 {
+        if packet[0..4] != MAGIC
+            || packet[4..6] != VERSION.to_le_bytes()
+            || packet[6] > 1
+            || packet[7] > 1
+        {
             return None;
         }
         let u32_at = |at: usize| u32::from_le_bytes(packet[at..at + 4].try_into().unwrap());
         Some(Request {
             write: packet[6] == 1,
+            process_vm: packet[7] == 1,
             region: RegionId(u32_at(8)),
             generation: Generation(u32_at(12)),
             token: u128::from_le_bytes(packet[16..32].try_into().unwrap()),
@@ -125,6 +140,20 @@ pub enum Reply {
         /// Where its trailer page (the liveness word) starts in the memfd.
         data_len: u64,
     },
+    /// Granted over `process_vm`: the gate table's memfd comes with this
+    /// packet. Writes are granted iff the request asked for them.
+    ProcessVm {
+        /// The region's first byte in the owner's address space.
+        base: u64,
+        /// The region's length.
+        len: u64,
+        /// The region's gate in the table.
+        gate: u32,
+        /// The peer process's lane in the table.
+        lane: u16,
+        /// What the gate's live word holds while the region is registered.
+        stamp: u64,
+    },
     /// Refused, with the error the op gets.
     Refused(Refusal),
 }
@@ -145,6 +174,9 @@ pub enum Refusal {
     ReadOnly,
     /// The request was malformed.
     BadRequest,
+    /// The owner already serves `process_vm` to as many processes as its
+    /// gate table has lanes.
+    NoLane,
 }
 
 impl Refusal {
@@ -161,6 +193,9 @@ impl Refusal {
             Refusal::BadRequest => {
                 OpError::Protocol("the owner refused a malformed request".into())
             }
+            Refusal::NoLane => OpError::Protocol(
+                "the owner serves process_vm to too many processes to take another".into(),
+            ),
         }
     }
 }
@@ -182,6 +217,20 @@ impl Reply {
                 out[16..24].copy_from_slice(&len.to_le_bytes());
                 out[24..32].copy_from_slice(&data_len.to_le_bytes());
             }
+            Reply::ProcessVm {
+                base,
+                len,
+                gate,
+                lane,
+                stamp,
+            } => {
+                out[0] = PROCESS_VM;
+                out[2..4].copy_from_slice(&lane.to_le_bytes());
+                out[4..8].copy_from_slice(&gate.to_le_bytes());
+                out[8..16].copy_from_slice(&base.to_le_bytes());
+                out[16..24].copy_from_slice(&len.to_le_bytes());
+                out[24..32].copy_from_slice(&stamp.to_le_bytes());
+            }
             Reply::Refused(refusal) => {
                 let (code, current) = match refusal {
                     Refusal::UnknownRegion => (1, 0),
@@ -189,6 +238,7 @@ impl Reply {
                     Refusal::AccessDenied => (3, 0),
                     Refusal::ReadOnly => (4, 0),
                     Refusal::BadRequest => (5, 0),
+                    Refusal::NoLane => (6, 0),
                 };
                 out[0] = code;
                 out[4..8].copy_from_slice(&current.to_le_bytes());
@@ -213,6 +263,14 @@ impl Reply {
             3 => Reply::Refused(Refusal::AccessDenied),
             4 => Reply::Refused(Refusal::ReadOnly),
             5 => Reply::Refused(Refusal::BadRequest),
+            6 => Reply::Refused(Refusal::NoLane),
+            PROCESS_VM => Reply::ProcessVm {
+                base: u64_at(8),
+                len: u64_at(16),
+                gate: u32::from_le_bytes(packet[4..8].try_into().unwrap()),
+                lane: u16::from_le_bytes(packet[2..4].try_into().unwrap()),
+                stamp: u64_at(24),
+            },
             _ => return None,
         })
     }
@@ -229,6 +287,7 @@ mod tests {
             generation: Generation(3),
             write: true,
             token: u128::MAX - 5,
+            process_vm: true,
         };
         assert_eq!(Request::decode(&request.encode()), Some(request));
         let mut bad = request.encode();
@@ -245,6 +304,14 @@ mod tests {
                 current: Generation(9),
             }),
             Reply::Refused(Refusal::ReadOnly),
+            Reply::Refused(Refusal::NoLane),
+            Reply::ProcessVm {
+                base: 0x7f00_0000_1000,
+                len: 5,
+                gate: 4095,
+                lane: 1023,
+                stamp: 77,
+            },
         ] {
             assert_eq!(Reply::decode(&reply.encode()), Some(reply));
         }

@@ -1,0 +1,229 @@
+//! The initiator's side of `process_vm_readv`/`process_vm_writev`: copies
+//! straight between this process and a same-host owner's memory, for
+//! regions the owner cannot share as a memfd (`MemoryBlock::from_raw`).
+//!
+//! The kernel allows them where the caller may ptrace the owner (same uid
+//! and not made undumpable, or `CAP_SYS_PTRACE`, subject to Yama). Before
+//! the first op on an owner this side [`probe`]s that once; a refusal is
+//! remembered and the owner's `process_vm` regions go over the next
+//! transport. Each step copies at most [`PIECE`] bytes through the owner's
+//! gate (see `gate.rs`), so that a deregistration waits for one piece at
+//! most; within a step the call is repeated until every byte moved,
+//! because the kernel may move fewer than asked.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use ferry_core::{Generation, OpError, OpKind, RdmaOp};
+
+use crate::gate::{GATES, LANES, Table};
+
+/// The most one step copies: a deregistration waits at most this long.
+pub(crate) const PIECE: usize = 1 << 20;
+
+/// What a probe of an owner found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Probe {
+    /// The kernel lets this process reach the owner's memory.
+    Permitted,
+    /// It does not (`EPERM`): other transports carry the owner's regions.
+    Refused,
+    /// No such process (`ESRCH`): the owner is gone.
+    Gone,
+}
+
+/// Whether this process may copy from process `pid`: one byte read at
+/// `addr` (whatever is there, or nothing: a fault still says the kernel
+/// allowed the access, since it checks the permission first).
+pub(crate) fn probe(pid: i32, addr: u64) -> Probe {
+    if pid <= 0 {
+        return Probe::Refused;
+    }
+    let mut byte = 0u8;
+    match transfer(pid, OpKind::Read, &raw mut byte, addr, 1) {
+        Ok(()) | Err(Fail::Fault) => Probe::Permitted,
+        Err(Fail::Gone) => Probe::Gone,
+        Err(_) => Probe::Refused,
+    }
+}
+
+/// Why a `process_vm` copy stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fail {
+    /// The gate was shut: the region was deregistered (ask the owner why).
+    Dead,
+    /// `EPERM`: the kernel no longer lets this process reach the owner.
+    Refused,
+    /// `ESRCH`: the owner process is gone.
+    Gone,
+    /// `EFAULT` (or no progress): the owner's registered range is not
+    /// mapped in it, which its registration promised it would be.
+    Fault,
+    /// A write to a region granted read-only.
+    ReadOnly,
+}
+
+/// A region an owner granted over `process_vm`.
+pub(crate) struct Grant {
+    table: Arc<Table>,
+    lane: u16,
+    gate: u32,
+    stamp: u64,
+    /// The owner's pid, from the kernel (`SO_PEERCRED`).
+    pid: i32,
+    /// The region's first byte and length in the owner's address space.
+    base: u64,
+    len: u64,
+    pub generation: Generation,
+    pub writable: bool,
+}
+
+impl Grant {
+    /// A grant as the owner's reply describes it; `None` if the reply
+    /// names a gate or lane outside the table.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        table: Arc<Table>,
+        lane: u16,
+        gate: u32,
+        stamp: u64,
+        pid: i32,
+        (base, len): (u64, u64),
+        generation: Generation,
+        writable: bool,
+    ) -> Option<Grant> {
+        ((gate as usize) < GATES && (lane as usize) < LANES && base.checked_add(len).is_some())
+            .then_some(Grant {
+                table,
+                lane,
+                gate,
+                stamp,
+                pid,
+                base,
+                len,
+                generation,
+                writable,
+            })
+    }
+
+    /// Whether the region is still registered (its gate open).
+    pub fn is_alive(&self) -> bool {
+        self.table.live(self.gate).load(Ordering::Acquire) == self.stamp
+    }
+
+    /// `op`'s remote address, after checking its bytes lie in the region.
+    pub fn locate(&self, op: &RdmaOp) -> Result<u64, OpError> {
+        let offset = op.remote.addr().wrapping_sub(self.base);
+        let len = op.len();
+        if op.remote.addr() < self.base || offset.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(OpError::OutOfBounds {
+                offset,
+                len,
+                bound: self.len,
+            });
+        }
+        Ok(op.remote.addr())
+    }
+
+    /// Copies `len` bytes between `local` and the owner's `remote`, one
+    /// gated step of at most [`PIECE`] bytes at a time (the invariant in
+    /// `gate.rs`).
+    pub fn copy(&self, kind: OpKind, local: *mut u8, remote: u64, len: usize) -> Result<(), Fail> {
+        // The kernel does not know the owner granted read-only: refused here.
+        if kind == OpKind::Write && !self.writable {
+            return Err(Fail::ReadOnly);
+        }
+        let counter = self.table.in_flight(self.lane, self.gate);
+        let live = self.table.live(self.gate);
+        let mut done = 0;
+        while done < len {
+            let piece = PIECE.min(len - done);
+            counter.fetch_add(1, Ordering::SeqCst);
+            let open = live.load(Ordering::SeqCst) == self.stamp;
+            let moved = if open {
+                // In range: done + piece <= len, the local range's length.
+                transfer(
+                    self.pid,
+                    kind,
+                    local.wrapping_add(done),
+                    remote + done as u64,
+                    piece,
+                )
+            } else {
+                Err(Fail::Dead)
+            };
+            counter.fetch_sub(1, Ordering::SeqCst);
+            moved?;
+            done += piece;
+        }
+        Ok(())
+    }
+}
+
+/// Moves `len` bytes between `local` (this process) and `remote` (process
+/// `pid`), repeating the call until every byte moved: the kernel may stop
+/// short (it copies page by page and stops at a fault).
+fn transfer(pid: i32, kind: OpKind, local: *mut u8, remote: u64, len: usize) -> Result<(), Fail> {
+    let mut done = 0;
+    while done < len {
+        let local_iov = libc::iovec {
+            iov_base: local.wrapping_add(done).cast(),
+            iov_len: len - done,
+        };
+        let remote_iov = libc::iovec {
+            iov_base: (remote + done as u64) as *mut libc::c_void,
+            iov_len: len - done,
+        };
+        // SAFETY: the local iovec is `len - done` bytes of memory this
+        // process owns for the call (an op's local region, kept alive by
+        // the op, or a byte on the stack); the remote iovec is only
+        // dereferenced by the kernel in the other process, which checks it.
+        let n = unsafe {
+            match kind {
+                OpKind::Read => libc::process_vm_readv(pid, &local_iov, 1, &remote_iov, 1, 0),
+                OpKind::Write => libc::process_vm_writev(pid, &local_iov, 1, &remote_iov, 1, 0),
+            }
+        };
+        if n < 0 {
+            match std::io::Error::last_os_error().raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EPERM | libc::EACCES) => return Err(Fail::Refused),
+                Some(libc::ESRCH) => return Err(Fail::Gone),
+                _ => return Err(Fail::Fault),
+            }
+        }
+        if n == 0 {
+            return Err(Fail::Fault);
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_within_this_process_in_pieces_and_probes() {
+        // SAFETY: a plain getter.
+        let me = unsafe { libc::getpid() };
+        let src: Vec<u8> = (0..(3 * PIECE + 5)).map(|i| (i * 7) as u8).collect();
+        assert_eq!(probe(me, src.as_ptr() as u64), Probe::Permitted);
+        assert_eq!(probe(me, 0), Probe::Permitted, "a fault is no refusal");
+        let mut dst = vec![0u8; src.len()];
+        transfer(
+            me,
+            OpKind::Read,
+            dst.as_mut_ptr(),
+            src.as_ptr() as u64,
+            src.len(),
+        )
+        .unwrap();
+        assert_eq!(dst, src);
+        assert_eq!(
+            transfer(me, OpKind::Read, dst.as_mut_ptr(), 8, 4),
+            Err(Fail::Fault)
+        );
+    }
+}
