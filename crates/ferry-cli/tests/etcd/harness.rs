@@ -41,20 +41,32 @@ pub struct EtcdServer {
 
 impl EtcdServer {
     /// Starts etcd on two free loopback ports and waits until it answers.
+    /// A "free" port may be taken by another process's connection before
+    /// etcd binds it: then etcd exits, and this tries fresh ports.
     pub fn start() -> Self {
-        Self::start_on(free_port())
+        Self::start_with(free_port)
     }
 
-    /// Starts etcd with clients on `client_port`.
+    /// Starts etcd with clients on `client_port` (and a free peer port).
     pub fn start_on(client_port: u16) -> Self {
-        let mut server = EtcdServer {
-            child: None,
-            client_port,
-            peer_port: free_port(),
-            data: PathBuf::new(),
-        };
-        server.restart();
-        server
+        Self::start_with(|| client_port)
+    }
+
+    fn start_with(mut client_port: impl FnMut() -> u16) -> Self {
+        let mut failures = Vec::new();
+        for _ in 0..3 {
+            let mut server = EtcdServer {
+                child: None,
+                client_port: client_port(),
+                peer_port: free_port(),
+                data: PathBuf::new(),
+            };
+            match server.launch() {
+                Ok(()) => return server,
+                Err(e) => failures.push(e),
+            }
+        }
+        panic!("etcd did not start in 3 tries: {failures:#?}");
     }
 
     /// The client URL.
@@ -69,11 +81,21 @@ impl EtcdServer {
             let _ = child.wait();
         }
         let _ = std::fs::remove_dir_all(&self.data);
+        let _ = std::fs::remove_file(self.data.with_extension("log"));
     }
 
     /// Starts it again on the same ports with an empty data directory:
     /// whatever was published is gone, as after losing the cluster.
     pub fn restart(&mut self) {
+        if let Err(e) = self.launch() {
+            panic!("etcd restarts: {e}");
+        }
+    }
+
+    /// (Re)starts etcd on this server's ports with an empty data directory
+    /// and waits until it answers; an etcd that exits first (its port was
+    /// taken) is an error carrying the end of its log.
+    fn launch(&mut self) -> Result<(), String> {
         self.kill();
         let etcd = ["/usr/bin/etcd", "/usr/local/bin/etcd"]
             .into_iter()
@@ -85,6 +107,8 @@ impl EtcdServer {
             self.client_port
         ));
         let _ = std::fs::remove_dir_all(&self.data);
+        let log_path = self.data.with_extension("log");
+        let log = std::fs::File::create(&log_path).expect("etcd log file");
         let client = self.url();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let child = Command::new(etcd)
@@ -96,18 +120,31 @@ impl EtcdServer {
             .args(["--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &format!("ferry-test={peer}")])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .expect("etcd starts");
-        self.child = Some(child);
+        let child = self.child.insert(child);
         let addr: SocketAddr = ([127, 0, 0, 1], self.client_port).into();
-        wait_until(Duration::from_secs(20), "etcd listens", || {
-            TcpStream::connect(addr).is_ok()
-        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(addr).is_err() {
+            let exited = child.try_wait().ok().flatten();
+            if exited.is_some() || Instant::now() >= deadline {
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(3).collect();
+                return Err(format!(
+                    "etcd on {client} / {peer}: {}; its log ends {tail:?}",
+                    exited.map_or("not listening within 20 s".into(), |s| format!(
+                        "exited ({s})"
+                    ))
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         // Listening is not serving: wait for an answer.
         wait_until(Duration::from_secs(20), "etcd answers", || {
             ferry_ls(&self.url()).is_some()
         });
+        Ok(())
     }
 }
 
