@@ -17,12 +17,14 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod batch;
 mod connection;
 mod device;
 mod exchange;
 mod info;
 mod notify;
 mod passive;
+mod peers;
 mod report;
 pub mod verbs;
 #[doc(hidden)]
