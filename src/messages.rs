@@ -18,7 +18,7 @@ use kameo::error::SendError;
 use kameo::message::{Context, Message};
 use kameo::reply::DelegatedReply;
 use tokio::time::Instant;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::meters::Submitted;
 use crate::node::Router;
@@ -256,8 +256,12 @@ async fn notify_behind_tcp(
     for (owner, outcome) in result? {
         let peer = owner.endpoint;
         let error = match outcome {
-            Ok(NotifyOutcome::Delivered) => continue,
+            Ok(NotifyOutcome::Delivered) => {
+                notification_path("tcp", "data");
+                continue;
+            }
             Ok(NotifyOutcome::InboxFull) => {
+                notification_path("tcp", "control");
                 waiting.push(owner);
                 continue;
             }
@@ -307,8 +311,15 @@ async fn notify_on_qp(
         &result.as_ref().map(|_| ()).map_err(Clone::clone),
     );
     match result? {
-        QpNotification::Accepted => Ok(()),
+        QpNotification::Accepted => {
+            notification_path("ibverbs", "data");
+            Ok(())
+        }
         QpNotification::NotSent => {
+            // Slower (a round trip after the batch): worth seeing when a
+            // consumer's pace, or the payload size, sends many this way.
+            notification_path("ibverbs", "control");
+            debug!(owner = %owner.endpoint, "notification not sent on the queue pair: over the control session");
             notify_over_control(
                 &router.messages,
                 vec![owner],
@@ -324,6 +335,13 @@ async fn notify_on_qp(
             error: undelivered(owner, error),
         }),
     }
+}
+
+/// Counts a notification a submit sent, by `transport` and the `path` it
+/// took: behind the batch on the data path, or over the control session.
+fn notification_path(transport: &'static str, path: &'static str) {
+    metrics::counter!("ferry_notifications_sent_total", "transport" => transport, "path" => path)
+        .increment(1);
 }
 
 /// A notification the data path failed to carry to `owner`, as the
