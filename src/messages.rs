@@ -176,6 +176,8 @@ async fn submit_with_notification(
     // One owner knows by itself whether the batch succeeded: its
     // notification can follow the data. Several must each hear only once
     // all have succeeded, which the initiator learns first.
+    // The label the notifications below are counted under.
+    let mut transport = "mixed";
     if let [owner] = owners[..] {
         let route = router.route(&ops[0]);
         if ops.iter().all(|op| router.route(op) == route) {
@@ -186,24 +188,28 @@ async fn submit_with_notification(
                 Some(RdmaTransportLevel::Nic) => {
                     return notify_on_qp(router, owner, ops, timeout, notification).await;
                 }
-                _ => {}
+                Some(RdmaTransportLevel::Memory) => transport = "memory",
+                None => {}
             }
         }
     }
     router.submit(ops, timeout).await?;
     // The batch is complete on every owner: now tell them, at once.
-    notify_over_control(messages, owners, notification, deadline, timeout).await
+    notify_over_control(messages, owners, notification, deadline, timeout, transport).await
 }
 
 /// Notifies each of `owners` over its control session, all at once, with
-/// what is left until `deadline` of the submit's `timeout`.
+/// what is left until `deadline` of the submit's `timeout`; counted under
+/// `transport`.
 async fn notify_over_control(
     messages: &Messages,
     owners: Vec<NodeAddr>,
     notification: Bytes,
     deadline: Instant,
     timeout: Duration,
+    transport: &'static str,
 ) -> Result<(), NotifyError> {
+    notification_path(transport, "control", owners.len());
     let left = deadline.saturating_duration_since(Instant::now());
     let notified = futures_util::future::join_all(owners.into_iter().map(|owner| {
         let notification = notification.clone();
@@ -257,11 +263,10 @@ async fn notify_behind_tcp(
         let peer = owner.endpoint;
         let error = match outcome {
             Ok(NotifyOutcome::Delivered) => {
-                notification_path("tcp", "data");
+                notification_path("tcp", "data", 1);
                 continue;
             }
             Ok(NotifyOutcome::InboxFull) => {
-                notification_path("tcp", "control");
                 waiting.push(owner);
                 continue;
             }
@@ -284,7 +289,15 @@ async fn notify_behind_tcp(
         };
         return Err(NotifyError::Notification { owner, error });
     }
-    notify_over_control(&router.messages, waiting, notification, deadline, timeout).await
+    notify_over_control(
+        &router.messages,
+        waiting,
+        notification,
+        deadline,
+        timeout,
+        "tcp",
+    )
+    .await
 }
 
 /// A batch all over ibverbs to one owner: its notification is a SEND on
@@ -312,13 +325,12 @@ async fn notify_on_qp(
     );
     match result? {
         QpNotification::Accepted => {
-            notification_path("ibverbs", "data");
+            notification_path("ibverbs", "data", 1);
             Ok(())
         }
         QpNotification::NotSent => {
             // Slower (a round trip after the batch): worth seeing when a
             // consumer's pace, or the payload size, sends many this way.
-            notification_path("ibverbs", "control");
             debug!(owner = %owner.endpoint, "notification not sent on the queue pair: over the control session");
             notify_over_control(
                 &router.messages,
@@ -326,6 +338,7 @@ async fn notify_on_qp(
                 notification,
                 deadline,
                 timeout,
+                "ibverbs",
             )
             .await
         }
@@ -337,11 +350,12 @@ async fn notify_on_qp(
     }
 }
 
-/// Counts a notification a submit sent, by `transport` and the `path` it
-/// took: behind the batch on the data path, or over the control session.
-fn notification_path(transport: &'static str, path: &'static str) {
+/// Counts `count` notifications a submit sent, by `transport` and the
+/// `path` they took: behind the batch on the data path, or over the control
+/// session (`mixed`: a batch over several transports or owners).
+fn notification_path(transport: &'static str, path: &'static str, count: usize) {
     metrics::counter!("ferry_notifications_sent_total", "transport" => transport, "path" => path)
-        .increment(1);
+        .increment(count as u64);
 }
 
 /// A notification the data path failed to carry to `owner`, as the
