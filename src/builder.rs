@@ -134,6 +134,16 @@ impl NodeBuilder {
         self
     }
 
+    /// How long RDMA transfers under way may go on, while they keep
+    /// completing, after their peer's control session went silent (default
+    /// [`crate::DEFAULT_SILENT_GRACE`], 60 s; see the README's "Liveness").
+    /// Give every node the same value: the owner keeps its end of a queue
+    /// pair this long.
+    pub fn silent_grace(mut self, grace: std::time::Duration) -> Self {
+        self.endpoint.silent_grace = grace;
+        self
+    }
+
     /// The endpoint's whole configuration (limits, control frame size).
     pub fn endpoint_config(mut self, config: EndpointConfig) -> Self {
         self.endpoint = config;

@@ -39,8 +39,8 @@ pub use builder::{ADVERTISE_ENV, DISABLE_IBVERBS_ENV, DISABLE_MEMORY_ENV, NodeBu
 /// The node's endpoint and control plane, for direct use of its sessions.
 pub use ferry_control as control;
 pub use ferry_control::{
-    ConnectionLimits, DEFAULT_PEER_TIMEOUT, Delivery, DeliveryKind, EndpointConfig, Inbox,
-    MessageError, RpcError, RpcRequest,
+    ConnectionLimits, DEFAULT_PEER_TIMEOUT, DEFAULT_SILENT_GRACE, Delivery, DeliveryKind,
+    EndpointConfig, Inbox, MessageError, RpcError, RpcRequest,
 };
 pub use ferry_core::{
     Access, Generation, IbvRemote, LocalSlice, MemoryBlock, NodeAddr, NodeId, OpError, OpKind,

@@ -57,7 +57,8 @@ GUEST_PKGS=(busybox-static iproute2 libibverbs1 ibverbs-providers ibverbs-utils
 QEMU_PKGS=(qemu-system-x86 qemu-system-common qemu-system-data seabios
            libcapstone4 libfdt1 libpmem1 libslirp0 libvdeplug2 libndctl6 libdaxctl1)
 # Kernel modules the guest loads; their dependencies are added automatically.
-MODULES=(rdma_rxe rdma_ucm crc32_generic dummy virtio_pci virtio_net sch_netem)
+MODULES=(rdma_rxe rdma_ucm crc32_generic dummy virtio_pci virtio_net sch_netem
+         sch_prio cls_u32 act_gact)
 # Guest tools copied from the extracted packages (with their libraries).
 GUEST_TOOLS=(usr/bin/ibv_devinfo usr/bin/ibv_devices usr/bin/ibv_rc_pingpong
              usr/bin/ib_write_bw usr/bin/ib_read_bw usr/bin/ib_send_bw usr/bin/ib_atomic_bw

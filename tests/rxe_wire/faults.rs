@@ -1,15 +1,15 @@
 //! Faults of the wire and of the owner: a 3 s flap during a long read, a
-//! long outage, and `kill -9` of the owner. Each ends in completed,
-//! verified transfers or in a typed error within a stated bound, and the
-//! next transfer works.
+//! long outage, TCP alone blocked under a long read, and `kill -9` of the
+//! owner. Each ends in completed, verified transfers or in a typed error
+//! within a stated bound, and the next transfer works.
 
 use std::time::{Duration, Instant};
 
 use ferry::prelude::*;
 
-use crate::common::PeerRegion;
+use crate::common::{PEER_TIMEOUT_ENV, PeerRegion, SILENT_GRACE_ENV};
 use crate::peer::{RemotePeer, Wire};
-use crate::{STEP, is_peer_lost, is_unfinished, ops, rdma_node};
+use crate::{STEP, is_peer_lost, is_unfinished, ops, rdma_node, rdma_node_with};
 
 /// The owner's region the faults hit.
 const REGION: u64 = 1 << 20;
@@ -153,4 +153,116 @@ async fn kill_9_of_the_owner_is_a_typed_error_within_2_seconds() {
     eprintln!("kill -9: {error} {took:?} after the kill");
     assert!(is_peer_lost(&error), "the owner is reported lost: {error}");
     assert!(took <= KILLED_PEER_BOUND, "{error} {took:?} after the kill");
+}
+
+/// Both nodes' peer timeout in the silent-session test: short, so that
+/// their sessions go silent early in the long batch.
+const SHORT_PEER_TIMEOUT: Duration = Duration::from_secs(2);
+/// Both nodes' silent grace there: longer than the batch, whatever TCG's
+/// speed today.
+const LONG_SILENT_GRACE: Duration = Duration::from_secs(40);
+/// How long the long batch should take, at the rate measured before it.
+const LONG_BATCH: Duration = Duration::from_secs(12);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs two VMs: run by tests/rxe/wire-tests.sh"]
+async fn reads_still_completing_outlive_a_silent_control_session() {
+    let wire = Wire::clean();
+    let node = rdma_node_with(|builder| {
+        builder
+            .peer_timeout(SHORT_PEER_TIMEOUT)
+            .silent_grace(LONG_SILENT_GRACE)
+    })
+    .await;
+    let mut owner = RemotePeer::start_with(&[
+        (PEER_TIMEOUT_ENV, SHORT_PEER_TIMEOUT.as_millis().to_string()),
+        (SILENT_GRACE_ENV, LONG_SILENT_GRACE.as_millis().to_string()),
+    ])
+    .await;
+    let region = owner
+        .process
+        .alloc(REGION as usize, Access::ReadWrite, 8)
+        .await;
+    let back = node.alloc(REGION, Access::ReadWrite).await.unwrap();
+    // Connects, then times reads of the region to size the long batch.
+    read_and_check(&node, &back, &region, STEP).await.unwrap();
+    let timed = Instant::now();
+    for _ in 0..8 {
+        read_and_check(&node, &back, &region, STEP).await.unwrap();
+    }
+    let per_round = timed.elapsed() / 8;
+    let rounds = (LONG_BATCH.as_secs_f64() / per_round.as_secs_f64()).ceil() as usize;
+    let batch: Vec<RdmaOp> = (0..rounds)
+        .flat_map(|_| ops(&back, &region.handle, PIECE, false))
+        .collect();
+    // The session the queue pair was set up over: it goes silent under
+    // the batch.
+    let session = node
+        .endpoint()
+        .session(region.handle.owner(), STEP)
+        .await
+        .unwrap();
+    let ended = tokio::spawn(async move {
+        session.closed().await;
+        (Instant::now(), session.went_silent())
+    });
+
+    // TCP, and so both control sessions, blocked 1 s into the batch; RoCE
+    // (UDP) goes on.
+    let started = Instant::now();
+    let block = async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        tokio::task::block_in_place(|| wire.block_tcp());
+    };
+    let (result, ()) = tokio::join!(node.submit(batch, STEP), block);
+    let finished = Instant::now();
+    result.unwrap_or_else(|e| {
+        panic!(
+            "{rounds} reads of the region, TCP blocked: {e} after {:?}",
+            started.elapsed()
+        )
+    });
+    assert!(
+        back.to_vec() == region.original(),
+        "the reads brought other bytes"
+    );
+    assert!(
+        ended.is_finished(),
+        "the control session was still open when the batch ended, {:?} in: \
+         too soon to show anything (raise LONG_BATCH)",
+        started.elapsed()
+    );
+    let (silent_at, went_silent) = ended.await.unwrap();
+    assert!(went_silent, "the session was closed, not silent");
+    let outlived = finished.saturating_duration_since(silent_at);
+    eprintln!(
+        "silent session: {rounds} rounds of {per_round:?}, session silent {:?} in, \
+         batch done {outlived:?} later",
+        silent_at - started
+    );
+    // Past a peer timeout without progress the initiator would have failed
+    // its queue pair: had the owner destroyed its end when its own session
+    // went silent, the batch could not have finished this late.
+    assert!(
+        outlived >= SHORT_PEER_TIMEOUT + Duration::from_secs(1),
+        "the batch ended only {outlived:?} after the session went silent: too soon to \
+         show that it outlives it (raise LONG_BATCH)"
+    );
+
+    // New work needs a new session, which the block prevents.
+    let deadline = Duration::from_secs(5);
+    let tried = Instant::now();
+    let error = read_and_check(&node, &back, &region, deadline)
+        .await
+        .expect_err("a read needing a new session while TCP is blocked");
+    assert!(is_unfinished(&error), "a typed error: {error}");
+    assert!(
+        tried.elapsed() <= deadline + REPORT_SLACK,
+        "{error} after {:?}",
+        tried.elapsed()
+    );
+    wire.heal();
+    read_and_check(&node, &back, &region, STEP)
+        .await
+        .unwrap_or_else(|e| panic!("the same owner once TCP flows again: {e}"));
 }

@@ -37,13 +37,16 @@ fn ferry_peer() {
 /// This VM's node, RDMA only (the suite is about the wire), listening on
 /// the wire's address so that the peer can reach it too (notifications).
 async fn rdma_node() -> Node {
+    rdma_node_with(|builder| builder).await
+}
+
+/// [`rdma_node`], its builder adjusted by `configure` first.
+async fn rdma_node_with(configure: impl FnOnce(NodeBuilder) -> NodeBuilder) -> Node {
     let ip = std::env::var("FERRY_RXE_IP").unwrap_or_else(|_| "127.0.0.1".into());
     let listen = format!("{ip}:0")
         .parse()
         .expect("FERRY_RXE_IP is an IP address");
-    let node = Node::builder()
-        .memory(false)
-        .listen(listen)
+    let node = configure(Node::builder().memory(false).listen(listen))
         .spawn()
         .await
         .unwrap();

@@ -70,6 +70,11 @@ pub struct RemotePeer {
 
 impl RemotePeer {
     pub async fn start() -> RemotePeer {
+        Self::start_with(&[]).await
+    }
+
+    /// A peer whose process gets these environment variables too.
+    pub async fn start_with(env: &[(&str, String)]) -> RemotePeer {
         static NEXT_PORT: AtomicU16 = AtomicU16::new(7001);
         let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed);
         let exe = std::env::current_exe().unwrap();
@@ -82,7 +87,10 @@ impl RemotePeer {
             format!("echo $$ > /tmp/peer-{port}.pid"),
             format!("exec 2>> /tmp/peer-{port}.log"),
             format!(
-                "export FERRY_TEST_PEER=1 FERRY_TEST_LISTEN={peer_ip}:0 FERRY_DISABLE_MEMORY=1"
+                "export FERRY_TEST_PEER=1 FERRY_TEST_LISTEN={peer_ip}:0 FERRY_DISABLE_MEMORY=1{}",
+                env.iter()
+                    .map(|(var, value)| format!(" {var}={value}"))
+                    .collect::<String>()
             ),
             format!("exec {exe} --exact ferry_peer --nocapture --test-threads=1"),
         ]
@@ -149,6 +157,17 @@ impl Wire {
         self.loss(100.0);
     }
 
+    /// Drops every TCP packet each way and nothing else: the nodes'
+    /// control sessions go silent while RoCE v2 (UDP) still flows, as
+    /// behind a firewall rule that blocks the control port.
+    pub fn block_tcp(&self) {
+        both(&format!(
+            "/usr/bin/tc qdisc replace dev {WIRE} root handle 1: prio && \
+             /usr/bin/tc filter add dev {WIRE} parent 1: protocol ip prio 1 \
+             u32 match ip protocol 6 0xff action drop"
+        ));
+    }
+
     /// Heals the wire.
     pub fn heal(&self) {
         clear();
@@ -171,7 +190,7 @@ impl Drop for Wire {
     }
 }
 
-/// No netem and both ends up, whatever was set before.
+/// No netem, no filter, and both ends up, whatever was set before.
 fn clear() {
     let cmd = format!(
         "/usr/bin/tc qdisc del dev {WIRE} root 2>/dev/null; /usr/bin/ip link set {WIRE} up"

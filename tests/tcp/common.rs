@@ -29,6 +29,10 @@ pub const PEER_ENV: &str = "FERRY_TEST_PEER";
 pub const LISTEN_ENV: &str = "FERRY_TEST_LISTEN";
 /// The peer node's name (`NodeBuilder::name`); none by default.
 pub const NAME_ENV: &str = "FERRY_TEST_NAME";
+/// The peer node's peer timeout and silent grace, in milliseconds
+/// (`NodeBuilder::peer_timeout`, `silent_grace`); the defaults if unset.
+pub const PEER_TIMEOUT_ENV: &str = "FERRY_TEST_PEER_TIMEOUT_MS";
+pub const SILENT_GRACE_ENV: &str = "FERRY_TEST_SILENT_GRACE_MS";
 const PREFIX: &str = "FERRY ";
 /// A peer's answer to every command when its node did not start.
 const SPAWN_FAILED: &str = "spawn-failed ";
@@ -361,6 +365,20 @@ pub fn peer_main() {
         }
         if let Some(name) = std::env::var_os(NAME_ENV) {
             builder = builder.name(name.to_string_lossy());
+        }
+        let millis = |var: &str| {
+            std::env::var(var).ok().map(|ms| {
+                Duration::from_millis(
+                    ms.parse()
+                        .unwrap_or_else(|_| panic!("{var}={ms:?} is not milliseconds")),
+                )
+            })
+        };
+        if let Some(timeout) = millis(PEER_TIMEOUT_ENV) {
+            builder = builder.peer_timeout(timeout);
+        }
+        if let Some(grace) = millis(SILENT_GRACE_ENV) {
+            builder = builder.silent_grace(grace);
         }
         let node = match builder.spawn().await {
             Ok(node) => node,

@@ -111,6 +111,9 @@ struct Liveness {
     peer_timeout_s: f64,
     /// Keepalive probes of an idle control connection, this far apart.
     keepalive_interval_s: f64,
+    /// After a control session went silent, RDMA transfers under way may
+    /// go on this long while they keep completing (`serve --silent-grace`).
+    silent_grace_s: f64,
 }
 
 #[derive(Serialize)]
@@ -153,6 +156,7 @@ async fn info() -> Result<Info, Failure> {
         liveness: Liveness {
             peer_timeout_s: ferry::DEFAULT_PEER_TIMEOUT.as_secs_f64(),
             keepalive_interval_s: (ferry::DEFAULT_PEER_TIMEOUT.as_secs() / 5).max(1) as f64,
+            silent_grace_s: ferry::DEFAULT_SILENT_GRACE.as_secs_f64(),
         },
         devices: describe_devices().unwrap_or_default(),
     })
@@ -176,8 +180,9 @@ fn print_info(info: &Info) {
     let liveness = &info.liveness;
     println!(
         "liveness: a peer silent for {} s is lost (keepalive probes every {} s when idle); \
-         a peer process that dies is seen at once",
-        liveness.peer_timeout_s, liveness.keepalive_interval_s
+         a peer process that dies is seen at once; RDMA transfers still completing go on \
+         for up to {} s after that",
+        liveness.peer_timeout_s, liveness.keepalive_interval_s, liveness.silent_grace_s
     );
     if info.devices.is_empty() {
         println!("RDMA devices: none");

@@ -60,6 +60,10 @@ pub struct ServeArgs {
     /// it is declared lost (see `ferry info`, and the README's "Liveness").
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub peer_timeout: Option<u64>,
+    /// Seconds RDMA transfers under way may go on, while they keep
+    /// completing, after their peer's control session went silent.
+    #[arg(long)]
+    pub silent_grace: Option<u64>,
     /// Also stop when stdin closes (for a parent process that pipes it).
     #[arg(long)]
     pub stdin: bool,
@@ -86,6 +90,9 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
         .ibverbs(!args.no_ibverbs);
     if let Some(secs) = args.peer_timeout {
         builder = builder.peer_timeout(std::time::Duration::from_secs(secs));
+    }
+    if let Some(secs) = args.silent_grace {
+        builder = builder.silent_grace(std::time::Duration::from_secs(secs));
     }
     if let Some(advertise) = args.advertise {
         builder = builder.advertise(advertise);

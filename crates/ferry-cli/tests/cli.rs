@@ -101,6 +101,15 @@ fn info_json_lists_the_transports_that_can_start_here() {
             .unwrap()
     };
     assert_eq!(transport("tcp")["available"], true);
+    let liveness = &info["liveness"];
+    assert_eq!(
+        liveness["peer_timeout_s"],
+        ferry::DEFAULT_PEER_TIMEOUT.as_secs_f64()
+    );
+    assert_eq!(
+        liveness["silent_grace_s"],
+        ferry::DEFAULT_SILENT_GRACE.as_secs_f64()
+    );
     let ibverbs = transport("ibverbs");
     let devices = info["devices"].as_array().unwrap();
     if in_rxe_vm() {

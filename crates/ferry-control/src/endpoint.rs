@@ -44,6 +44,13 @@ pub struct EndpointConfig {
     /// that dies on a live host is seen at once: its kernel closes the
     /// connection.
     pub peer_timeout: std::time::Duration,
+    /// After a session went silent, how long a data plane may go on with
+    /// the transfers it had under way over it while they keep completing:
+    /// the path works for them, only the session's does not (TCP blocked,
+    /// say). Both ends keep to it: the owner of memory cannot see one-sided
+    /// transfers complete, so it keeps its end of a queue pair this long.
+    /// Give every node the same value.
+    pub silent_grace: std::time::Duration,
 }
 
 impl Default for EndpointConfig {
@@ -53,6 +60,7 @@ impl Default for EndpointConfig {
             max_frame: DEFAULT_MAX_FRAME,
             max_requests_in_flight: 64,
             peer_timeout: crate::socket::DEFAULT_PEER_TIMEOUT,
+            silent_grace: crate::socket::DEFAULT_SILENT_GRACE,
         }
     }
 }

@@ -39,7 +39,7 @@ pub use inbox::{
 pub use limits::ConnectionLimits;
 pub use rpc::{Rpc, RpcError, RpcRequest};
 pub use session::{Request, ServiceFuture, Session};
-pub use socket::DEFAULT_PEER_TIMEOUT;
+pub use socket::{DEFAULT_PEER_TIMEOUT, DEFAULT_SILENT_GRACE};
 
 /// A service handler's failure, sent to the caller as its message.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -81,6 +81,7 @@ struct Inner {
     /// peer timeout (ETIMEDOUT), rather than being closed or reset.
     went_silent: AtomicBool,
     peer_timeout: Duration,
+    silent_grace: Duration,
 }
 
 impl std::fmt::Debug for Session {
@@ -134,6 +135,13 @@ impl Session {
     /// declared lost ([`crate::EndpointConfig::peer_timeout`]).
     pub fn peer_timeout(&self) -> Duration {
         self.0.peer_timeout
+    }
+
+    /// How long after this session [went silent](Self::went_silent) a data
+    /// path set up over it may go on with the work it had under way
+    /// ([`crate::EndpointConfig::silent_grace`]).
+    pub fn silent_grace(&self) -> Duration {
+        self.0.silent_grace
     }
 
     /// Ends the session now; requests in flight fail with `SessionClosed`.
@@ -342,6 +350,7 @@ pub(crate) async fn start(
         closed: shared.shutdown.child_token(),
         went_silent: AtomicBool::new(false),
         peer_timeout: shared.config.peer_timeout,
+        silent_grace: shared.config.silent_grace,
     });
     let session = Session(inner.clone());
     debug!(peer = %peer.endpoint, node = %peer.id, id = inner.id, version, "control session open");

@@ -12,6 +12,12 @@ use tokio::net::TcpStream;
 /// ([`crate::EndpointConfig::peer_timeout`]).
 pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// How long a data plane may go on with work it had under way when its
+/// control session went silent, while that work keeps completing, unless a
+/// node is configured otherwise ([`crate::EndpointConfig::silent_grace`]):
+/// three default peer timeouts.
+pub const DEFAULT_SILENT_GRACE: Duration = Duration::from_secs(60);
+
 /// Sets TCP_NODELAY and the default liveness ([`set_liveness`] with
 /// [`DEFAULT_PEER_TIMEOUT`]).
 pub fn configure(stream: &TcpStream) -> io::Result<()> {

@@ -169,7 +169,7 @@ impl Message<TransportInfo> for IbvManagerActor {
             .peers
             .all()
             .into_iter()
-            .filter(|q| !q.is_broken())
+            .filter(|q| q.is_usable())
             .collect();
         let regions = shared
             .registry

@@ -125,6 +125,10 @@ pub(crate) struct PeerQp {
     inflight: Mutex<Inflight>,
     /// Mirrors `Inflight::broken.is_some()`, for a lock-free check per submit.
     broken: AtomicBool,
+    /// Set once the control session ended silently while work was under
+    /// way: that work goes on, new submits get a fresh QP (see
+    /// `exchange::watch_session`).
+    retiring: AtomicBool,
     next_wr_id: AtomicU64,
     /// Sessions polling the CQ themselves right now (see [`QpSession`]).
     inline_pollers: AtomicUsize,
@@ -602,6 +606,7 @@ impl PeerQp {
             max_credits: credits,
             inflight: Mutex::new(Inflight::default()),
             broken: AtomicBool::new(false),
+            retiring: AtomicBool::new(false),
             next_wr_id: AtomicU64::new(0),
             inline_pollers: AtomicUsize::new(0),
             poller_wake: Notify::new(),
@@ -623,6 +628,17 @@ impl PeerQp {
     /// new work may let it go.
     pub(crate) fn drained(&self) -> &CancellationToken {
         &self.drained
+    }
+
+    /// Takes no new submits from now on (`is_usable` turns false); work
+    /// already under way goes on.
+    pub(crate) fn retire(&self) {
+        self.retiring.store(true, Ordering::Release);
+    }
+
+    /// Whether new submits may use this QP: neither broken nor retiring.
+    pub(crate) fn is_usable(&self) -> bool {
+        !self.is_broken() && !self.retiring.load(Ordering::Acquire)
     }
 
     /// Whether work posted on this QP is still outstanding.

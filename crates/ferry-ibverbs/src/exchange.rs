@@ -2,7 +2,8 @@
 //! the nodes' control session. The initiator sends its QP's details; the
 //! owner creates a QP dedicated to that initiator (`passive`), answers with
 //! its details and its notification receive buffers, and keeps it for as
-//! long as the session lives.
+//! long as the session lives (and, if the session went silent, for the
+//! session's silent grace).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -103,24 +104,33 @@ pub(crate) async fn connect(
 /// - closed or reset by the peer (its process died): at once;
 /// - the peer went silent for the peer timeout (its host or the path is
 ///   down, or every keepalive probe was lost): at once if the QP is idle or
-///   has completed nothing for that long; otherwise its transfers are still
-///   completing, the path works for them, and the QP goes on until it is
-///   idle or stalls for the peer timeout. Each transfer's own deadline
-///   bounds it meanwhile.
+///   has completed nothing for that long. Otherwise its transfers are still
+///   completing, the path works for them, and they go on: the QP retires
+///   (new submits get a fresh one, over a new session) and is failed once
+///   idle, once it stalls for the peer timeout, or at the session's silent
+///   grace, after which the owner lets its end go (`passive::accept`).
+///   Each transfer's own deadline bounds it meanwhile.
 async fn watch_session(conn: std::sync::Weak<PeerQp>, session: Session, closed: CancellationToken) {
     tokio::select! {
         _ = closed.cancelled() => return,
         _ = session.closed() => {}
     }
     let peer_timeout = session.peer_timeout();
+    let grace_ends = Instant::now() + session.silent_grace();
     loop {
         let Some(qp) = conn.upgrade() else { return };
-        let progressing =
-            session.went_silent() && qp.is_busy() && qp.since_progress() < peer_timeout;
+        let progressing = session.went_silent()
+            && qp.is_busy()
+            && qp.since_progress() < peer_timeout
+            && Instant::now() < grace_ends;
         if !progressing {
             let endpoint = qp.peer().endpoint;
             qp.break_with(OpError::ConnectionLost { endpoint });
             return;
+        }
+        if qp.is_usable() {
+            debug!(peer = %qp.peer().endpoint, qpn = qp.qpn(), "control session went silent with transfers completing: they go on, new ones get a new queue pair");
+            qp.retire();
         }
         drop(qp);
         tokio::select! {

@@ -37,7 +37,9 @@ const DRAIN_DEADLINE: Duration = Duration::from_secs(1);
 
 /// The owner's queue pairs, one per control session that asked for one. A
 /// new exchange on the same session (the initiator's QP failed and it
-/// reconnects) replaces it; the session's end destroys it.
+/// reconnects) replaces it; the session's end destroys it: at once if the
+/// peer closed or reset it, after the session's silent grace if the peer
+/// went silent.
 #[derive(Default)]
 pub(crate) struct PassiveQps(Mutex<HashMap<u64, Arc<PassiveQp>>>);
 
@@ -193,10 +195,20 @@ pub(crate) async fn accept(
         Some(old) => old.retired.cancel(),
         None => {
             // The first QP of this session: it (and any that replaces it)
-            // lives until the session ends.
+            // lives until the session ends, or its silent grace after that.
             let passive = Arc::downgrade(&passive);
             tokio::spawn(async move {
                 session.closed().await;
+                if session.went_silent() {
+                    // The initiator may still be reading or writing through
+                    // it (see `exchange::watch_session`); one-sided work
+                    // shows nothing here, so wait as long as it may go on.
+                    // Deregistering a region, not this, is what ends access
+                    // to its memory.
+                    let grace = session.silent_grace();
+                    debug!(node = %session.peer().id, ?grace, "control session went silent: its queue pair stays for the grace");
+                    tokio::time::sleep(grace).await;
+                }
                 let qp = passive
                     .upgrade()
                     .and_then(|p| p.lock().remove(&session.id()));

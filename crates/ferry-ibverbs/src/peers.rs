@@ -39,8 +39,9 @@ impl Peers {
     /// The usable QP to `peer`, if there is one.
     pub(crate) fn connected(&self, peer: NodeAddr) -> Option<Arc<PeerQp>> {
         let qp = self.lock().get(&peer)?.connected.clone()?;
-        // A broken QP drains on its own; the next op gets a fresh one.
-        (!qp.is_broken()).then_some(qp)
+        // A broken QP drains on its own, a retiring one finishes the work
+        // it has; the next op gets a fresh one.
+        qp.is_usable().then_some(qp)
     }
 
     /// The QP to `peer`, connected (by `deadline`) if there is none.
