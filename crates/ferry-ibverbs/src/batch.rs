@@ -13,11 +13,12 @@ use tokio::time::Instant;
 use tracing::{Instrument, debug, debug_span};
 
 use crate::backend::Registry;
-use crate::connection::{self, Piece, Pin, QpSession};
+use crate::connection::{Piece, Pin};
 use crate::device::Device;
 use crate::notify::{PendingNotification, QpNotification, attach_notification};
 use crate::passive::PassiveQps;
 use crate::peers::Peers;
+use crate::qp_session::{QpSession, spin_until_done};
 use crate::verbs::{RdmaOpcode, WorkRequest};
 
 /// How long a submitting task polls for its own completions before it waits
@@ -229,7 +230,7 @@ impl Shared {
                     .map(|s| s.qp().poll_now())
                     .sum()
             };
-            connection::spin_until_done(spin_until, poll, || progress.is_done());
+            spin_until_done(spin_until, poll, || progress.is_done());
             groups.iter_mut().for_each(|g| g.session = None);
             progress.all_done().await;
         };
@@ -278,7 +279,7 @@ impl Shared {
         let session = group.session.insert(QpSession::new(qp));
         session.start_polling();
         session.post_now(&mut group.pieces, progress)
-            && connection::spin_until_done(
+            && spin_until_done(
                 spin_until,
                 || session.qp().poll_now(),
                 || progress.is_done(),

@@ -22,7 +22,6 @@ use ferry_core::{BatchProgress, NodeAddr, OpError, Region};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{Notify, Semaphore};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
@@ -35,7 +34,7 @@ use crate::verbs::{
 /// fewer completions to poll, credits still returned steadily.
 const SIGNAL_EVERY: usize = 16;
 /// Most work requests posted with one doorbell.
-const MAX_POST: usize = 64;
+pub(crate) const MAX_POST: usize = 64;
 /// Empty polls (each a yield to the runtime) the poller makes, while work is
 /// outstanding, before it arms the CQ and sleeps: while completions of a long
 /// batch follow each other closely the CQ stays unarmed, so they raise no
@@ -119,9 +118,9 @@ impl Inflight {
 pub(crate) struct PeerQp {
     peer: NodeAddr,
     qp: QueuePair,
-    credits: Semaphore,
+    pub(crate) credits: Semaphore,
     /// All credits: fewer are available exactly while work is outstanding.
-    max_credits: usize,
+    pub(crate) max_credits: usize,
     inflight: Mutex<Inflight>,
     /// Mirrors `Inflight::broken.is_some()`, for a lock-free check per submit.
     broken: AtomicBool,
@@ -130,11 +129,11 @@ pub(crate) struct PeerQp {
     /// `exchange::watch_session`).
     retiring: AtomicBool,
     next_wr_id: AtomicU64,
-    /// Sessions polling the CQ themselves right now (see [`QpSession`]).
-    inline_pollers: AtomicUsize,
+    /// Sessions polling the CQ themselves right now (see `QpSession`).
+    pub(crate) inline_pollers: AtomicUsize,
     /// Wakes the poller task when the last inline poller leaves with work
     /// still outstanding.
-    poller_wake: Notify,
+    pub(crate) poller_wake: Notify,
     /// Cancelled when the QP is broken: stops the control-stream watcher,
     /// which closes the stream and so lets the peer destroy its QP.
     closed: CancellationToken,
@@ -147,167 +146,6 @@ pub(crate) struct PeerQp {
     /// When a completion was last applied (or the QP started): the
     /// data plane's own sign that the path to the peer works.
     progressed_at: Mutex<std::time::Instant>,
-}
-
-/// One submitter's use of a QP: it posts its pieces through this and, while
-/// the session is polling, polls the CQ for its completions itself (see
-/// `Shared::run`). While any session polls, the poller task keeps the CQ
-/// unarmed and sleeps, so completions raise no channel event and wake no
-/// other thread, and the two never contend for the CQ or the in-flight lock.
-/// The last session to stop polling hands whatever is still outstanding back
-/// to the poller task.
-pub(crate) struct QpSession {
-    qp: Arc<PeerQp>,
-    polling: bool,
-}
-
-impl QpSession {
-    pub fn new(qp: Arc<PeerQp>) -> Self {
-        QpSession { qp, polling: false }
-    }
-
-    pub fn qp(&self) -> &Arc<PeerQp> {
-        &self.qp
-    }
-
-    pub fn is_polling(&self) -> bool {
-        self.polling
-    }
-
-    /// Start before posting, so that the poller task stands aside before
-    /// the first completion can arrive.
-    pub fn start_polling(&mut self) {
-        if !self.polling {
-            self.polling = true;
-            self.qp.inline_pollers.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    pub fn stop_polling(&mut self) {
-        if !self.polling {
-            return;
-        }
-        self.polling = false;
-        let qp = &self.qp;
-        let outstanding = || qp.credits.available_permits() < qp.max_credits;
-        if qp.inline_pollers.fetch_sub(1, Ordering::SeqCst) == 1 && outstanding() {
-            // A stored permit if the poller is not waiting yet: no lost wake-up.
-            qp.poller_wake.notify_one();
-        }
-    }
-
-    /// Posts all of `pieces` with one doorbell, if they fit in one and
-    /// credits for all of them are free right now; returns whether it did.
-    /// Otherwise (a full provider queue included) they stay in `pieces`.
-    pub fn post_now(&mut self, pieces: &mut Vec<Piece>, progress: &Arc<BatchProgress>) -> bool {
-        let count = pieces.len();
-        if count > MAX_POST {
-            return false;
-        }
-        let Ok(permits) = self.qp.credits.try_acquire_many(count as u32) else {
-            return false;
-        };
-        permits.forget();
-        let mut pending: VecDeque<Piece> = std::mem::take(pieces).into();
-        let posted = self.qp.post_front(&mut pending, count, progress);
-        if !posted {
-            *pieces = pending.into();
-        }
-        posted
-    }
-
-    /// Posts `pieces` in order, as linked lists of at most `MAX_POST`
-    /// requests, waiting for send-queue credits as needed until `deadline`.
-    /// Out of credits while polling, the submitter polls for the completions
-    /// that return them itself until `spin_until`, then stops polling and
-    /// leaves them to the poller task. Pieces that cannot be posted are
-    /// reported to `progress`.
-    pub async fn post_all(
-        &mut self,
-        pieces: Vec<Piece>,
-        progress: &Arc<BatchProgress>,
-        spin_until: Instant,
-        deadline: Instant,
-    ) {
-        let qp = self.qp.clone();
-        let credits = &qp.credits;
-        let mut pending: VecDeque<Piece> = pieces.into();
-        while !pending.is_empty() {
-            if progress.is_abandoned() {
-                return;
-            }
-            // At least one credit, then whatever else is free right now.
-            // Only wait (and arm a timer) when none is free.
-            if self.polling && credits.available_permits() == 0 {
-                spin_until_done(
-                    spin_until,
-                    || qp.poll_now(),
-                    || credits.available_permits() > 0,
-                );
-            }
-            match credits.try_acquire() {
-                Ok(permit) => permit.forget(),
-                Err(_) => {
-                    self.stop_polling();
-                    // Boxed: rarely needed, and large.
-                    match Box::pin(tokio::time::timeout_at(deadline, credits.acquire())).await {
-                        Ok(Ok(permit)) => permit.forget(),
-                        // Deadline passed or semaphore closed: the caller's
-                        // timeout path accounts for the pieces never posted.
-                        _ => return,
-                    }
-                }
-            }
-            let mut count = 1;
-            let more = (pending.len().min(MAX_POST) - 1).min(credits.available_permits());
-            if more > 0
-                && let Ok(permits) = credits.try_acquire_many(more as u32)
-            {
-                permits.forget();
-                count += more;
-            }
-            if !qp.post_front(&mut pending, count, progress) {
-                // The send queue was momentarily full: the pieces are back at
-                // the front of `pending`, to be retried once completions have
-                // had a chance to drain it.
-                if Instant::now() >= deadline {
-                    return;
-                }
-                tokio::task::yield_now().await;
-            }
-        }
-    }
-}
-
-/// Calls `poll` (which returns how many completions it applied) until
-/// `done()`, until `until` has passed, or until the thread's lender wants it
-/// back; returns `done()`. The clock is read only every 64 polls: where it
-/// is slow to read (an emulated HPET), reading it each time cost more than
-/// polling.
-pub(crate) fn spin_until_done(
-    until: Instant,
-    mut poll: impl FnMut() -> usize,
-    mut done: impl FnMut() -> bool,
-) -> bool {
-    let mut polls = 0u32;
-    while !done() {
-        // A thread lent by the node's actor goes back as soon as another
-        // message waits for it (see `ferry_core::inline`).
-        if polls % 64 == 63 && (Instant::now() >= until || ferry_core::inline::wanted_back()) {
-            return false;
-        }
-        polls = polls.wrapping_add(1);
-        if poll() == 0 {
-            std::hint::spin_loop();
-        }
-    }
-    true
-}
-
-impl Drop for QpSession {
-    fn drop(&mut self) {
-        self.stop_polling();
-    }
 }
 
 /// The completion channel's fd for tokio's reactor. Owning the channel means
@@ -376,7 +214,7 @@ impl PeerQp {
     /// happen even within our credits: a provider may report a completion a
     /// moment before it frees the send-queue slot (soft-RoCE does). Any other
     /// refusal fails the QP.
-    fn post_front(
+    pub(crate) fn post_front(
         &self,
         pending: &mut VecDeque<Piece>,
         count: usize,
@@ -510,7 +348,7 @@ impl PeerQp {
 
     /// Polls the CQ until the QP is broken and drained: busy for a short
     /// window after activity, then asleep on the completion channel. While a
-    /// submitter polls inline ([`QpSession`]) it sleeps with the CQ
+    /// submitter polls inline ([`QpSession`](crate::qp_session::QpSession)) it sleeps with the CQ
     /// unarmed instead. Correctness does not depend on that hand-off: the CQ
     /// is thread safe and completions are applied under the in-flight lock,
     /// so both may poll at once.

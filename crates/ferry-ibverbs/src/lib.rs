@@ -25,6 +25,7 @@ mod info;
 mod notify;
 mod passive;
 mod peers;
+mod qp_session;
 mod report;
 pub mod verbs;
 #[doc(hidden)]

@@ -100,7 +100,7 @@ pub enum RdmaOpcode {
 /// One work request, as ferry posts it.
 #[derive(Clone, Copy, Debug)]
 pub struct WorkRequest {
-    /// Returned in the request's [`Completion`].
+    /// Returned in the request's [`Completion`](super::Completion).
     pub wr_id: u64,
     /// Read or write.
     pub opcode: RdmaOpcode,
