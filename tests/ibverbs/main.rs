@@ -17,7 +17,7 @@ mod workers;
 
 use std::time::{Duration, Instant};
 
-use common::{PeerProcess, PeerRegion, digest, forge, pattern};
+use common::{PeerProcess, digest, forge, pattern, reads_back};
 use ferry::prelude::*;
 use ferry::{RdmaTransportLevel, ibverbs};
 
@@ -390,7 +390,7 @@ async fn peer_killed_mid_transfer_fails_before_the_deadline_and_a_restarted_peer
     let mut peer = PeerProcess::spawn().await;
     let target = peer.alloc(4096, Access::ReadWrite, 5).await;
     let back = node.alloc(4096, Access::ReadWrite).await.unwrap();
-    reads_back(&node, &back, &target).await;
+    reads_back(&node, &back, &target, DEADLINE).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -554,16 +554,4 @@ async fn a_write_posted_through_the_raw_handles_lands() {
     )
     .await
     .unwrap();
-}
-
-/// Reads all of `target` into `back` (both 4 KiB) and asserts it holds the
-/// peer's bytes: the check that a peer's queue pair still works.
-async fn reads_back(node: &Node, back: &Region, target: &PeerRegion) {
-    node.submit(
-        vec![RdmaOp::read(back.whole(), target.handle.clone())],
-        DEADLINE,
-    )
-    .await
-    .unwrap();
-    assert!(back.to_vec() == target.original());
 }

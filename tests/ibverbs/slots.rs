@@ -4,8 +4,8 @@ use std::time::{Duration, Instant};
 
 use ferry::prelude::*;
 
-use crate::common::PeerProcess;
-use crate::{DEADLINE, rdma_node, reads_back};
+use crate::common::{PeerProcess, reads_back};
+use crate::{DEADLINE, rdma_node};
 
 /// Waits (up to 10 s) for `node` to hold queue-pair slots for exactly
 /// `count` peers; returns how many it holds.
@@ -32,7 +32,7 @@ async fn queue_pair_slots_go_with_their_peers() {
     }
     let back = node.alloc(4096, Access::ReadWrite).await.unwrap();
     for (_, target) in &peers {
-        reads_back(&node, &back, target).await;
+        reads_back(&node, &back, target, DEADLINE).await;
     }
     assert_eq!(node.peer_tables().ibverbs_peers, 3);
 
@@ -63,7 +63,7 @@ async fn queue_pair_slots_go_with_their_peers() {
 
     // The survivor's queue pair is untouched and still works.
     let (peer, target) = &mut peers[2];
-    reads_back(&node, &back, target).await;
+    reads_back(&node, &back, target, DEADLINE).await;
     peer.kill().await;
     assert_eq!(qp_slots_settle(&node, 0).await, 0, "slot of the last peer");
 }

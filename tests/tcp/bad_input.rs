@@ -12,7 +12,7 @@ use ferry::tcp::frame::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::common::{PeerProcess, PeerRegion, digest, forge, pattern};
+use crate::common::{PeerProcess, PeerRegion, digest, forge, pattern, reads_back};
 
 const DEADLINE: Duration = Duration::from_secs(20);
 const LEN: usize = 64 * 1024;
@@ -215,13 +215,7 @@ async fn writes_through_read_only_handles_are_refused() {
     assert_untouched(&mut peer, &rw, &local).await;
 
     // Reading through a read-only handle is allowed.
-    node.submit(
-        vec![RdmaOp::read(local.whole(), target.handle.clone())],
-        DEADLINE,
-    )
-    .await
-    .unwrap();
-    assert!(local.to_vec() == target.original());
+    reads_back(&node, &local, &target, DEADLINE).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -408,6 +408,20 @@ pub fn with_wrong_token(handle: &RemoteBuffer) -> RemoteBuffer {
     })
 }
 
+/// Reads all of `target` into `back` (of the same length) within
+/// `deadline` and asserts it holds the peer's bytes: the check that a path
+/// to the peer still works.
+#[allow(dead_code)] // not every suite shares this file for it
+pub async fn reads_back(node: &Node, back: &Region, target: &PeerRegion, deadline: Duration) {
+    node.submit(
+        vec![RdmaOp::read(back.whole(), target.handle.clone())],
+        deadline,
+    )
+    .await
+    .unwrap();
+    assert!(back.to_vec() == target.original());
+}
+
 /// Writes `len` bytes into the middle of a fresh peer region and reads them
 /// back: the write must land with the margins around it untouched, the read
 /// must return it, and the source must be unchanged. `route` is the
