@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check and test ferry has: formatting, clippy, unit, integration
-# (two-process TCP), doc tests, and the RDMA tests inside a soft-RoCE VM.
+# (multi-process), doc tests, fuzzing, the deploy checks, the examples, and
+# the RDMA tests inside one soft-RoCE VM and across two.
 # `.ci/run` runs exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,5 +32,6 @@ cargo run --locked -q --example kv_handoff >/dev/null
 # downloads Debian's kernel, QEMU and rdma-core into ~/.cache/ferry-rxe once).
 tests/rxe/ferry-tests.sh
 # Two machines: two soft-RoCE VMs joined by a wire the tests make lossy,
-# cut, flap, and whose owner they kill (tests/rxe_wire; about 3 minutes).
+# cut, flap, block TCP on, and whose owner they kill (tests/rxe_wire; about
+# 1.5 minutes).
 tests/rxe/wire-tests.sh
