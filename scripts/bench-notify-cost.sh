@@ -7,32 +7,52 @@
 # which shows the owner's work per notification apart from the latency,
 # which is noisy on a small machine. Then the medians and their ratio.
 #
-# usage: scripts/bench-notify-cost.sh [tcp|ibverbs (default tcp)] [ROUNDS (default 5)]
-#   on soft-RoCE: scripts/bench-notify-cost.sh ibverbs
-# ibverbs runs inside the one-VM soft-RoCE harness (tests/rxe/run.sh), one
-# boot for all rounds; tcp runs here.
+# usage: scripts/bench-notify-cost.sh [tcp|ibverbs|ibverbs-two (default tcp)] [ROUNDS (default 5)]
+#   tcp          owner and initiator here, over loopback
+#   ibverbs      both in the one-VM soft-RoCE harness (tests/rxe/run.sh, 2 vCPUs
+#                shared by owner, initiator and rxe), one boot for all rounds
+#   ibverbs-two  owner in VM a, initiator in VM b (run.sh --two, 1 vCPU each),
+#                across the virtual wire: each end has its own CPU, as on two
+#                hosts. Also prints perftest's ib_write_lat (4 KiB) and
+#                ib_send_lat (64 B) across the same wire, in the same boot, as
+#                PERF lines: the wire's own cost of one more small message.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TRANSPORT=${1:-tcp}
 ROUNDS=${2:-5}
-case $TRANSPORT in tcp | ibverbs) ;; *) echo "transport: tcp or ibverbs" >&2; exit 2 ;; esac
+case $TRANSPORT in tcp | ibverbs | ibverbs-two) ;; *) echo "transport: tcp, ibverbs or ibverbs-two" >&2; exit 2 ;; esac
 cargo build --release --locked -p ferry-cli >&2
 
 # The measurement, in POSIX sh and awk: it also runs in the VM's busybox.
 measure=$(cat <<'EOF'
 set -eu
-ferry=$1 transport=$2 rounds=$3
+ferry=$1 transport=$2 rounds=$3 where=${4:-here}
 dir=$(mktemp -d)
 hz=$(getconf CLK_TCK 2>/dev/null || echo 100)
-$ferry serve --size 4M --handle-file "$dir/h" > /dev/null 2>&1 &
-owner=$!
-trap 'kill $owner 2>/dev/null; rm -rf "$dir"' EXIT
-i=0
-while [ ! -s "$dir/h" ]; do
-  i=$((i + 1)); [ $i -lt 600 ] || { echo "serve wrote no handle" >&2; exit 1; }
-  sleep 0.1
-done
-cpu() { awk '{ print $14 + $15 }' "/proc/$owner/stat"; }
+if [ "$where" = peer ]; then
+  # The owner in the peer VM, reached across the wire by name.
+  on-peer "setsid $ferry serve --listen $FERRY_RXE_PEER_IP:7100 --size 4M --publish r < /dev/null > /dev/null 2>&1 &"
+  trap 'on-peer "kill \$(pidof ferry)" > /dev/null 2>&1; rm -rf "$dir"' EXIT
+  target="--peer $FERRY_RXE_PEER_IP:7100 --region r"
+  i=0
+  # Listening: port 7100 (1BBC) in state LISTEN (0A).
+  until on-peer cat /proc/net/tcp | grep -q ':1BBC [0-9A-F:]* 0A'; do
+    i=$((i + 1)); [ $i -lt 120 ] || { echo "serve in the peer VM did not answer" >&2; exit 1; }
+    sleep 0.5
+  done
+  cpu() { on-peer "awk '{ print \$14 + \$15 }' /proc/\$(pidof ferry)/stat"; }
+else
+  $ferry serve --size 4M --handle-file "$dir/h" > /dev/null 2>&1 &
+  owner=$!
+  trap 'kill $owner 2>/dev/null; rm -rf "$dir"' EXIT
+  target="--handle $dir/h"
+  i=0
+  while [ ! -s "$dir/h" ]; do
+    i=$((i + 1)); [ $i -lt 600 ] || { echo "serve wrote no handle" >&2; exit 1; }
+    sleep 0.1
+  done
+  cpu() { awk '{ print $14 + $15 }' "/proc/$owner/stat"; }
+fi
 field() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
 r=0
 while [ $r -lt "$rounds" ]; do
@@ -40,7 +60,7 @@ while [ $r -lt "$rounds" ]; do
   for kind in plain notified; do
     extra=; [ $kind = notified ] && extra="--notify 64"
     before=$(cpu)
-    row=$($ferry bench --handle "$dir/h" --transport "$transport" --op write --block 4K \
+    row=$($ferry bench $target --transport "$transport" --op write --block 4K \
       --batch 1 --duration 3 --json $extra 2>/dev/null | grep '^{') ||
       { echo "ferry bench failed ($kind)" >&2; exit 1; }
     after=$(cpu)
@@ -70,11 +90,18 @@ EOF
 
 if [ "$TRANSPORT" = tcp ]; then
   sh -c "$measure" sh target/release/ferry tcp "$ROUNDS"
-else
-  stage=$(mktemp -d)
-  trap 'rm -rf "$stage"' EXIT
-  printf '%s\n' "#!/bin/sh" "$measure" > "$stage/notify-cost"
-  chmod +x "$stage/notify-cost"
+  exit
+fi
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+printf '%s\n' "#!/bin/sh" "$measure" > "$stage/notify-cost"
+chmod +x "$stage/notify-cost"
+if [ "$TRANSPORT" = ibverbs ]; then
   tests/rxe/run.sh --bin target/release/ferry --bin "$stage/notify-cost" -- \
     "notify-cost ferry ibverbs $ROUNDS" 2>&1 | grep -E '^(RESULT|MEDIAN)|rxe .*(error|status)'
+else
+  perf='for r in 1 2; do rxe-pair --perf ib_write_lat -s 4096 -n 1000; rxe-pair --perf ib_send_lat -s 64 -n 1000; done'
+  tests/rxe/run.sh --two --bin target/release/ferry --bin "$stage/notify-cost" -- \
+    "$perf; notify-cost ferry ibverbs $ROUNDS peer" 2>&1 |
+    grep -E '^(RESULT|MEDIAN|PERF)|rxe .*(error|status)'
 fi
