@@ -7,8 +7,10 @@
 # which shows the owner's work per notification apart from the latency,
 # which is noisy on a small machine. Then the medians and their ratio.
 #
-# usage: scripts/bench-notify-cost.sh [tcp|ibverbs|ibverbs-two (default tcp)] [ROUNDS (default 5)]
+# usage: scripts/bench-notify-cost.sh [tcp|memory|ibverbs|ibverbs-two (default tcp)] [ROUNDS (default 5)]
 #   tcp          owner and initiator here, over loopback
+#   memory       owner and initiator here, over the same-host memory transport
+#                (notifications on its lane, a ring in shared memory)
 #   ibverbs      both in the one-VM soft-RoCE harness (tests/rxe/run.sh, 2 vCPUs
 #                shared by owner, initiator and rxe), one boot for all rounds
 #   ibverbs-two  owner in VM a, initiator in VM b (run.sh --two, 1 vCPU each),
@@ -20,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TRANSPORT=${1:-tcp}
 ROUNDS=${2:-5}
-case $TRANSPORT in tcp | ibverbs | ibverbs-two) ;; *) echo "transport: tcp, ibverbs or ibverbs-two" >&2; exit 2 ;; esac
+case $TRANSPORT in tcp | memory | ibverbs | ibverbs-two) ;; *) echo "transport: tcp, memory, ibverbs or ibverbs-two" >&2; exit 2 ;; esac
 cargo build --release --locked -p ferry-cli >&2
 
 # The measurement, in POSIX sh and awk: it also runs in the VM's busybox.
@@ -88,8 +90,8 @@ awk '
 EOF
 )
 
-if [ "$TRANSPORT" = tcp ]; then
-  sh -c "$measure" sh target/release/ferry tcp "$ROUNDS"
+if [ "$TRANSPORT" = tcp ] || [ "$TRANSPORT" = memory ]; then
+  sh -c "$measure" sh target/release/ferry "$TRANSPORT" "$ROUNDS"
   exit
 fi
 stage=$(mktemp -d)

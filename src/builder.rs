@@ -328,6 +328,7 @@ impl NodeBuilder {
         let (memory, memory_state) = match memory {
             Ok(backend) => {
                 let detail = backend.describe();
+                backend.take_notifications(messages.notification_sink());
                 (Some(backend), TransportState::Running { detail })
             }
             Err(reason) => (None, TransportState::Unavailable { reason }),

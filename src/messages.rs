@@ -11,6 +11,7 @@ use bytes::Bytes;
 use ferry_control::{Delivery, Inbox, MessageError, Messages};
 use ferry_core::{NodeAddr, OpError, RdmaOp, RdmaTransportLevel, SubmitError};
 use ferry_ibverbs::QpNotification;
+use ferry_memory::LaneNotification;
 use ferry_tcp::frame::NotifyOutcome;
 use kameo::Actor;
 use kameo::actor::ActorRef;
@@ -71,8 +72,11 @@ impl Node {
     /// chunks; over ibverbs as a SEND on the queue pair after its work
     /// requests, into receive buffers the owner posted for it (which add
     /// up to `IbvConfig::notify_slots` notifications per initiator to the
-    /// inbox's capacity before senders are held back). Batches over several
-    /// owners, or over both transports, notify over the control session
+    /// inbox's capacity before senders are held back); over the same-host
+    /// memory transport in a ring the two processes share, once the copies
+    /// are done (which adds up to [`ferry_memory::LANE_SLOTS`] notifications of
+    /// at most [`ferry_memory::LANE_MAX_NOTIFICATION`] bytes). Batches over several
+    /// owners, or over several transports, notify over the control session
     /// once they have completed; so does a notification the data path has
     /// no room for, and may then overtake earlier notifications still
     /// waiting on the data path. Notifications and messages are not ordered
@@ -176,8 +180,6 @@ async fn submit_with_notification(
     // One owner knows by itself whether the batch succeeded: its
     // notification can follow the data. Several must each hear only once
     // all have succeeded, which the initiator learns first.
-    // The label the notifications below are counted under.
-    let mut transport = "mixed";
     if let [owner] = owners[..] {
         let route = router.route(&ops[0]);
         if ops.iter().all(|op| router.route(op) == route) {
@@ -188,14 +190,16 @@ async fn submit_with_notification(
                 Some(RdmaTransportLevel::Nic) => {
                     return notify_on_qp(router, owner, ops, timeout, notification).await;
                 }
-                Some(RdmaTransportLevel::Memory) => transport = "memory",
+                Some(RdmaTransportLevel::Memory) => {
+                    return notify_in_memory(router, owner, ops, timeout, notification).await;
+                }
                 None => {}
             }
         }
     }
     router.submit(ops, timeout).await?;
     // The batch is complete on every owner: now tell them, at once.
-    notify_over_control(messages, owners, notification, deadline, timeout, transport).await
+    notify_over_control(messages, owners, notification, deadline, timeout, "mixed").await
 }
 
 /// Notifies each of `owners` over its control session, all at once, with
@@ -344,6 +348,50 @@ async fn notify_on_qp(
         }
         // It may have arrived: sending it again could deliver it twice.
         QpNotification::Failed(error) => Err(NotifyError::Notification {
+            owner,
+            error: undelivered(owner, error),
+        }),
+    }
+}
+
+/// A batch all over the same-host memory transport to one owner: once its
+/// copies are done here, the notification goes in the ring the owner
+/// reads (its lane), with no round trip. One the ring has no room for goes
+/// over the control session.
+async fn notify_in_memory(
+    router: &Router,
+    owner: NodeAddr,
+    ops: Vec<RdmaOp>,
+    timeout: Duration,
+    notification: Bytes,
+) -> Result<(), NotifyError> {
+    let Some(memory) = &router.memory else {
+        return Err(SubmitError::BackendStopped.into());
+    };
+    let deadline = Instant::now() + timeout;
+    router.submit(ops, timeout).await?;
+    let lane = memory
+        .notify(owner, router.addr(), &notification, deadline)
+        .await;
+    match lane {
+        LaneNotification::Accepted => {
+            notification_path("memory", "data", 1);
+            Ok(())
+        }
+        LaneNotification::NotSent => {
+            debug!(owner = %owner.endpoint, "notification not sent on the same-host lane: over the control session");
+            notify_over_control(
+                &router.messages,
+                vec![owner],
+                notification,
+                deadline,
+                timeout,
+                "memory",
+            )
+            .await
+        }
+        // It may have been read: sending it again could deliver it twice.
+        LaneNotification::Failed(error) => Err(NotifyError::Notification {
             owner,
             error: undelivered(owner, error),
         }),

@@ -35,6 +35,10 @@ pub struct PeerTables {
     /// Same-host peers whose requests this node answers: released as
     /// their socket closes.
     pub memory_served: usize,
+    /// Notification lanes same-host peers opened into this node (each on
+    /// a socket of its own, counted in `memory_served` too): released as
+    /// their socket closes.
+    pub memory_lanes: usize,
     /// Peers whose metadata this node holds: unnamed ones fetched are
     /// released when this node's control session to them closes; named
     /// ones stay, one per name, until forgotten or replaced by a restart;
@@ -51,7 +55,7 @@ pub struct PeerTables {
 
 impl PeerTables {
     /// The tables as `(name, size)` pairs, e.g. for metrics gauges.
-    pub fn entries(&self) -> [(&'static str, usize); 11] {
+    pub fn entries(&self) -> [(&'static str, usize); 12] {
         [
             ("session_slots", self.session_slots),
             ("live_sessions", self.live_sessions),
@@ -61,6 +65,7 @@ impl PeerTables {
             ("tcp_connections", self.tcp_connections),
             ("memory_links", self.memory_links),
             ("memory_served", self.memory_served),
+            ("memory_lanes", self.memory_lanes),
             ("known_peers", self.known_peers),
             ("ibverbs_peers", self.ibverbs_peers),
             ("ibverbs_passive", self.ibverbs_passive),
@@ -84,6 +89,7 @@ impl Node {
             tcp_connections: router.tcp.open_connections(),
             memory_links: router.memory.as_ref().map_or(0, |m| m.links()),
             memory_served: router.memory.as_ref().map_or(0, |m| m.served_peers()),
+            memory_lanes: router.memory.as_ref().map_or(0, |m| m.served_lanes()),
             known_peers: self.known_peers(),
             ibverbs_peers,
             ibverbs_passive,

@@ -180,8 +180,16 @@ pub fn ibverbs_wire(data: &[u8]) -> usize {
 /// the peer reads an answer. The input is offered whole to each decoder,
 /// as a datagram would be.
 pub fn memory_wire(data: &[u8]) -> usize {
-    use ferry_memory::wire::{Answer, Reply, Request};
+    use ferry_memory::wire::{Answer, LaneAck, LaneOpen, Reply, Request};
     let mut decoded = 0;
+    if let Some(open) = LaneOpen::decode(data) {
+        assert_eq!(LaneOpen::decode(&open.encode()), Some(open));
+        decoded += 1;
+    }
+    if let Some(ack) = LaneAck::decode(data) {
+        assert_eq!(LaneAck::decode(&ack.encode()), Some(ack));
+        decoded += 1;
+    }
     if let Some(request) = Request::decode(data) {
         assert_eq!(Request::decode(&request.encode()), Some(request));
         decoded += 1;

@@ -274,6 +274,16 @@ pub fn seeds() -> Vec<Seed> {
             "answer-process-vm",
             Answer::to(&request, process_vm).encode(),
         ));
+        // A notification lane opened, and accepted.
+        use ferry_memory::wire::{LaneAck, LaneOpen};
+        let open = LaneOpen {
+            from: me,
+            slots: 64,
+            slot_len: 4096,
+        };
+        out.push(seed("memory_wire", "lane-open", open.encode()));
+        let ack = LaneAck::Open { max_len: 65536 };
+        out.push(seed("memory_wire", "lane-ack", ack.encode()));
     }
 
     // Discovery: a node's metadata blob, two published regions.

@@ -1,11 +1,14 @@
 //! The same-host memory transport between two processes: copies byte for
 //! byte at every size, batches mixed with a TCP-only peer, forged and stale
 //! handles refused with typed errors and nothing changed, an owner killed
-//! mid-transfer; and memory ferry did not allocate going over `process_vm`
-//! or, where the kernel refuses, the next transport (`process_vm.rs`).
+//! mid-transfer; memory ferry did not allocate going over `process_vm`
+//! or, where the kernel refuses, the next transport (`process_vm.rs`); and
+//! notified batches, whose notifications ride a lane in shared memory
+//! (`notified.rs`).
 
 #[path = "../tcp/common.rs"]
 mod common;
+mod notified;
 mod process_vm;
 
 use std::time::Duration;

@@ -1,5 +1,6 @@
-//! Notifications attached to a submit, over TCP (the checks are shared with
-//! the RDMA suite: tests/shared/notify.rs).
+//! Notifications attached to a submit, over TCP and over the same-host
+//! memory transport's lanes (the checks are shared with the RDMA suite:
+//! tests/shared/notify.rs).
 
 use std::time::Duration;
 
@@ -11,15 +12,33 @@ use crate::DEADLINE;
 #[path = "../shared/notify.rs"]
 mod notify;
 
+/// Nodes in one process also reach each other through shared memory,
+/// which these TCP tests turn off.
 async fn tcp_node() -> Node {
-    Node::builder().ibverbs(false).spawn().await.unwrap()
+    Node::builder()
+        .ibverbs(false)
+        .memory(false)
+        .spawn()
+        .await
+        .unwrap()
 }
 
 /// A TCP node whose inbox holds two deliveries.
 async fn small_inbox_owner() -> Node {
     Node::builder()
         .ibverbs(false)
+        .memory(false)
         .inbox_capacity(2)
+        .spawn()
+        .await
+        .unwrap()
+}
+
+/// A node that reaches same-host nodes through shared memory.
+async fn same_host_node() -> Node {
+    Node::builder()
+        .ibverbs(false)
+        .require(RdmaTransportLevel::Memory)
         .spawn()
         .await
         .unwrap()
@@ -106,13 +125,26 @@ async fn a_full_inbox_holds_notified_submits_back_until_their_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_notification_over_the_owners_own_limit_is_refused_by_it() {
+    for memory in [false, true] {
+        over_the_owners_own_limit(memory).await;
+    }
+}
+
+/// Over TCP or a same-host lane, whose owner tells its limit when the lane
+/// opens.
+async fn over_the_owners_own_limit(memory: bool) {
     let owner = Node::builder()
         .ibverbs(false)
+        .memory(memory)
         .message_max_len(100)
         .spawn()
         .await
         .unwrap();
-    let initiator = tcp_node().await;
+    let initiator = if memory {
+        same_host_node().await
+    } else {
+        tcp_node().await
+    };
     let target = owner.alloc(64, Access::ReadWrite).await.unwrap();
     let src = initiator.alloc(64, Access::ReadWrite).await.unwrap();
     let ops = vec![RdmaOp::write(src.whole(), target.remote())];
@@ -144,5 +176,45 @@ async fn a_stalled_consumer_holds_senders_back_and_resumes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_notified_batch_notifies_nobody() {
     let (owner, initiator) = (tcp_node().await, tcp_node().await);
+    notify::a_timed_out_notified_batch_notifies_nobody(&owner, &initiator).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_written_bytes_are_in_place_when_the_owner_is_notified() {
+    let (owner, initiator) = (same_host_node().await, same_host_node().await);
+    notify::written_bytes_are_in_place_when_the_owner_is_notified(&owner, &initiator, 200).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_owners_are_notified_once_and_failures_notify_nobody() {
+    let owners = [same_host_node().await, same_host_node().await];
+    let initiator = same_host_node().await;
+    notify::each_owner_is_notified_once_and_failures_notify_nobody(
+        [&owners[0], &owners[1]],
+        &initiator,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_consumer_holds_same_host_senders_back_and_resumes() {
+    let owner = Node::builder()
+        .ibverbs(false)
+        .require(RdmaTransportLevel::Memory)
+        .inbox_capacity(2)
+        .spawn()
+        .await
+        .unwrap();
+    let initiator = same_host_node().await;
+    // The owner holds its inbox's two and the lane's ring; the ring may
+    // fill before the owner moved the first two into the inbox.
+    let ring = ferry::memory::LANE_SLOTS as usize;
+    notify::a_stalled_consumer_holds_senders_back_and_resumes(&owner, &initiator, ring..=ring + 2)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_same_host_batch_notifies_nobody() {
+    let (owner, initiator) = (same_host_node().await, same_host_node().await);
     notify::a_timed_out_notified_batch_notifies_nobody(&owner, &initiator).await;
 }

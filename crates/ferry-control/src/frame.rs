@@ -23,14 +23,13 @@
 //! kinds; a peer that receives a kind it does not know ends the session,
 //! which the version exchange in `Open` prevents between compatible nodes.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use ferry_core::{NodeAddr, NodeId};
+use ferry_core::NodeAddr;
 use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
 
-use crate::wire::{u16_at, u32_at, u64_at, u128_at};
+use crate::wire::{NODE_ADDR_LEN, encode_node_addr, node_addr_at, u16_at, u32_at, u64_at};
 
 /// Oldest and newest session protocol versions this build speaks.
 pub const SESSION_VERSIONS: (u16, u16) = (1, 2);
@@ -42,7 +41,6 @@ pub const HEADER_LEN: usize = 16;
 /// the session as a protocol error rather than allocate what a peer asks.
 pub const DEFAULT_MAX_FRAME: usize = 1 << 20;
 const OPEN_LEN: usize = 4 + NODE_ADDR_LEN;
-const NODE_ADDR_LEN: usize = 16 + 1 + 16 + 2;
 
 /// A request's target on the peer: a handler registered with
 /// [`crate::Endpoint::serve`]. Numbers are listed here so that no two users
@@ -251,7 +249,7 @@ pub fn serialize(frame: &Frame) -> Bytes {
             header(&mut out, 1, 0, 0, 0, 0);
             out.put_u16_le(*min_version);
             out.put_u16_le(*max_version);
-            put_node_addr(&mut out, node);
+            out.put_slice(&encode_node_addr(node));
             out.freeze()
         }
         Frame::Request {
@@ -309,7 +307,7 @@ pub fn parse(bytes: Bytes) -> Result<Frame, FrameError> {
             Ok(Frame::Open {
                 min_version: u16_at(b, 0),
                 max_version: u16_at(b, 2),
-                node: node_addr_at(&b[4..])?,
+                node: node_addr_at(&b[4..]).map_err(FrameError::BadAddress)?,
             })
         }
         2 => Ok(Frame::Request {
@@ -328,41 +326,10 @@ pub fn parse(bytes: Bytes) -> Result<Frame, FrameError> {
     }
 }
 
-fn put_node_addr(out: &mut BytesMut, node: &NodeAddr) {
-    out.put_u128_le(node.id.0);
-    let mut ip = [0u8; 16];
-    let family = match node.endpoint.ip() {
-        IpAddr::V4(v4) => {
-            ip[..4].copy_from_slice(&v4.octets());
-            4
-        }
-        IpAddr::V6(v6) => {
-            ip = v6.octets();
-            6
-        }
-    };
-    out.put_u8(family);
-    out.put_slice(&ip);
-    out.put_u16_le(node.endpoint.port());
-}
-
-fn node_addr_at(b: &[u8]) -> Result<NodeAddr, FrameError> {
-    let id = NodeId(u128_at(b, 0));
-    let octets: [u8; 16] = b[17..33].try_into().expect("16-byte slice");
-    let ip = match b[16] {
-        4 => IpAddr::V4(Ipv4Addr::new(octets[0], octets[1], octets[2], octets[3])),
-        6 => IpAddr::V6(Ipv6Addr::from(octets)),
-        other => return Err(FrameError::BadAddress(other)),
-    };
-    Ok(NodeAddr {
-        id,
-        endpoint: SocketAddr::new(ip, u16_at(b, 33)),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferry_core::NodeId;
 
     fn round_trip(frame: Frame) {
         let mut codec = ControlCodec::default();

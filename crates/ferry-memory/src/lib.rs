@@ -29,6 +29,11 @@
 //! against mistakes and forged handles, and `process_vm` grants no
 //! privilege beyond what the kernel already does.
 //!
+//! Notifications: a batch's notification to a same-host owner goes in a
+//! ring the two share (a *lane*, `lane.rs`), behind the batch's copies,
+//! without a round trip; one the ring has no room for goes over the
+//! control session.
+//!
 //! Deregistration: a `process_vm` write must never land after the
 //! owner's registration is dropped, since the caller may reuse the memory
 //! at once. Every copy goes in bounded steps through the owner's gate
@@ -39,6 +44,7 @@
 
 mod copy;
 mod gate;
+mod lane;
 mod owner;
 mod peer;
 mod pvm;
@@ -50,11 +56,13 @@ pub mod wire;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_control::NotificationSink;
 use ferry_core::{
-    MemRemote, MemoryBlock, NodeId, OpError, RdmaOp, RegisterError, RegisterRegion, RemoteBuffer,
-    SubmitError, random_u128,
+    MemRemote, MemoryBlock, NodeAddr, NodeId, OpError, RdmaOp, RegisterError, RegisterRegion,
+    RemoteBuffer, SubmitError, random_u128,
 };
 
+pub use lane::{MAX_BODY as LANE_MAX_NOTIFICATION, SLOTS as LANE_SLOTS};
 pub use owner::MemRegistration;
 pub use shared::{SharedMapping, alloc, boot_id, mapping_of};
 
@@ -93,6 +101,23 @@ pub struct MemRegistered {
     pub registration: MemRegistration,
 }
 
+/// How a notification went on a same-host lane (see
+/// [`MemoryBackend::notify`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LaneNotification {
+    /// In the ring the owner reads: it is delivered to the owner's inbox.
+    Accepted,
+    /// Not put in the ring: the owner takes no notifications this way (or
+    /// is not reachable over the socket), the ring is full (the owner's
+    /// inbox is), or the notification is larger than
+    /// [`LANE_MAX_NOTIFICATION`]. Notify the owner another way.
+    NotSent,
+    /// The owner is gone: its socket closed, or closed as the notification
+    /// went into the ring, where it may or may not have been read. It must
+    /// not be sent again.
+    Failed(OpError),
+}
+
 /// How often mappings of regions that are gone are unmapped.
 const SWEEP: Duration = Duration::from_secs(1);
 
@@ -102,6 +127,8 @@ struct Inner {
     links: Arc<peer::Links>,
     /// Same-host peers the owner side answers now.
     served: Arc<std::sync::atomic::AtomicUsize>,
+    /// Peers' notification lanes into this node.
+    lanes: Arc<lane::OwnerLanes>,
     server: tokio::task::JoinHandle<()>,
     sweeper: tokio::task::JoinHandle<()>,
 }
@@ -131,7 +158,13 @@ impl MemoryBackend {
         }
         let exports = Arc::new(owner::Exports::new(gates));
         let served = Arc::default();
-        let server = tokio::spawn(owner::serve(listener, exports.clone(), Arc::clone(&served)));
+        let lanes = Arc::default();
+        let server = tokio::spawn(owner::serve(
+            listener,
+            exports.clone(),
+            Arc::clone(&served),
+            Arc::clone(&lanes),
+        ));
         let links = Arc::new(peer::Links::default());
         let sweeper = {
             let links = Arc::downgrade(&links);
@@ -149,9 +182,71 @@ impl MemoryBackend {
             exports,
             links,
             served,
+            lanes,
             server,
             sweeper,
         })))
+    }
+
+    /// Delivers the notifications same-host peers send on lanes to `sink`
+    /// (the node's inbox). Until then, peers' lanes are refused and their
+    /// notifications take the control session. Set once; later calls are
+    /// ignored.
+    pub fn take_notifications(&self, sink: NotificationSink) {
+        let _ = self.0.lanes.sink.set(sink);
+    }
+
+    /// Notification lanes same-host peers have open into this node now;
+    /// one goes as soon as its peer closes it.
+    pub fn served_lanes(&self) -> usize {
+        self.0.lanes.open.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Puts `notification` from node `from` in the lane to `owner`, after
+    /// a batch to it completed here: its copies are done, so when the owner
+    /// reads the notification, a write's bytes are in its memory and a
+    /// read's were taken. Does not wait for the owner: `Accepted` once it
+    /// is in the ring, which the owner delivers (see [`LaneNotification`]).
+    /// Opening the lane, at the first notification to an owner, waits
+    /// until `deadline` at most.
+    pub async fn notify(
+        &self,
+        owner: NodeAddr,
+        from: NodeAddr,
+        notification: &[u8],
+        deadline: tokio::time::Instant,
+    ) -> LaneNotification {
+        let lost = || {
+            LaneNotification::Failed(OpError::ConnectionLost {
+                endpoint: owner.endpoint,
+            })
+        };
+        let Some(link) = self.0.links.get(owner) else {
+            return LaneNotification::NotSent;
+        };
+        if !link.is_alive() {
+            return lost();
+        }
+        let Some(lane) = link.lane(from, deadline).await else {
+            return LaneNotification::NotSent;
+        };
+        if lane.is_closed() {
+            // The owner dropped the lane; if it is alive, it hears the
+            // slow way.
+            return if link.is_alive() {
+                LaneNotification::NotSent
+            } else {
+                lost()
+            };
+        }
+        match lane.push(notification) {
+            Ok(lane::Pushed::Accepted) => LaneNotification::Accepted,
+            Ok(lane::Pushed::Full | lane::Pushed::TooLarge) => LaneNotification::NotSent,
+            Err(e) => {
+                tracing::debug!(owner = %owner.endpoint, "memory transport: a notification lane's doorbell failed: {e}");
+                lost()
+            }
+        }
     }
 
     /// Same-host owners this node keeps a link to (or remembers as

@@ -30,9 +30,10 @@ use ferry_core::{Access, Generation, MemoryBlock, RegionId, tokens_equal};
 use tracing::{debug, warn};
 
 use crate::gate::{Gate, Gates, Pidfd};
+use crate::lane::{OwnerLanes, serve_lane};
 use crate::shared::{alive, mapping_of};
 use crate::socket::{Listener, Packets};
-use crate::wire::{Answer, Refusal, Reply, Request};
+use crate::wire::{Answer, LaneOpen, Refusal, Reply, Request};
 
 /// A region shared with same-host peers.
 struct Export {
@@ -294,7 +295,13 @@ const MAX_PEERS: usize = 1024;
 /// The peers' tasks belong to it: aborting it (the node stopping) ends
 /// them too. `served` counts the peers answered now: each one's task is
 /// reaped, and its count released, as soon as its socket closes.
-pub(crate) async fn serve(listener: Listener, exports: Arc<Exports>, served: Arc<AtomicUsize>) {
+/// Peers' notification lanes are served on their sockets too (`lanes`).
+pub(crate) async fn serve(
+    listener: Listener,
+    exports: Arc<Exports>,
+    served: Arc<AtomicUsize>,
+    lanes: Arc<OwnerLanes>,
+) {
     let mut peers = tokio::task::JoinSet::new();
     loop {
         let accepted = tokio::select! {
@@ -311,7 +318,7 @@ pub(crate) async fn serve(listener: Listener, exports: Arc<Exports>, served: Arc
                     continue;
                 }
                 debug!(pid = ?peer.peer_pid(), "memory transport: a same-host peer connected");
-                peers.spawn(answer_peer(peer, exports.clone()));
+                peers.spawn(answer_peer(peer, exports.clone(), lanes.clone()));
                 served.store(peers.len(), Ordering::Relaxed);
             }
             Err(e) => {
@@ -323,8 +330,10 @@ pub(crate) async fn serve(listener: Listener, exports: Arc<Exports>, served: Arc
     }
 }
 
-async fn answer_peer(peer: Packets, exports: Arc<Exports>) {
-    let mut buf = [0u8; Request::LEN];
+/// Answers one peer's socket: region requests, until it asks for a
+/// notification lane, which the socket then carries (`lane.rs`).
+async fn answer_peer(peer: Packets, exports: Arc<Exports>, lanes: Arc<OwnerLanes>) {
+    let mut buf = [0u8; LaneOpen::LEN];
     let mut asker = Asker {
         socket: &peer,
         lane: None,
@@ -332,13 +341,18 @@ async fn answer_peer(peer: Packets, exports: Arc<Exports>) {
     loop {
         let (answer, fd) = match peer.recv(&mut buf).await {
             Ok((0, _)) | Err(_) => return,
-            Ok((n, _ignored_fd)) => match Request::decode(&buf[..n]) {
+            Ok((n, fd)) => match Request::decode(&buf[..n]) {
                 Some(request) => {
                     let (reply, fd) = exports.answer(&request, &mut asker);
                     (Answer::to(&request, reply), fd)
                 }
-                // Not a request: nothing to answer to; the peer broke.
-                None => return,
+                None => match LaneOpen::decode(&buf[..n]) {
+                    Some(open) => {
+                        return serve_lane(peer, open, fd, lanes).await;
+                    }
+                    // Neither: nothing to answer to; the peer broke.
+                    None => return,
+                },
             },
         };
         use std::os::fd::AsFd;

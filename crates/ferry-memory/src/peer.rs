@@ -16,7 +16,7 @@
 //! process reach an owner at all is probed once per link.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,8 +24,9 @@ use std::time::{Duration, Instant};
 use ferry_core::{Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaOp, RegionId};
 
 use crate::gate::Table;
+use crate::lane::{self, LaneSender};
 use crate::pvm::{Grant, Probe, probe};
-use crate::shared::alive;
+use crate::shared::{alive, map_sealed};
 use crate::socket::Packets;
 use crate::wire::{Answer, Reply, Request};
 
@@ -67,41 +68,12 @@ impl Mapping {
         if data_len % PAGE_SIZE != 0 || len > data_len as u64 {
             return None;
         }
-        let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
-        } else {
-            libc::PROT_READ
-        };
         // The descriptor's size bounds what may be mapped, and its seal
         // keeps it so: neither a lying reply nor a later truncation can
         // make a copy through this mapping fault (SIGBUS).
-        // SAFETY: fstat writes into a local struct; F_GET_SEALS reads.
-        let mut stat: libc::stat = unsafe { std::mem::zeroed() };
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0
-            || (stat.st_size as u64) < map_len as u64
-            || seals < 0
-            || seals & libc::F_SEAL_SHRINK == 0
-        {
-            return None;
-        }
-        // SAFETY: a shared mapping of the first data_len + one page of the
-        // memfd, which is at least that long and sealed against shrinking.
-        let mapped = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                prot,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if mapped == libc::MAP_FAILED {
-            return None;
-        }
+        let mapped = map_sealed(fd.as_fd(), map_len, writable)?;
         Some(Mapping {
-            base: mapped.cast(),
+            base: mapped,
             len,
             data_len,
             owner_base: base,
@@ -202,9 +174,39 @@ pub(crate) struct Link {
     /// One request in flight at a time: the replies come in order.
     asking: tokio::sync::Mutex<()>,
     mapped: Mutex<HashMap<RegionId, Target>>,
+    /// The notification lane to the owner, once opened (`None`: the owner
+    /// refused one).
+    lane: tokio::sync::OnceCell<Option<Arc<LaneSender>>>,
 }
 
 impl Link {
+    /// The lane that carries notifications from node `from` to the owner,
+    /// opened at the first (waiting until `deadline` at most); `None` if
+    /// the owner takes none this way, or cannot be asked now (tried again
+    /// next time).
+    pub async fn lane(
+        &self,
+        from: NodeAddr,
+        deadline: tokio::time::Instant,
+    ) -> Option<Arc<LaneSender>> {
+        let deadline = deadline.min(tokio::time::Instant::now() + lane::OPEN_WAIT);
+        let opened = self
+            .lane
+            .get_or_try_init(|| async {
+                LaneSender::open(self.owner.id, from, deadline)
+                    .await
+                    .map(|lane| lane.map(Arc::new))
+            })
+            .await;
+        match opened {
+            Ok(lane) => lane.clone(),
+            Err(e) => {
+                tracing::debug!(owner = %self.owner.endpoint, "memory transport: cannot open a notification lane: {e}");
+                None
+            }
+        }
+    }
+
     /// Whether the kernel lets this process copy to and from the owner
     /// over `process_vm`: probed once (reading a byte at `addr`, one of the
     /// owner's addresses), then remembered. A refusal sends the owner's
@@ -429,6 +431,7 @@ impl Links {
                 table: Mutex::default(),
                 asking: tokio::sync::Mutex::new(()),
                 mapped: Mutex::default(),
+                lane: tokio::sync::OnceCell::new(),
             })),
             // Nobody listens under that name here (another host, another
             // network namespace, memory off, or it stopped): remembered.

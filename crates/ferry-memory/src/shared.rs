@@ -149,6 +149,47 @@ pub fn alloc(len: u64) -> Result<MemoryBlock, RegisterError> {
     unsafe { MemoryBlock::from_raw(ptr, len as u64, Box::new(mapping)) }
 }
 
+/// Maps the first `map_len` bytes of a memfd another process handed over,
+/// shared, after checking what it is rather than trusting its sender: it
+/// must hold `map_len` bytes and be sealed against shrinking, so that no
+/// truncation, then or later, can make an access through the mapping fault
+/// (`SIGBUS`). `None` if it is not such a memfd or cannot be mapped; the
+/// caller unmaps what it gets.
+pub(crate) fn map_sealed(fd: BorrowedFd<'_>, map_len: usize, writable: bool) -> Option<*mut u8> {
+    use std::os::fd::AsRawFd;
+    let raw = fd.as_raw_fd();
+    // SAFETY: stat is plain data, which fstat fills; F_GET_SEALS only reads.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let seals = unsafe { libc::fcntl(raw, libc::F_GET_SEALS) };
+    // SAFETY: fstat writes into a local struct.
+    if unsafe { libc::fstat(raw, &mut stat) } != 0
+        || (stat.st_size as u64) < map_len as u64
+        || seals < 0
+        || seals & libc::F_SEAL_SHRINK == 0
+    {
+        return None;
+    }
+    let prot = if writable {
+        libc::PROT_READ | libc::PROT_WRITE
+    } else {
+        libc::PROT_READ
+    };
+    // SAFETY: a shared mapping of the first map_len bytes of the memfd,
+    // which is at least that long and sealed against shrinking.
+    let mapped = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            map_len,
+            prot,
+            libc::MAP_SHARED,
+            raw,
+            0,
+        )
+    };
+    (mapped != libc::MAP_FAILED).then_some(mapped.cast())
+}
+
 /// The shared mapping behind `block`, if ferry allocated it here.
 pub fn mapping_of(block: &MemoryBlock) -> Option<&SharedMapping> {
     block.keep_alive()?.downcast_ref::<SharedMapping>()

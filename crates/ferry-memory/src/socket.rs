@@ -124,6 +124,12 @@ impl Packets {
             .await
     }
 
+    /// Sends one packet at once, without a descriptor: `WouldBlock` when
+    /// the socket's buffer is full.
+    pub fn try_send(&self, bytes: &[u8]) -> io::Result<()> {
+        send(self.0.as_raw_fd(), bytes, None)
+    }
+
     /// Receives one packet into `buf`: its length (0: the peer closed) and
     /// the descriptor attached to it, if any. A packet longer than `buf`
     /// is an error, not a truncation.

@@ -1,7 +1,10 @@
-//! The two packets of the memory transport's setup: a peer asks for a
+//! The packets of the memory transport's setup: a peer asks for a
 //! region's memory (`Request`), the owner answers (`Reply`, with the memfd
 //! attached when granted, or the gate table's memfd with a `process_vm`
-//! grant). Fixed-size little-endian; nothing else crosses.
+//! grant). On a socket of its own, a peer opens a notification lane
+//! (`LaneOpen`, with the ring's memfd attached), the owner answers
+//! (`LaneAck`), and then only one-byte doorbells cross (see `lane.rs`).
+//! Fixed-size little-endian; nothing else crosses.
 //!
 //! Peers built before `process_vm` send 0 in the request's byte 7 and
 //! never get a `process_vm` grant (they could not read one): the owner
@@ -10,7 +13,8 @@
 //! Public (and hidden from the docs) only so that the fuzz targets in
 //! `fuzz/` reach these decoders: they are not part of ferry's API.
 
-use ferry_core::{Generation, OpError, RegionId};
+use ferry_control::wire::{NODE_ADDR_LEN, encode_node_addr, node_addr_at};
+use ferry_core::{Generation, NodeAddr, OpError, RegionId};
 
 const MAGIC: [u8; 4] = *b"FMEM";
 const VERSION: u16 = 1;
@@ -276,6 +280,99 @@ impl Reply {
     }
 }
 
+const LANE_MAGIC: [u8; 4] = *b"FMNL";
+const LANE_VERSION: u16 = 1;
+
+/// A peer opens a notification lane to the owner: the ring's memfd comes
+/// with this packet, on a socket that carries nothing else from then on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaneOpen {
+    /// The node sending: what the owner's inbox names as the sender.
+    pub from: NodeAddr,
+    /// Slots in the ring.
+    pub slots: u32,
+    /// Bytes per slot, its length word included.
+    pub slot_len: u32,
+}
+
+impl LaneOpen {
+    /// Encoded length.
+    pub const LEN: usize = 16 + NODE_ADDR_LEN;
+
+    /// The packet.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut out = [0; Self::LEN];
+        out[0..4].copy_from_slice(&LANE_MAGIC);
+        out[4..6].copy_from_slice(&LANE_VERSION.to_le_bytes());
+        out[8..12].copy_from_slice(&self.slots.to_le_bytes());
+        out[12..16].copy_from_slice(&self.slot_len.to_le_bytes());
+        out[16..].copy_from_slice(&encode_node_addr(&self.from));
+        out
+    }
+
+    /// Reads a packet; `None` if it is not one.
+    pub fn decode(packet: &[u8]) -> Option<Self> {
+        let packet: &[u8; Self::LEN] = packet.try_into().ok()?;
+        if packet[0..4] != LANE_MAGIC || packet[4..6] != LANE_VERSION.to_le_bytes() {
+            return None;
+        }
+        let u32_at = |at: usize| u32::from_le_bytes(packet[at..at + 4].try_into().unwrap());
+        Some(LaneOpen {
+            slots: u32_at(8),
+            slot_len: u32_at(12),
+            from: node_addr_at(&packet[16..]).ok()?,
+        })
+    }
+}
+
+/// The owner's answer to a [`LaneOpen`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaneAck {
+    /// The ring is mapped and watched: notifications of up to `max_len`
+    /// bytes (the owner's limit) may go.
+    Open {
+        /// The longest notification the owner takes.
+        max_len: u32,
+    },
+    /// The owner takes no notifications this way (no inbox yet, or a
+    /// ring it cannot use): they go over the control session.
+    Refused,
+}
+
+impl LaneAck {
+    /// Encoded length.
+    pub const LEN: usize = 12;
+
+    /// The packet.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut out = [0; Self::LEN];
+        out[0..4].copy_from_slice(&LANE_MAGIC);
+        match self {
+            LaneAck::Open { max_len } => {
+                out[4] = 1;
+                out[8..12].copy_from_slice(&max_len.to_le_bytes());
+            }
+            LaneAck::Refused => out[4] = 2,
+        }
+        out
+    }
+
+    /// Reads a packet; `None` if it is not one.
+    pub fn decode(packet: &[u8]) -> Option<Self> {
+        let packet: &[u8; Self::LEN] = packet.try_into().ok()?;
+        if packet[0..4] != LANE_MAGIC {
+            return None;
+        }
+        match packet[4] {
+            1 => Some(LaneAck::Open {
+                max_len: u32::from_le_bytes(packet[8..12].try_into().unwrap()),
+            }),
+            2 => Some(LaneAck::Refused),
+            _ => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -327,5 +424,30 @@ mod tests {
             ..request
         };
         assert!(!decoded.answers(&other));
+    }
+
+    #[test]
+    fn lane_packets_round_trip_and_garbage_is_refused() {
+        let open = LaneOpen {
+            from: NodeAddr {
+                id: ferry_core::NodeId(u128::MAX - 3),
+                endpoint: "[::1]:7100".parse().unwrap(),
+            },
+            slots: 64,
+            slot_len: 4096,
+        };
+        assert_eq!(LaneOpen::decode(&open.encode()), Some(open));
+        // A region request is not a lane, nor the reverse.
+        assert_eq!(LaneOpen::decode(&[0; Request::LEN]), None);
+        assert_eq!(Request::decode(&open.encode()), None);
+        let mut bad = open.encode();
+        bad[16 + 16] = 5; // address family
+        assert_eq!(LaneOpen::decode(&bad), None);
+        for ack in [LaneAck::Open { max_len: 65536 }, LaneAck::Refused] {
+            assert_eq!(LaneAck::decode(&ack.encode()), Some(ack));
+        }
+        let mut bad = LaneAck::Open { max_len: 1 }.encode();
+        bad[4] = 0;
+        assert_eq!(LaneAck::decode(&bad), None);
     }
 }
