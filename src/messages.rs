@@ -63,7 +63,10 @@ impl Node {
     /// bytes are in the owner's memory when its application sees the
     /// notification; for reads, the reads are done (the owner may reuse the
     /// memory). `Ok` once every owner has accepted its notification, all
-    /// within `timeout`. A batch that fails or times out notifies nobody
+    /// within `timeout`: it is in the owner's inbox, or in a buffer the
+    /// owner set aside for it (the receive buffers and lanes below), from
+    /// which the owner moves it to the inbox, waiting for room as long as
+    /// it takes (unless the owner stops first). A batch that fails or times out notifies nobody
     /// (except where the deadline passes just after the notification left:
     /// like any send that times out, it may still arrive).
     ///

@@ -36,8 +36,8 @@ pub struct PeerTables {
     /// their socket closes.
     pub memory_served: usize,
     /// Notification lanes same-host peers opened into this node (each on
-    /// a socket of its own, counted in `memory_served` too): released as
-    /// their socket closes.
+    /// a socket of its own, counted in `memory_served` too): released once
+    /// their socket closed and what their ring held is in the inbox.
     pub memory_lanes: usize,
     /// Peers whose metadata this node holds: unnamed ones fetched are
     /// released when this node's control session to them closes; named

@@ -183,6 +183,8 @@ async fn a_timed_out_notified_batch_notifies_nobody() {
 async fn same_host_written_bytes_are_in_place_when_the_owner_is_notified() {
     let (owner, initiator) = (same_host_node().await, same_host_node().await);
     notify::written_bytes_are_in_place_when_the_owner_is_notified(&owner, &initiator, 200).await;
+    // They came on a lane, not the control session.
+    assert_eq!(owner.peer_tables().memory_lanes, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -211,6 +213,7 @@ async fn a_stalled_consumer_holds_same_host_senders_back_and_resumes() {
     let ring = ferry::memory::LANE_SLOTS as usize;
     notify::a_stalled_consumer_holds_senders_back_and_resumes(&owner, &initiator, ring..=ring + 2)
         .await;
+    assert_eq!(owner.peer_tables().memory_lanes, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -197,7 +197,8 @@ impl MemoryBackend {
     }
 
     /// Notification lanes same-host peers have open into this node now;
-    /// one goes as soon as its peer closes it.
+    /// one goes once its peer closed it and what its ring held is in the
+    /// inbox.
     pub fn served_lanes(&self) -> usize {
         self.0.lanes.open.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -216,36 +217,9 @@ impl MemoryBackend {
         notification: &[u8],
         deadline: tokio::time::Instant,
     ) -> LaneNotification {
-        let lost = || {
-            LaneNotification::Failed(OpError::ConnectionLost {
-                endpoint: owner.endpoint,
-            })
-        };
-        let Some(link) = self.0.links.get(owner) else {
-            return LaneNotification::NotSent;
-        };
-        if !link.is_alive() {
-            return lost();
-        }
-        let Some(lane) = link.lane(from, deadline).await else {
-            return LaneNotification::NotSent;
-        };
-        if lane.is_closed() {
-            // The owner dropped the lane; if it is alive, it hears the
-            // slow way.
-            return if link.is_alive() {
-                LaneNotification::NotSent
-            } else {
-                lost()
-            };
-        }
-        match lane.push(notification) {
-            Ok(lane::Pushed::Accepted) => LaneNotification::Accepted,
-            Ok(lane::Pushed::Full | lane::Pushed::TooLarge) => LaneNotification::NotSent,
-            Err(e) => {
-                tracing::debug!(owner = %owner.endpoint, "memory transport: a notification lane's doorbell failed: {e}");
-                lost()
-            }
+        match self.0.links.get(owner) {
+            Some(link) => link.notify(from, notification, deadline).await,
+            None => LaneNotification::NotSent,
         }
     }
 
@@ -257,8 +231,9 @@ impl MemoryBackend {
         self.0.links.len()
     }
 
-    /// Same-host peers whose socket this node answers now; one goes as
-    /// soon as its socket closes.
+    /// Same-host sockets this node answers now, notification lanes
+    /// included; one goes as soon as it closes (a lane's, once what its
+    /// ring held is in the inbox).
     pub fn served_peers(&self) -> usize {
         self.0.served.load(std::sync::atomic::Ordering::Relaxed)
     }

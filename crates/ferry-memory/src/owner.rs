@@ -288,14 +288,16 @@ impl Drop for MemRegistration {
 }
 
 /// Same-host peers one node answers at once (one task and one socket
-/// each); more are turned away, and their ops fail with a typed error.
+/// each; notification lanes, which have their own bound, not counted);
+/// more are turned away, and their ops fail with a typed error.
 const MAX_PEERS: usize = 1024;
 
 /// Answers peers on `listener` until the task is aborted.
 /// The peers' tasks belong to it: aborting it (the node stopping) ends
 /// them too. `served` counts the peers answered now: each one's task is
-/// reaped, and its count released, as soon as its socket closes.
-/// Peers' notification lanes are served on their sockets too (`lanes`).
+/// reaped, and its count released, as soon as its socket closes (a
+/// lane's, once its ring is delivered). Peers' notification lanes are
+/// served on their sockets too (`lanes`).
 pub(crate) async fn serve(
     listener: Listener,
     exports: Arc<Exports>,
@@ -313,7 +315,8 @@ pub(crate) async fn serve(
         };
         match accepted {
             Ok(peer) => {
-                if peers.len() >= MAX_PEERS {
+                let lanes_open = lanes.open.load(Ordering::Relaxed);
+                if peers.len().saturating_sub(lanes_open) >= MAX_PEERS {
                     warn!("memory transport: {MAX_PEERS} same-host peers already; one turned away");
                     continue;
                 }

@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 
 use ferry_core::{Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaOp, RegionId};
 
+use crate::LaneNotification;
 use crate::gate::Table;
-use crate::lane::{self, LaneSender};
+use crate::lane::{self, LaneSender, Pushed};
 use crate::pvm::{Grant, Probe, probe};
 use crate::shared::{alive, map_sealed};
 use crate::socket::Packets;
@@ -177,32 +178,77 @@ pub(crate) struct Link {
     /// The notification lane to the owner, once opened (`None`: the owner
     /// refused one).
     lane: tokio::sync::OnceCell<Option<Arc<LaneSender>>>,
+    /// Until when a lane that could not be opened is not asked for again.
+    lane_retry: Mutex<Option<Instant>>,
 }
 
 impl Link {
     /// The lane that carries notifications from node `from` to the owner,
-    /// opened at the first (waiting until `deadline` at most); `None` if
-    /// the owner takes none this way, or cannot be asked now (tried again
-    /// next time).
+    /// opened at the first (waiting until `deadline` at most, also while
+    /// another caller opens it); `None` if the owner refused one, or could
+    /// not be asked (asked again [`UNREACHABLE_FOR`] later).
     pub async fn lane(
         &self,
         from: NodeAddr,
         deadline: tokio::time::Instant,
     ) -> Option<Arc<LaneSender>> {
-        let deadline = deadline.min(tokio::time::Instant::now() + lane::OPEN_WAIT);
-        let opened = self
-            .lane
-            .get_or_try_init(|| async {
-                LaneSender::open(self.owner.id, from, deadline)
-                    .await
-                    .map(|lane| lane.map(Arc::new))
-            })
-            .await;
+        let retry = || self.lane_retry.lock().unwrap_or_else(|e| e.into_inner());
+        if self.lane.get().is_none() && retry().is_some_and(|at| Instant::now() < at) {
+            return None;
+        }
+        let open_by = deadline.min(tokio::time::Instant::now() + lane::OPEN_WAIT);
+        let opening = self.lane.get_or_try_init(|| async {
+            LaneSender::open(self.owner.id, from, open_by)
+                .await
+                .map(|lane| lane.map(Arc::new))
+        });
+        let Ok(opened) = tokio::time::timeout_at(deadline, opening).await else {
+            // This caller's own deadline: the lane may open for the next.
+            return None;
+        };
         match opened {
             Ok(lane) => lane.clone(),
             Err(e) => {
                 tracing::debug!(owner = %self.owner.endpoint, "memory transport: cannot open a notification lane: {e}");
+                *retry() = Some(Instant::now() + UNREACHABLE_FOR);
                 None
+            }
+        }
+    }
+
+    /// See [`MemoryBackend::notify`](crate::MemoryBackend::notify).
+    pub async fn notify(
+        &self,
+        from: NodeAddr,
+        notification: &[u8],
+        deadline: tokio::time::Instant,
+    ) -> LaneNotification {
+        let lost = || {
+            LaneNotification::Failed(OpError::ConnectionLost {
+                endpoint: self.owner.endpoint,
+            })
+        };
+        if !self.is_alive() {
+            return lost();
+        }
+        let Some(lane) = self.lane(from, deadline).await else {
+            return LaneNotification::NotSent;
+        };
+        if lane.is_closed() {
+            // The owner dropped the lane; if it is alive, it hears the
+            // slow way.
+            return if self.is_alive() {
+                LaneNotification::NotSent
+            } else {
+                lost()
+            };
+        }
+        match lane.push(notification) {
+            Ok(Pushed::Accepted) => LaneNotification::Accepted,
+            Ok(Pushed::Full | Pushed::TooLarge) => LaneNotification::NotSent,
+            Err(e) => {
+                tracing::debug!(owner = %self.owner.endpoint, "memory transport: a notification lane's doorbell failed: {e}");
+                lost()
             }
         }
     }
@@ -432,6 +478,7 @@ impl Links {
                 asking: tokio::sync::Mutex::new(()),
                 mapped: Mutex::default(),
                 lane: tokio::sync::OnceCell::new(),
+                lane_retry: Mutex::default(),
             })),
             // Nobody listens under that name here (another host, another
             // network namespace, memory off, or it stopped): remembered.
