@@ -330,31 +330,21 @@ async fn notify_on_qp(
         &router.ibverbs_meters,
         &result.as_ref().map(|_| ()).map_err(Clone::clone),
     );
-    match result? {
-        QpNotification::Accepted => {
-            notification_path("ibverbs", "data", 1);
-            Ok(())
-        }
-        QpNotification::NotSent => {
-            // Slower (a round trip after the batch): worth seeing when a
-            // consumer's pace, or the payload size, sends many this way.
-            debug!(owner = %owner.endpoint, "notification not sent on the queue pair: over the control session");
-            notify_over_control(
-                &router.messages,
-                vec![owner],
-                notification,
-                deadline,
-                timeout,
-                "ibverbs",
-            )
-            .await
-        }
-        // It may have arrived: sending it again could deliver it twice.
-        QpNotification::Failed(error) => Err(NotifyError::Notification {
-            owner,
-            error: undelivered(owner, error),
-        }),
-    }
+    let sent = match result? {
+        QpNotification::Accepted => OnDataPath::Accepted,
+        QpNotification::NotSent => OnDataPath::NotSent,
+        QpNotification::Failed(error) => OnDataPath::Failed(error),
+    };
+    after_data_path(
+        router,
+        owner,
+        notification,
+        deadline,
+        timeout,
+        "ibverbs",
+        sent,
+    )
+    .await
 }
 
 /// A batch all over the same-host memory transport to one owner: once its
@@ -373,28 +363,70 @@ async fn notify_in_memory(
     };
     let deadline = Instant::now() + timeout;
     router.submit(ops, timeout).await?;
-    let lane = memory
+    let sent = match memory
         .notify(owner, router.addr(), &notification, deadline)
-        .await;
-    match lane {
-        LaneNotification::Accepted => {
-            notification_path("memory", "data", 1);
+        .await
+    {
+        LaneNotification::Accepted => OnDataPath::Accepted,
+        LaneNotification::NotSent => OnDataPath::NotSent,
+        LaneNotification::Failed(error) => OnDataPath::Failed(error),
+    };
+    after_data_path(
+        router,
+        owner,
+        notification,
+        deadline,
+        timeout,
+        "memory",
+        sent,
+    )
+    .await
+}
+
+/// What a data path (a queue pair, a same-host lane) did with one owner's
+/// notification.
+enum OnDataPath {
+    /// Taken by a buffer the owner set aside for it.
+    Accepted,
+    /// Not sent: no room, or too large for the path.
+    NotSent,
+    /// Sent, then the path failed: it may have arrived.
+    Failed(OpError),
+}
+
+/// Finishes a notification the `transport`'s data path handled as `sent`:
+/// counted when it went, sent over the control session when it did not,
+/// an error when it may have arrived (sending it again could deliver it
+/// twice).
+async fn after_data_path(
+    router: &Router,
+    owner: NodeAddr,
+    notification: Bytes,
+    deadline: Instant,
+    timeout: Duration,
+    transport: &'static str,
+    sent: OnDataPath,
+) -> Result<(), NotifyError> {
+    match sent {
+        OnDataPath::Accepted => {
+            notification_path(transport, "data", 1);
             Ok(())
         }
-        LaneNotification::NotSent => {
-            debug!(owner = %owner.endpoint, "notification not sent on the same-host lane: over the control session");
+        OnDataPath::NotSent => {
+            // Slower (a round trip after the batch): worth seeing when a
+            // consumer's pace, or the payload size, sends many this way.
+            debug!(owner = %owner.endpoint, transport, "notification not sent on the data path: over the control session");
             notify_over_control(
                 &router.messages,
                 vec![owner],
                 notification,
                 deadline,
                 timeout,
-                "memory",
+                transport,
             )
             .await
         }
-        // It may have been read: sending it again could deliver it twice.
-        LaneNotification::Failed(error) => Err(NotifyError::Notification {
+        OnDataPath::Failed(error) => Err(NotifyError::Notification {
             owner,
             error: undelivered(owner, error),
         }),
