@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every check and test ferry has: formatting, clippy, unit, integration
-# (multi-process), doc tests, fuzzing, the deploy checks, the examples, and
+# (multi-process), doc tests, the API docs, fuzzing, the deploy checks, the examples, and
 # the RDMA tests inside one soft-RoCE VM and across two.
 # `.ci/run` runs exactly this.
 set -euo pipefail
@@ -15,6 +15,9 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 cargo test --workspace --all-targets --all-features --locked
 cargo test --workspace --doc --all-features --locked
+# The API docs build without a warning: a doc link to an item that was
+# renamed or removed fails here instead of rotting.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked -q
 # Fuzzing: every decoder of bytes from the network or another node, for
 # FERRY_FUZZ_SECONDS per target (default 20), from the committed seeds; a
 # crash fails the run and leaves its input in fuzz/regressions/. Adds about

@@ -390,8 +390,8 @@ impl Endpoint {
     /// How many peers have an entry in this node's table of sessions it
     /// opened (open, or being opened now). Each entry goes when its session
     /// closes (the peer shut down, vanished, or broke the protocol: at the
-    /// latest when keepalive gives up on a silent peer, see
-    /// [`crate::socket::KEEPALIVE`]) or when the last caller opening it
+    /// latest when keepalive gives up on a silent peer, after the peer
+    /// timeout, see [`crate::DEFAULT_PEER_TIMEOUT`]) or when the last caller opening it
     /// fails. For leak checks and `ferry info`.
     pub fn session_table_len(&self) -> usize {
         self.0.shared.lock_sessions().len()
