@@ -98,18 +98,8 @@ impl Table {
     /// Maps a table an owner sent, after checking that the memfd is long
     /// enough and sealed against shrinking (so no access can fault).
     pub fn map(fd: &OwnedFd) -> Option<Table> {
-        let raw = fd.as_raw_fd();
-        // SAFETY: fstat writes into a local struct; F_GET_SEALS only reads.
-        let mut stat: libc::stat = unsafe { std::mem::zeroed() };
-        let seals = unsafe { libc::fcntl(raw, libc::F_GET_SEALS) };
-        if unsafe { libc::fstat(raw, &mut stat) } != 0
-            || (stat.st_size as u64) < TABLE_LEN as u64
-            || seals < 0
-            || seals & libc::F_SEAL_SHRINK == 0
-        {
-            return None;
-        }
-        Table::map_raw(raw)
+        use std::os::fd::AsFd;
+        crate::shared::map_sealed(fd.as_fd(), TABLE_LEN, true).map(|base| Table { base })
     }
 
     fn map_raw(raw: RawFd) -> Option<Table> {
