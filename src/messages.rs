@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_control::{Delivery, Inbox, MessageError, Messages};
-use ferry_core::{NodeAddr, OpError, RdmaOp, RdmaTransportLevel, SubmitError};
-use ferry_ibverbs::QpNotification;
-use ferry_memory::LaneNotification;
+use ferry_core::{
+    DataPathNotification, NodeAddr, OpError, RdmaOp, RdmaTransportLevel, SubmitError,
+};
 use ferry_tcp::frame::NotifyOutcome;
 use kameo::Actor;
 use kameo::actor::ActorRef;
@@ -330,11 +330,7 @@ async fn notify_on_qp(
         &router.ibverbs_meters,
         &result.as_ref().map(|_| ()).map_err(Clone::clone),
     );
-    let sent = match result? {
-        QpNotification::Accepted => OnDataPath::Accepted,
-        QpNotification::NotSent => OnDataPath::NotSent,
-        QpNotification::Failed(error) => OnDataPath::Failed(error),
-    };
+    let sent = result?;
     after_data_path(
         router,
         owner,
@@ -363,14 +359,9 @@ async fn notify_in_memory(
     };
     let deadline = Instant::now() + timeout;
     router.submit(ops, timeout).await?;
-    let sent = match memory
+    let sent = memory
         .notify(owner, router.addr(), &notification, deadline)
-        .await
-    {
-        LaneNotification::Accepted => OnDataPath::Accepted,
-        LaneNotification::NotSent => OnDataPath::NotSent,
-        LaneNotification::Failed(error) => OnDataPath::Failed(error),
-    };
+        .await;
     after_data_path(
         router,
         owner,
@@ -381,17 +372,6 @@ async fn notify_in_memory(
         sent,
     )
     .await
-}
-
-/// What a data path (a queue pair, a same-host lane) did with one owner's
-/// notification.
-enum OnDataPath {
-    /// Taken by a buffer the owner set aside for it.
-    Accepted,
-    /// Not sent: no room, or too large for the path.
-    NotSent,
-    /// Sent, then the path failed: it may have arrived.
-    Failed(OpError),
 }
 
 /// Finishes a notification the `transport`'s data path handled as `sent`:
@@ -405,14 +385,14 @@ async fn after_data_path(
     deadline: Instant,
     timeout: Duration,
     transport: &'static str,
-    sent: OnDataPath,
+    sent: DataPathNotification,
 ) -> Result<(), NotifyError> {
     match sent {
-        OnDataPath::Accepted => {
+        DataPathNotification::Accepted => {
             notification_path(transport, "data", 1);
             Ok(())
         }
-        OnDataPath::NotSent => {
+        DataPathNotification::NotSent => {
             // Slower (a round trip after the batch): worth seeing when a
             // consumer's pace, or the payload size, sends many this way.
             debug!(owner = %owner.endpoint, transport, "notification not sent on the data path: over the control session");
@@ -426,7 +406,7 @@ async fn after_data_path(
             )
             .await
         }
-        OnDataPath::Failed(error) => Err(NotifyError::Notification {
+        DataPathNotification::Failed(error) => Err(NotifyError::Notification {
             owner,
             error: undelivered(owner, error),
         }),

@@ -21,6 +21,7 @@ mod ids;
 pub mod inline;
 mod memory;
 mod message;
+mod notified;
 mod op;
 mod progress;
 
@@ -30,5 +31,6 @@ pub use handle::{Access, IbvRemote, MemRemote, RemoteBuffer, RemoteTransports, T
 pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128, tokens_equal};
 pub use memory::{MemoryBlock, PAGE_SIZE, Region, RegionIds, RegionParts, RegionSlot};
 pub use message::{RegisterRegion, Submit, TransportInfo, TransportLevel};
+pub use notified::DataPathNotification;
 pub use op::{LocalSlice, OpKind, RdmaOp};
 pub use progress::{Answer, BatchProgress};

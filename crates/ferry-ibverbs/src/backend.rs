@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_control::{Endpoint, EndpointError, NotificationSink, Request, Service, ServiceError};
+use ferry_core::{DataPathNotification, RegisterRegion, Submit, TransportInfo, TransportLevel};
 use ferry_core::{
     Generation, IbvRemote, RdmaBackend, RdmaOp, RdmaTransportLevel, RegionId, RegisterError,
     SubmitError,
 };
-use ferry_core::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 use kameo::Actor;
 use kameo::actor::{ActorRef, Spawn};
 use kameo::error::SendError;
@@ -24,7 +24,6 @@ use crate::batch::Shared;
 pub use crate::connection::FOREIGN_WR_ID_BIT;
 use crate::device::{Device, IbvConfig};
 use crate::info::{IbvRegionKeys, IbvTransportInfo};
-pub use crate::notify::QpNotification;
 use crate::passive::{self, PassiveQps};
 use crate::peers::Peers;
 use crate::verbs::{MemoryRegion, VerbsError};
@@ -276,14 +275,21 @@ impl IbvBackend {
     /// owner receives it only after every op has been executed there (for
     /// reads, after their data has come back), and never if one failed.
     /// It is delivered to the owner's inbox from there; a batch that fails
-    /// or times out sends none. See [`QpNotification`] for when it is not
-    /// sent, and must go another way.
+    /// or times out sends none.
+    ///
+    /// [`NotSent`](DataPathNotification::NotSent) when the batch spans
+    /// several owners, or the owner posted no receive buffers for this
+    /// node, or none is free (its inbox is full), or the notification is
+    /// larger than one: the batch ran without it, notify the owner another
+    /// way. [`Accepted`](DataPathNotification::Accepted) once the owner's
+    /// NIC acknowledged the SEND. [`Failed`](DataPathNotification::Failed)
+    /// when the ops completed but the queue pair broke under the SEND.
     pub async fn submit_notified(
         &self,
         ops: Vec<RdmaOp>,
         timeout: Duration,
         notification: Bytes,
-    ) -> Result<QpNotification, SubmitError> {
+    ) -> Result<DataPathNotification, SubmitError> {
         self.shared
             .submit_notified(ops, timeout, Some(notification))
             .await

@@ -8,14 +8,16 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_control::Endpoint;
-use ferry_core::{BatchProgress, NodeAddr, OpError, OpKind, RdmaOp, SubmitError};
+use ferry_core::{
+    BatchProgress, DataPathNotification, NodeAddr, OpError, OpKind, RdmaOp, SubmitError,
+};
 use tokio::time::Instant;
 use tracing::{Instrument, debug, debug_span};
 
 use crate::backend::Registry;
 use crate::connection::{Piece, Pin};
 use crate::device::Device;
-use crate::notify::{PendingNotification, QpNotification, attach_notification};
+use crate::notify::{PendingNotification, attach_notification};
 use crate::passive::PassiveQps;
 use crate::peers::Peers;
 use crate::qp_session::{QpSession, spin_until_done};
@@ -53,7 +55,7 @@ impl Shared {
         ops: Vec<RdmaOp>,
         timeout: Duration,
         notification: Option<Bytes>,
-    ) -> Result<QpNotification, SubmitError> {
+    ) -> Result<DataPathNotification, SubmitError> {
         // (Fields are only evaluated when the span is enabled.) A batch
         // usually goes to one peer; name the first.
         let span = debug_span!(
@@ -76,7 +78,7 @@ impl Shared {
         ops: Vec<RdmaOp>,
         timeout: Duration,
         notification: Option<Bytes>,
-    ) -> Result<QpNotification, SubmitError> {
+    ) -> Result<DataPathNotification, SubmitError> {
         let started = Instant::now();
         let deadline = started + timeout;
         let mut groups = self.prepare(&ops)?;
@@ -111,7 +113,7 @@ impl Shared {
         let outcome = self
             .execute(groups, progress, notify_index, started, deadline, timeout)
             .await;
-        let (Some((peer, payload)), Ok(QpNotification::NotSent)) = (after, &outcome) else {
+        let (Some((peer, payload)), Ok(DataPathNotification::NotSent)) = (after, &outcome) else {
             return outcome;
         };
         let alone = PeerGroup {
@@ -137,19 +139,19 @@ impl Shared {
         started: Instant,
         deadline: Instant,
         timeout: Duration,
-    ) -> Result<QpNotification, SubmitError> {
+    ) -> Result<DataPathNotification, SubmitError> {
         if progress.total_pieces() == 0 {
-            return Ok(QpNotification::NotSent);
+            return Ok(DataPathNotification::NotSent);
         }
         // Set once the notification is posted behind the ops.
         let sent = AtomicBool::new(false);
         let finish = |outcome: Result<(), SubmitError>| {
             let sent = sent.load(Ordering::Acquire);
             match outcome {
-                Ok(()) if sent => Ok(QpNotification::Accepted),
-                Ok(()) => Ok(QpNotification::NotSent),
+                Ok(()) if sent => Ok(DataPathNotification::Accepted),
+                Ok(()) => Ok(DataPathNotification::NotSent),
                 Err(SubmitError::Op { index, error }) if sent && index == notify_index => {
-                    Ok(QpNotification::Failed(error))
+                    Ok(DataPathNotification::Failed(error))
                 }
                 Err(e) => Err(e),
             }

@@ -33,9 +33,10 @@ pub mod wire;
 
 pub use backend::{
     FOREIGN_WR_ID_BIT, IbvBackend, IbvDevice, IbvManagerActor, IbvRegistered, IbvRegistration,
-    QpNotification,
 };
 pub use device::IbvConfig;
+/// What [`IbvBackend::submit_notified`] did with a notification.
+pub use ferry_core::DataPathNotification;
 /// The messages all managers share, re-exported where users look for them.
 pub use ferry_core::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 pub use info::{IbvQpHandle, IbvRegionKeys, IbvTransportInfo};

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use ferry_core::{BatchProgress, MemoryBlock, OpError};
+use ferry_core::{BatchProgress, MemoryBlock};
 use tokio::sync::Semaphore;
 
 use crate::connection::{PeerQp, Piece, Pin};
@@ -146,25 +146,6 @@ impl NotifyLane {
         self.credits.add_permits(returned as usize);
         returned
     }
-}
-
-/// How a notification attached to a submit went on the queue pair (see
-/// [`IbvBackend::submit_notified`](crate::IbvBackend::submit_notified)).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum QpNotification {
-    /// The owner's NIC acknowledged it, after every op of the batch: it is
-    /// in a receive buffer the owner posted for it, and its node hands it
-    /// to the inbox.
-    Accepted,
-    /// Not sent on the queue pair: the batch spans several owners, or the
-    /// owner posted no receive buffers, or none is free (the owner's inbox
-    /// is full), or the notification is larger than one. The batch ran
-    /// without it: notify the owner another way.
-    NotSent,
-    /// The batch's ops completed, but the SEND behind them failed: the
-    /// queue pair broke just then. The owner may or may not have received
-    /// it, so it must not be sent again.
-    Failed(OpError),
 }
 
 /// A notification waiting to be put behind its batch's pieces.

@@ -62,6 +62,8 @@ use ferry_core::{
     RemoteBuffer, SubmitError, random_u128,
 };
 
+/// What [`MemoryBackend::notify`] did with a notification.
+pub use ferry_core::DataPathNotification;
 pub use lane::{MAX_BODY as LANE_MAX_NOTIFICATION, SLOTS as LANE_SLOTS};
 pub use owner::MemRegistration;
 pub use shared::{SharedMapping, alloc, boot_id, mapping_of};
@@ -99,23 +101,6 @@ pub struct MemRegistered {
     pub remote: MemRemote,
     /// Dropping it stops sharing the region.
     pub registration: MemRegistration,
-}
-
-/// How a notification went on a same-host lane (see
-/// [`MemoryBackend::notify`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LaneNotification {
-    /// In the ring the owner reads: it is delivered to the owner's inbox.
-    Accepted,
-    /// Not put in the ring: the owner takes no notifications this way (or
-    /// is not reachable over the socket), the ring is full (the owner's
-    /// inbox is), or the notification is larger than
-    /// [`LANE_MAX_NOTIFICATION`]. Notify the owner another way.
-    NotSent,
-    /// The owner is gone: its socket closed, or closed as the notification
-    /// went into the ring, where it may or may not have been read. It must
-    /// not be sent again.
-    Failed(OpError),
 }
 
 /// How often mappings of regions that are gone are unmapped.
@@ -206,8 +191,15 @@ impl MemoryBackend {
     /// Puts `notification` from node `from` in the lane to `owner`, after
     /// a batch to it completed here: its copies are done, so when the owner
     /// reads the notification, a write's bytes are in its memory and a
-    /// read's were taken. Does not wait for the owner: `Accepted` once it
-    /// is in the ring, which the owner delivers (see [`LaneNotification`]).
+    /// read's were taken. Does not wait for the owner:
+    /// [`Accepted`](DataPathNotification::Accepted) once it is in the ring,
+    /// which the owner delivers. [`NotSent`](DataPathNotification::NotSent)
+    /// when the owner takes no notifications this way (or is not reachable
+    /// over its socket), the ring is full (the owner's inbox is), or the
+    /// notification is larger than [`LANE_MAX_NOTIFICATION`]: notify the
+    /// owner another way. [`Failed`](DataPathNotification::Failed) when the
+    /// owner is gone: its socket closed, or closed as the notification went
+    /// into the ring, where it may or may not have been read.
     /// Opening the lane, at the first notification to an owner, waits
     /// until `deadline` at most.
     pub async fn notify(
@@ -216,10 +208,10 @@ impl MemoryBackend {
         from: NodeAddr,
         notification: &[u8],
         deadline: tokio::time::Instant,
-    ) -> LaneNotification {
+    ) -> DataPathNotification {
         match self.0.links.get(owner) {
             Some(link) => link.notify(from, notification, deadline).await,
-            None => LaneNotification::NotSent,
+            None => DataPathNotification::NotSent,
         }
     }
 

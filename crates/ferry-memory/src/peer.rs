@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use ferry_core::{Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaOp, RegionId};
 
-use crate::LaneNotification;
+use crate::DataPathNotification;
 use crate::gate::Table;
 use crate::lane::{self, LaneSender, Pushed};
 use crate::pvm::{Grant, Probe, probe};
@@ -222,9 +222,9 @@ impl Link {
         from: NodeAddr,
         notification: &[u8],
         deadline: tokio::time::Instant,
-    ) -> LaneNotification {
+    ) -> DataPathNotification {
         let lost = || {
-            LaneNotification::Failed(OpError::ConnectionLost {
+            DataPathNotification::Failed(OpError::ConnectionLost {
                 endpoint: self.owner.endpoint,
             })
         };
@@ -232,20 +232,20 @@ impl Link {
             return lost();
         }
         let Some(lane) = self.lane(from, deadline).await else {
-            return LaneNotification::NotSent;
+            return DataPathNotification::NotSent;
         };
         if lane.is_closed() {
             // The owner dropped the lane; if it is alive, it hears the
             // slow way.
             return if self.is_alive() {
-                LaneNotification::NotSent
+                DataPathNotification::NotSent
             } else {
                 lost()
             };
         }
         match lane.push(notification) {
-            Ok(Pushed::Accepted) => LaneNotification::Accepted,
-            Ok(Pushed::Full | Pushed::TooLarge) => LaneNotification::NotSent,
+            Ok(Pushed::Accepted) => DataPathNotification::Accepted,
+            Ok(Pushed::Full | Pushed::TooLarge) => DataPathNotification::NotSent,
             Err(e) => {
                 tracing::debug!(owner = %self.owner.endpoint, "memory transport: a notification lane's doorbell failed: {e}");
                 lost()

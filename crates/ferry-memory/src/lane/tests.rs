@@ -5,7 +5,7 @@ use ferry_control::{DeliveryKind, Endpoint, EndpointConfig, Inbox, Messages};
 use ferry_core::OpError;
 
 use super::*;
-use crate::{LaneNotification, MemoryBackend};
+use crate::{DataPathNotification, MemoryBackend};
 
 /// The longest any one step may take.
 const WAIT: Duration = Duration::from_secs(10);
@@ -70,9 +70,9 @@ async fn a_lane_delivers_every_notification_once_in_order() {
                 .notify(owner_addr, from, &i.to_le_bytes(), give_up)
                 .await
             {
-                LaneNotification::Accepted => break,
+                DataPathNotification::Accepted => break,
                 // The ring is full while the consumer catches up.
-                LaneNotification::NotSent if Instant::now() < give_up => {
+                DataPathNotification::NotSent if Instant::now() < give_up => {
                     tokio::task::yield_now().await
                 }
                 other => panic!("notification {i}: {other:?}"),
@@ -96,7 +96,7 @@ async fn a_full_ring_is_refused_until_the_consumer_reads_again() {
     }
     // Room again: the lane carries on where it was.
     let more = sender.notify(owner_addr, from, b"again", deadline()).await;
-    assert_eq!(more, LaneNotification::Accepted);
+    assert_eq!(more, DataPathNotification::Accepted);
     assert_eq!(next(&mut inbox, from).await, b"again"[..]);
 }
 
@@ -112,11 +112,11 @@ async fn fill(sender: &MemoryBackend, owner: NodeAddr, from: NodeAddr) -> u32 {
                 .notify(owner, from, &accepted.to_le_bytes(), deadline())
                 .await
             {
-                LaneNotification::Accepted => break,
-                LaneNotification::NotSent if Instant::now() < give_up => {
+                DataPathNotification::Accepted => break,
+                DataPathNotification::NotSent if Instant::now() < give_up => {
                     tokio::time::sleep(Duration::from_millis(10)).await
                 }
-                LaneNotification::NotSent => return accepted,
+                DataPathNotification::NotSent => return accepted,
                 other => panic!("{other:?}"),
             }
         }
@@ -154,9 +154,9 @@ async fn a_notification_larger_than_a_slot_goes_elsewhere() {
     let sent = sender
         .notify(owner_addr, from, &too_large, deadline())
         .await;
-    assert_eq!(sent, LaneNotification::NotSent);
+    assert_eq!(sent, DataPathNotification::NotSent);
     let sent = sender.notify(owner_addr, from, &largest, deadline()).await;
-    assert_eq!(sent, LaneNotification::Accepted);
+    assert_eq!(sent, DataPathNotification::Accepted);
     assert_eq!(next(&mut inbox, from).await, largest[..]);
     assert!(inbox.try_recv().is_none());
 }
@@ -166,7 +166,7 @@ async fn an_owner_without_an_inbox_refuses_lanes() {
     let (_owner, owner_addr, _) = node(0).await;
     let (sender, from, _) = node(0).await;
     let sent = sender.notify(owner_addr, from, b"x", deadline()).await;
-    assert_eq!(sent, LaneNotification::NotSent);
+    assert_eq!(sent, DataPathNotification::NotSent);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -175,7 +175,7 @@ async fn a_stopped_owner_fails_the_notification_with_a_typed_error() {
     let (_messages, mut inbox) = inbox.unwrap();
     let (sender, from, _) = node(0).await;
     let sent = sender.notify(owner_addr, from, b"1", deadline()).await;
-    assert_eq!(sent, LaneNotification::Accepted);
+    assert_eq!(sent, DataPathNotification::Accepted);
     assert_eq!(next(&mut inbox, from).await, b"1"[..]);
     // Held here, as a submit holds it: the sender's sweep forgets a
     // dead owner's link within a second, and then its notifications
@@ -189,7 +189,7 @@ async fn a_stopped_owner_fails_the_notification_with_a_typed_error() {
     }
     assert_eq!(
         link.notify(from, b"2", deadline()).await,
-        LaneNotification::Failed(OpError::ConnectionLost {
+        DataPathNotification::Failed(OpError::ConnectionLost {
             endpoint: owner_addr.endpoint
         })
     );
