@@ -8,10 +8,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_control::{Endpoint, EndpointError, NotificationSink, Request, Service, ServiceError};
-use ferry_core::{DataPathNotification, RegisterRegion, Submit, TransportInfo, TransportLevel};
 use ferry_core::{
-    Generation, IbvRemote, RdmaBackend, RdmaOp, RdmaTransportLevel, RegionId, RegisterError,
-    SubmitError,
+    DataPathNotification, Generation, IbvRemote, RdmaBackend, RdmaOp, RdmaTransportLevel, RegionId,
+    RegisterError, RegisterRegion, Submit, SubmitError, TransportInfo, TransportLevel,
 };
 use kameo::Actor;
 use kameo::actor::{ActorRef, Spawn};
