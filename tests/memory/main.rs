@@ -270,38 +270,55 @@ async fn a_killed_owner_gives_a_result_and_a_restarted_one_works() {
     .await;
 }
 
-/// Mappings of `ferry-region` memfds in this process.
-fn mapped_regions() -> usize {
-    std::fs::read_to_string("/proc/self/maps")
+/// The `(address range, inode)` of each `ferry-region` memfd mapping in
+/// process `pid`, from its `/proc/PID/maps`.
+fn memfd_mappings(pid: &str) -> Vec<(std::ops::Range<u64>, u64)> {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
         .unwrap()
         .lines()
-        .filter(|l| l.contains("memfd:ferry-region"))
-        .count()
+        .filter(|line| line.contains("memfd:ferry-region"))
+        .map(|line| {
+            // start-end perms offset dev inode path
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (start, end) = fields[0].split_once('-').unwrap();
+            let hex = |h| u64::from_str_radix(h, 16).unwrap();
+            (hex(start)..hex(end), fields[4].parse().unwrap())
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_region_its_owner_dropped_is_unmapped_here_soon() {
     // A mapping keeps the owner's pages alive: it must not outlive the
-    // region by more than the sweep period.
+    // region by more than the sweep period. Other tests in this process
+    // map and unmap regions meanwhile, so the region's own memfd is
+    // followed, by its inode in the owner's process.
     let node = node().await;
     let mut peer = sharing_peer().await;
     let local = node.alloc(1 << 20, Access::ReadWrite).await.unwrap();
     let target = peer.alloc(1 << 20, Access::ReadWrite, 8).await;
-    let before = mapped_regions();
+    let owner_pid = peer.pid().expect("a child process").to_string();
+    let inode = memfd_mappings(&owner_pid)
+        .into_iter()
+        .find(|(range, _)| range.contains(&target.handle.addr()))
+        .map(|(_, inode)| inode)
+        .expect("the owner maps its region from a ferry-region memfd");
+    let mapped_here = || {
+        memfd_mappings("self")
+            .iter()
+            .any(|&(_, mapped)| mapped == inode)
+    };
+    assert!(!mapped_here(), "not mapped before any op named it");
     node.submit(
         vec![RdmaOp::read(local.whole(), target.handle.clone())],
         DEADLINE,
     )
     .await
     .unwrap();
-    assert_eq!(
-        mapped_regions(),
-        before + 1,
-        "the peer's region is mapped here"
-    );
+    assert!(mapped_here(), "the peer's region is mapped here");
     peer.drop_region(&target).await;
     let start = std::time::Instant::now();
-    while mapped_regions() > before {
+    while mapped_here() {
         assert!(start.elapsed() < Duration::from_secs(5), "still mapped");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

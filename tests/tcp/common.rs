@@ -85,7 +85,7 @@ pub fn slot_bytes(i: usize) -> Vec<u8> {
 pub struct PeerProcess {
     /// The peer's process, when it is this host's child (killed when this
     /// drops).
-    #[allow(dead_code)] // read only by `kill`, which not every suite uses
+    #[allow(dead_code)] // read only by `kill` and `pid`, which not every suite uses
     child: Option<Child>,
     stdin: Pin<Box<dyn AsyncWrite + Send>>,
     lines: Lines<BufReader<Pin<Box<dyn AsyncRead + Send>>>>,
@@ -329,6 +329,12 @@ impl PeerProcess {
             .command(&format!("notified {kind} {batches} {in_flight} {json}"))
             .await;
         if reply == "ok" { Ok(()) } else { Err(reply) }
+    }
+
+    /// The peer's process id, when it is this host's child.
+    #[allow(dead_code)] // only the memory suite reads the peer's mappings
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
     }
 
     #[allow(dead_code)] // not every suite kills its peers this way
