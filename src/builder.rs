@@ -378,6 +378,7 @@ impl NodeBuilder {
             rpc,
             messages,
             names,
+            shut_down: Default::default(),
         });
         let actor = NodeActor::spawn(NodeActor::new(router.clone()));
         Ok(Node(Arc::new(NodeInner { router, actor })))

@@ -110,8 +110,7 @@ impl Node {
         body: impl Into<Bytes>,
         timeout: Duration,
     ) -> Result<(), MessageError> {
-        let messages = &self.0.router.messages;
-        messages.send(peer, body.into(), timeout).await
+        self.0.router.send_message(peer, body.into(), timeout).await
     }
 
     /// The node's inbox, for a task that pulls deliveries (a stream); give
@@ -158,6 +157,21 @@ impl Node {
     }
 }
 
+impl Router {
+    /// See [`Node::send_message`].
+    pub(crate) async fn send_message(
+        &self,
+        peer: NodeAddr,
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<(), MessageError> {
+        if self.is_shut_down() {
+            return Err(MessageError::ShutDown);
+        }
+        self.messages.send(peer, body, timeout).await
+    }
+}
+
 /// See [`Node::submit_with_notification`].
 async fn submit_with_notification(
     router: &Router,
@@ -165,6 +179,9 @@ async fn submit_with_notification(
     timeout: Duration,
     notification: Bytes,
 ) -> Result<(), NotifyError> {
+    if router.is_shut_down() {
+        return Err(SubmitError::ShutDown.into());
+    }
     let messages = &router.messages;
     if notification.len() > messages.max_len() {
         return Err(NotifyError::TooLarge {
@@ -481,8 +498,8 @@ impl Message<SendMessage> for NodeActor {
         msg: SendMessage,
         ctx: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
-        let messages = self.router.messages.clone();
+        let router = self.router.clone();
         // Delivery may wait for room at the peer: never in the mailbox.
-        ctx.spawn(async move { messages.send(msg.peer, msg.body, msg.timeout).await })
+        ctx.spawn(async move { router.send_message(msg.peer, msg.body, msg.timeout).await })
     }
 }

@@ -3,6 +3,7 @@
 //! whichever way it arrives.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use ferry_control::{Endpoint, Messages, Rpc};
@@ -39,11 +40,20 @@ pub(crate) struct Router {
     pub messages: Arc<Messages>,
     /// Its name, published regions, and the peers it knows by name.
     pub names: Arc<crate::names::Names>,
+    /// Set by [`Node::shutdown`], before any transport stops: every call
+    /// that starts after it fails with a `ShutDown` error instead of
+    /// reaching a transport that may still be half running.
+    pub shut_down: AtomicBool,
 }
 
 impl Router {
     pub fn addr(&self) -> NodeAddr {
         self.endpoint.local()
+    }
+
+    /// Whether [`Node::shutdown`] has begun.
+    pub fn is_shut_down(&self) -> bool {
+        self.shut_down.load(Ordering::Acquire)
     }
 
     /// The fastest transport this node and the op's remote side share.
@@ -68,16 +78,23 @@ impl Router {
     /// one transport stay one batch, and the transports run concurrently.
     /// Errors name the op's index in *this* batch.
     pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
-        let mut levels = Vec::with_capacity(ops.len());
-        for (index, op) in ops.iter().enumerate() {
-            match self.route(op) {
-                Some(level) => levels.push(level),
-                None => {
-                    return Err(SubmitError::Op {
-                        index,
-                        error: OpError::NoSharedTransport,
-                    });
-                }
+        if self.is_shut_down() {
+            return Err(SubmitError::ShutDown);
+        }
+        let mut levels = self.levels(&ops)?;
+        // A same-host owner that closed its socket (it stopped, or
+        // restarted with a new node id) is forgotten here, once per batch
+        // and owner, so that its ops take the next transport, whose answer
+        // says what is at the address now (`UnknownNode` for a restarted
+        // owner), rather than failing on the dead link.
+        if let Some(memory) = &self.memory {
+            let on_memory = ops
+                .iter()
+                .zip(&levels)
+                .filter(|(_, level)| **level == RdmaTransportLevel::Memory)
+                .map(|(op, _)| op);
+            if memory.forget_dead_owners(on_memory) {
+                levels = self.levels(&ops)?;
             }
         }
         // Usually a whole batch takes one transport: it goes on as it is.
@@ -90,6 +107,20 @@ impl Router {
             // every submit's future would otherwise carry (and copy) them.
             Some(_) => Box::pin(self.submit_split(ops, levels, timeout)).await,
         }
+    }
+
+    /// Each op's transport; `NoSharedTransport` names the first op that has
+    /// none.
+    fn levels(&self, ops: &[RdmaOp]) -> Result<Vec<RdmaTransportLevel>, SubmitError> {
+        ops.iter()
+            .enumerate()
+            .map(|(index, op)| {
+                self.route(op).ok_or(SubmitError::Op {
+                    index,
+                    error: OpError::NoSharedTransport,
+                })
+            })
+            .collect()
     }
 
     /// One transport's share of a batch.
@@ -143,7 +174,12 @@ impl Router {
                 answer(result)
             })
         };
-        async move { router.tcp.submit_with_answer(ops, timeout, answer).await }
+        async move {
+            if router.is_shut_down() {
+                return answer(Err(SubmitError::ShutDown));
+            }
+            router.tcp.submit_with_answer(ops, timeout, answer).await
+        }
     }
 
     /// The TCP backend's share of a batch.
@@ -187,6 +223,9 @@ impl Router {
         memory: MemoryBlock,
         access: Access,
     ) -> Result<Region, RegisterError> {
+        if self.is_shut_down() {
+            return Err(RegisterError::ShutDown);
+        }
         let memory = Arc::new(memory);
         let slot = self.ids.allocate();
         let (id, generation) = (slot.id(), slot.generation());
@@ -227,6 +266,9 @@ impl Router {
     /// Memory for a region: shareable with same-host peers when the memory
     /// transport runs.
     pub fn alloc_memory(&self, len: u64) -> Result<MemoryBlock, RegisterError> {
+        if self.is_shut_down() {
+            return Err(RegisterError::ShutDown);
+        }
         match &self.memory {
             Some(_) => ferry_memory::alloc_or_plain(len),
             None => MemoryBlock::alloc(len),
@@ -279,6 +321,7 @@ fn merge(
     let mut lowest_op: Option<(usize, OpError)> = None;
     let mut timed_out: Option<(Duration, usize)> = None;
     let mut stopped = false;
+    let mut shut_down = false;
     for result in results {
         match result {
             Ok(()) => {}
@@ -296,6 +339,7 @@ fn merge(
                 *sum += unfinished;
             }
             Err(SubmitError::BackendStopped) => stopped = true,
+            Err(SubmitError::ShutDown) => shut_down = true,
         }
     }
     if let Some((index, error)) = lowest_op {
@@ -308,7 +352,9 @@ fn merge(
             total,
         });
     }
-    if stopped {
+    if shut_down {
+        Err(SubmitError::ShutDown)
+    } else if stopped {
         Err(SubmitError::BackendStopped)
     } else {
         Ok(())
@@ -434,19 +480,29 @@ impl Node {
         self.0.router.tcp.registered()
     }
 
-    /// Withdraws the node's etcd key (when it publishes there), then stops
-    /// the endpoint (listener, sessions, served connections) and the
-    /// backends' actors; transfers in flight fail.
+    /// Shuts the node down for good. From the moment it is called, every
+    /// call on the node, its clones and its actor (submits, registrations,
+    /// messages, RPC) fails with a `ShutDown` error ([`SubmitError::ShutDown`]
+    /// and its siblings), whatever transport it would take. Then it
+    /// withdraws the node's etcd key (when it publishes there), stops the
+    /// endpoint (listener, sessions, served connections), the same-host
+    /// transport (its socket, the peers it serves, and every region it
+    /// shared: peers' copies into them are refused) and the backends'
+    /// actors; transfers in flight fail. The node's actor keeps answering,
+    /// with those errors, until its last reference is dropped.
     pub async fn shutdown(&self) {
         let router = &self.0.router;
+        router.shut_down.store(true, Ordering::Release);
         // First: peers stop finding a node that is going away.
         router.names.withdraw().await;
+        if let Some(memory) = &router.memory {
+            memory.shutdown().await;
+        }
         router.endpoint.shutdown();
         router.tcp.stop().await;
         if let Some(ibverbs) = &router.ibverbs {
             ibverbs.stop().await;
         }
-        let _ = self.0.actor.stop_gracefully().await;
     }
 
     /// The fastest transport this node and the op's remote side share:

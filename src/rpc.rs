@@ -28,6 +28,9 @@ impl Node {
         F: Fn(RpcRequest) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Bytes, String>> + Send + 'static,
     {
+        if self.0.router.is_shut_down() {
+            return Err(RpcError::ShutDown);
+        }
         self.0.router.rpc.serve(name, handler)
     }
 
@@ -66,11 +69,11 @@ impl Node {
         body: impl Into<Bytes>,
         timeout: Duration,
     ) -> Result<Bytes, RpcError> {
-        self.0
-            .router
-            .rpc
-            .call(peer, name, body.into(), timeout)
-            .await
+        let router = &self.0.router;
+        if router.is_shut_down() {
+            return Err(RpcError::ShutDown);
+        }
+        router.rpc.call(peer, name, body.into(), timeout).await
     }
 }
 
@@ -92,8 +95,16 @@ impl Message<Call> for NodeActor {
     type Reply = DelegatedReply<Result<Bytes, RpcError>>;
 
     async fn handle(&mut self, msg: Call, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let rpc = self.router.rpc.clone();
+        let router = self.router.clone();
         // The call waits for the peer: never in the mailbox.
-        ctx.spawn(async move { rpc.call(msg.peer, &msg.name, msg.body, msg.timeout).await })
+        ctx.spawn(async move {
+            if router.is_shut_down() {
+                return Err(RpcError::ShutDown);
+            }
+            router
+                .rpc
+                .call(msg.peer, &msg.name, msg.body, msg.timeout)
+                .await
+        })
     }
 }

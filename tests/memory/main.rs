@@ -10,12 +10,13 @@
 mod common;
 mod notified;
 mod process_vm;
+mod shutdown;
 
 use std::time::Duration;
 
-use common::{PeerProcess, digest, forge, pattern, write_then_read_back};
-use ferry::DISABLE_MEMORY_ENV;
+use common::{LISTEN_ENV, PeerProcess, digest, forge, pattern, write_then_read_back};
 use ferry::prelude::*;
+use ferry::{DISABLE_MEMORY_ENV, NotifyError};
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -222,6 +223,135 @@ async fn forged_and_stale_handles_are_refused_and_change_nothing() {
         "a stale write landed"
     );
     assert!(local.to_vec() == pattern(len, 0xEE));
+}
+
+/// `handle` with its same-host token off by one bit.
+fn with_wrong_memory_token(handle: &RemoteBuffer) -> RemoteBuffer {
+    forge(handle, |j| {
+        let token = &mut j["transports"]["memory"]["token"];
+        let value = u128::from_str_radix(token.as_str().unwrap(), 16).unwrap();
+        *token = format!("{:032x}", value ^ 1).into();
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_token_is_refused_on_a_region_already_mapped_here() {
+    // The region is mapped here by a first, honest read; every later op is
+    // still checked against its own handle's token: alone, as op 1 of a
+    // batch, and in a notified batch (which then notifies nobody).
+    let node = node().await;
+    let owner = crate::node().await;
+    let mut inbox = owner.inbox().unwrap();
+    let len = 64 * 1024;
+    let target = owner.alloc(len, Access::ReadWrite).await.unwrap();
+    target.write_at(0, &pattern(len as usize, 9)).unwrap();
+    let handle = target.remote();
+    let local = node.alloc(len, Access::ReadWrite).await.unwrap();
+    // An honest write maps it here writable.
+    local.write_at(0, &pattern(len as usize, 9)).unwrap();
+    node.submit(vec![RdmaOp::write(local.whole(), handle.clone())], DEADLINE)
+        .await
+        .unwrap();
+    local.write_at(0, &pattern(len as usize, 0xA5)).unwrap();
+    let forged = with_wrong_memory_token(&handle);
+    let write = RdmaOp::write(local.whole(), forged.clone());
+    let read = RdmaOp::read(local.whole(), forged.clone());
+    assert_eq!(node.route(&write), Some(RdmaTransportLevel::Memory));
+
+    for op in [write, read] {
+        assert_op_error(node.submit(vec![op], DEADLINE).await, |e| {
+            *e == OpError::AccessDenied
+        });
+    }
+    assert!(
+        local.to_vec() == pattern(len as usize, 0xA5),
+        "a forged read"
+    );
+    let half = len / 2;
+    let honest_read = RdmaOp::read(
+        local.slice(0..half).unwrap(),
+        handle.slice(0..half).unwrap(),
+    );
+    let forged_write = RdmaOp::write(
+        local.slice(half..len).unwrap(),
+        forged.slice(half..len).unwrap(),
+    );
+    let batch = node
+        .submit(vec![honest_read.clone(), forged_write.clone()], DEADLINE)
+        .await;
+    let denied = SubmitError::Op {
+        index: 1,
+        error: OpError::AccessDenied,
+    };
+    assert_eq!(batch, Err(denied.clone()));
+    let notified = node
+        .submit_with_notification(
+            vec![honest_read.clone(), forged_write],
+            DEADLINE,
+            &b"forged"[..],
+        )
+        .await;
+    assert_eq!(notified, Err(NotifyError::Submit(denied)));
+    assert!(
+        target.to_vec() == pattern(len as usize, 9),
+        "a forged write landed"
+    );
+    // Notifications from one sender on one path arrive in order: the
+    // first the owner hears is the honest batch's, sent after.
+    node.submit_with_notification(vec![honest_read], DEADLINE, &b"honest"[..])
+        .await
+        .unwrap();
+    let first = tokio::time::timeout(DEADLINE, inbox.recv())
+        .await
+        .expect("no notification")
+        .expect("inbox closed");
+    assert_eq!(&first.body[..], b"honest");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_restarted_at_its_address_refuses_old_handles_as_unknown_node_at_once() {
+    let node = node().await;
+    let listen = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().to_string()
+    };
+    let env = [(DISABLE_MEMORY_ENV, "0"), (LISTEN_ENV, listen.as_str())];
+    let mut peer = PeerProcess::spawn_with_env(&env).await;
+    let len = 4096;
+    let old = peer.alloc(len, Access::ReadWrite, 10).await;
+    let local = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    // Mapped here: the link to the first incarnation is up.
+    node.submit(
+        vec![RdmaOp::read(local.whole(), old.handle.clone())],
+        DEADLINE,
+    )
+    .await
+    .unwrap();
+    peer.kill().await;
+    let mut again = PeerProcess::spawn_with_env(&env).await;
+    let new = again.alloc(len, Access::ReadWrite, 11).await;
+    assert_eq!(new.handle.owner().endpoint, old.handle.owner().endpoint);
+    // The first op after the restart, and every one after it: the same
+    // typed error, whose text says what happened.
+    for _ in 0..3 {
+        let result = node
+            .submit(
+                vec![RdmaOp::write(local.whole(), old.handle.clone())],
+                DEADLINE,
+            )
+            .await;
+        match result {
+            Err(SubmitError::Op {
+                index: 0,
+                error: error @ OpError::UnknownNode { expected, .. },
+            }) => {
+                assert_eq!(expected, old.handle.owner().id);
+                assert!(error.to_string().contains("restarted"), "{error}");
+            }
+            other => panic!("expected UnknownNode, got {other:?}"),
+        }
+    }
+    assert_eq!(again.digest(&new).await, digest(&new.original()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

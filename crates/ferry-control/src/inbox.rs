@@ -107,6 +107,9 @@ pub enum MessageError {
         /// The peer's endpoint.
         peer: SocketAddr,
     },
+    /// This node was shut down: it sends nothing any more.
+    #[error("the node was shut down: it sends no messages")]
+    ShutDown,
 }
 
 /// The receiving end of a node's inbox: deliveries in the order they were

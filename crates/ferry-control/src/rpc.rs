@@ -127,6 +127,9 @@ pub enum RpcError {
     /// A handler of that name is registered already.
     #[error("an RPC handler named '{0}' is registered already")]
     NameTaken(String),
+    /// This node was shut down: it calls and serves no handlers any more.
+    #[error("the node was shut down: it makes and serves no calls")]
+    ShutDown,
     /// The peer broke the protocol.
     #[error("RPC protocol violation by {peer}: {reason}")]
     Protocol {

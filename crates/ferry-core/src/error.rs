@@ -74,9 +74,13 @@ pub enum OpError {
     /// registered). Reported by the TCP owner.
     #[error("remote region does not exist")]
     UnknownRegion,
-    /// Another node answers at the handle's endpoint: the owner restarted,
-    /// or the handle names the wrong address.
-    #[error("endpoint {endpoint} is not node {expected}")]
+    /// Another node answers at the handle's endpoint: the owner restarted
+    /// (a new process there has a new node id), or the handle names the
+    /// wrong address. The new process's memory is never touched.
+    #[error(
+        "the node at {endpoint} is not the handle's owner {expected}: the owner restarted \
+         (a new node id at that address) or the handle is wrong"
+    )]
     UnknownNode {
         /// The owner the handle names.
         expected: NodeId,
@@ -138,6 +142,10 @@ pub enum SubmitError {
     /// The backend actor is not running (stopped or crashed).
     #[error("transport backend is not running")]
     BackendStopped,
+    /// The node was shut down (`Node::shutdown`): it initiates and serves
+    /// nothing any more, on any transport.
+    #[error("the node was shut down: it initiates and serves no transfers")]
+    ShutDown,
 }
 
 /// Why memory could not be registered.
@@ -164,4 +172,8 @@ pub enum RegisterError {
     /// e.g. over the locked-memory limit); the text says why.
     #[error("backend could not register the memory: {0}")]
     Backend(String),
+    /// The node was shut down (`Node::shutdown`): it registers nothing
+    /// any more.
+    #[error("the node was shut down: it registers no memory")]
+    ShutDown,
 }

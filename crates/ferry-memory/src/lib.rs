@@ -114,13 +114,17 @@ struct Inner {
     served: Arc<std::sync::atomic::AtomicUsize>,
     /// Peers' notification lanes into this node.
     lanes: Arc<lane::OwnerLanes>,
-    server: tokio::task::JoinHandle<()>,
+    /// The task that answers peers (and owns their tasks and the
+    /// listener); taken by [`MemoryBackend::shutdown`].
+    server: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     sweeper: tokio::task::JoinHandle<()>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        self.server.abort();
+        if let Some(server) = self.server.get_mut().unwrap_or_else(|e| e.into_inner()) {
+            server.abort();
+        }
         self.sweeper.abort();
     }
 }
@@ -168,9 +172,34 @@ impl MemoryBackend {
             links,
             served,
             lanes,
-            server,
+            server: std::sync::Mutex::new(Some(server)),
             sweeper,
         })))
+    }
+
+    /// Stops the transport for good, in both directions: no peer is
+    /// answered any more (the socket is closed, and with it every peer's
+    /// socket and lane, so their links see the owner gone), every region
+    /// shared is marked dead (peers' copies through mappings or gates they
+    /// already hold are refused from their next step on; steps already
+    /// under way finish), and the links to other owners are dropped. The
+    /// registrations themselves stay until their regions drop, which
+    /// keeps the memory-lifetime invariant as before. Returns once the
+    /// socket is closed.
+    pub async fn shutdown(&self) {
+        self.0.exports.revoke_all();
+        let server = self
+            .0
+            .server
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(server) = server {
+            server.abort();
+            // Cancelled: the listener and the peers' sockets are closed.
+            let _ = server.await;
+        }
+        self.0.links.clear();
     }
 
     /// Delivers the notifications same-host peers send on lanes to `sink`
@@ -294,6 +323,35 @@ impl MemoryBackend {
         }
         link.process_vm_permitted(remote.addr())
             .then_some(MemoryPath::ProcessVm)
+    }
+
+    /// Forgets the owners of `ops` that closed their sockets (they stopped,
+    /// or restarted under a new node id), looking at each owner once; true
+    /// if it forgot any. Their ops then take the next transport
+    /// ([`path`](Self::path) says `None` for a while), whose answer tells
+    /// what is at the address now, instead of failing here with
+    /// `ConnectionLost`. One non-blocking peek per linked owner.
+    pub fn forget_dead_owners<'a>(&self, ops: impl IntoIterator<Item = &'a RdmaOp>) -> bool {
+        let mut seen: Vec<NodeId> = Vec::new();
+        let mut forgot = false;
+        for op in ops {
+            let owner = op.remote.owner().id;
+            if seen.contains(&owner) {
+                continue;
+            }
+            seen.push(owner);
+            if self
+                .0
+                .links
+                .known(owner)
+                .is_some_and(|link| !link.is_alive())
+            {
+                tracing::debug!(owner = %op.remote.owner().endpoint, "memory transport: the owner closed its socket");
+                self.0.links.drop_link(owner);
+                forgot = true;
+            }
+        }
+        forgot
     }
 
     /// Runs a batch whose ops all [`routes`](Self::routes) accepted: the

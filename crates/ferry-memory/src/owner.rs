@@ -130,6 +130,35 @@ impl Exports {
         Some((registration, process_vm))
     }
 
+    /// Marks every region shared dead and stops sharing them (the node is
+    /// shutting down): their liveness words and gates are cleared, as a
+    /// registration's drop does, without waiting for steps in flight
+    /// (that wait stays with each registration's drop, which still comes).
+    pub fn revoke_all(&self) {
+        let revoked: Vec<Export> = self.lock().drain().map(|(_, e)| e).collect();
+        for export in revoked {
+            match export.how {
+                // SeqCst, as in the registration's drop.
+                Shared::Memfd(memory) => {
+                    if let Some(mapping) = mapping_of(&memory) {
+                        mapping.liveness().store(0, Ordering::SeqCst);
+                    }
+                }
+                Shared::ProcessVm { gate, stamp, .. } => {
+                    if let Some(gates) = &self.gates {
+                        // Only if it still holds this region's stamp.
+                        let _ = gates.table().live(gate).compare_exchange(
+                            stamp,
+                            0,
+                            Ordering::SeqCst,
+                            Ordering::SeqCst,
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// The answer to `request` from `asker`, with the descriptor to attach.
     fn answer(&self, request: &Request, asker: &mut Asker) -> (Reply, Option<OwnedFd>) {
         let exports = self.lock();

@@ -21,7 +21,9 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry_core::{Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaOp, RegionId};
+use ferry_core::{
+    Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaOp, RegionId, tokens_equal,
+};
 
 use crate::DataPathNotification;
 use crate::gate::Table;
@@ -156,6 +158,19 @@ impl Target {
     }
 }
 
+/// A region the owner granted, and the token the grant was made for.
+///
+/// **Invariant (credentials).** Every op is checked against its handle's
+/// token, not only the one that first asked: an op through a cached grant
+/// goes only if its token equals (compared in constant time) the token the
+/// owner accepted for that grant, so holding a grant for a region never
+/// lets a forged handle to it through. A mismatch is `AccessDenied`, as
+/// the owner (and the TCP owner) would answer.
+struct Granted {
+    target: Target,
+    token: u128,
+}
+
 /// Whether the kernel lets this process reach an owner over `process_vm`:
 /// not probed yet, permitted, refused.
 const UNPROBED: u8 = 0;
@@ -174,7 +189,7 @@ pub(crate) struct Link {
     table: Mutex<Option<Arc<Table>>>,
     /// One request in flight at a time: the replies come in order.
     asking: tokio::sync::Mutex<()>,
-    mapped: Mutex<HashMap<RegionId, Target>>,
+    mapped: Mutex<HashMap<RegionId, Granted>>,
     /// The notification lane to the owner, once opened (`None`: the owner
     /// refused one).
     lane: tokio::sync::OnceCell<Option<Arc<LaneSender>>>,
@@ -322,23 +337,26 @@ impl Link {
     pub async fn mapping(&self, op: &RdmaOp) -> Result<Target, OpError> {
         let remote = &op.remote;
         let write = op.kind == OpKind::Write;
+        let token = remote.transports().memory.map_or(0, |m| m.token);
         let cached = || {
             let mapped = self.mapped.lock().unwrap_or_else(|e| e.into_inner());
-            let mapping = mapped.get(&remote.region())?;
-            if mapping.generation() != remote.generation() {
+            let granted = mapped.get(&remote.region())?;
+            if granted.target.generation() != remote.generation() {
                 return None;
             }
-            (mapping.writable() || !write).then(|| mapping.clone())
+            if !tokens_equal(granted.token, token) {
+                return Some(Err(OpError::AccessDenied));
+            }
+            (granted.target.writable() || !write).then(|| Ok(granted.target.clone()))
         };
         if let Some(mapping) = cached() {
-            return Ok(mapping);
+            return mapping;
         }
         let _asking = self.asking.lock().await;
         // Another task may have mapped it while this one waited.
         if let Some(mapping) = cached() {
-            return Ok(mapping);
+            return mapping;
         }
-        let token = remote.transports().memory.map_or(0, |m| m.token);
         let request = Request {
             region: remote.region(),
             generation: remote.generation(),
@@ -411,7 +429,13 @@ impl Link {
             .mapped
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(remote.region(), mapping.clone());
+            .insert(
+                remote.region(),
+                Granted {
+                    target: mapping.clone(),
+                    token,
+                },
+            );
         // Unmapped (if this was its last reference) outside the lock.
         drop(replaced);
         Ok(mapping)
@@ -501,6 +525,14 @@ impl Links {
         link
     }
 
+    /// The link to `owner` if one is up, without connecting.
+    pub fn known(&self, owner: NodeId) -> Option<Arc<Link>> {
+        match self.0.lock().unwrap_or_else(|e| e.into_inner()).get(&owner) {
+            Some(LinkState::Up(link)) => Some(link.clone()),
+            _ => None,
+        }
+    }
+
     /// Forgets `owner` (it closed its socket): its mappings go when the
     /// last copy through them ends. Ops that still name it find it
     /// unreachable (and remember that for a while).
@@ -509,6 +541,13 @@ impl Links {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(owner, LinkState::Unreachable(Instant::now()));
+    }
+
+    /// Forgets every owner (this node is shutting down); mappings go when
+    /// the last copy through them ends.
+    pub fn clear(&self) {
+        let links = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+        drop(links);
     }
 
     /// Owners with an entry here (linked, or remembered unreachable). For
@@ -539,7 +578,11 @@ impl Links {
             for state in links.values() {
                 let LinkState::Up(link) = state else { continue };
                 let mut mapped = link.mapped.lock().unwrap_or_else(|e| e.into_inner());
-                unmap.extend(mapped.extract_if(|_, m| !m.is_alive()).map(|(_, m)| m));
+                unmap.extend(
+                    mapped
+                        .extract_if(|_, g| !g.target.is_alive())
+                        .map(|(_, g)| g.target),
+                );
             }
         }
         drop(unmap);
