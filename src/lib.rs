@@ -47,6 +47,9 @@ pub use ferry_core::{
     PAGE_SIZE, RdmaBackend, RdmaOp, RdmaTransportLevel, Region, RegionId, RegisterError,
     RemoteBuffer, RemoteTransports, Submit, SubmitError, TransportInfo, TransportLevel,
 };
+pub use ferry_core::{
+    Desc, DescError, DescIndices, Descs, LocalDescList, RemoteDescList, ops_between,
+};
 pub use ferry_discovery as discovery;
 #[cfg(feature = "etcd")]
 pub use ferry_discovery::etcd::{EtcdConfig, EtcdError};

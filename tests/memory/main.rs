@@ -453,3 +453,13 @@ async fn a_region_its_owner_dropped_is_unmapped_here_soon() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[path = "../shared/descs.rs"]
+mod descs;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_of_100_000_descriptors_same_host_is_verified_byte_for_byte() {
+    let node = node().await;
+    let mut peer = sharing_peer().await;
+    descs::hundred_thousand_descriptors(&node, &mut peer, RdmaTransportLevel::Memory).await;
+}

@@ -95,3 +95,13 @@ async fn the_node_actor_refuses_a_bad_batch_whole() {
     assert_eq!(peer.digest(&writable).await, digest(&writable.original()));
     assert_eq!(node.actor().ask(submit(vec![])).await.ok(), Some(()));
 }
+
+#[path = "../shared/descs.rs"]
+mod descs;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_of_100_000_descriptors_over_tcp_is_verified_byte_for_byte() {
+    let node = Node::builder().ibverbs(false).spawn().await.unwrap();
+    let mut peer = PeerProcess::spawn().await;
+    descs::hundred_thousand_descriptors(&node, &mut peer, RdmaTransportLevel::Tcp).await;
+}

@@ -15,6 +15,7 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod descs;
 mod error;
 mod handle;
 mod ids;
@@ -26,6 +27,7 @@ mod op;
 mod progress;
 
 pub use backend::{RdmaBackend, RdmaTransportLevel};
+pub use descs::{Desc, DescError, DescIndices, Descs, LocalDescList, RemoteDescList, ops_between};
 pub use error::{OpError, RegisterError, SubmitError};
 pub use handle::{Access, IbvRemote, MemRemote, RemoteBuffer, RemoteTransports, TcpRemote};
 pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128, tokens_equal};

@@ -1,0 +1,453 @@
+//! Descriptor lists: the way KV-cache connectors name memory. A region is
+//! registered once, then cut into many small blocks (one layer's K or V for
+//! 16 tokens, say); a request moves blocks `i` of one side to blocks `j` of
+//! the other, thousands at a time. Cloning a handle per block and checking
+//! it again per request is what made such requests slow elsewhere, so a
+//! list is checked once, when it is made, and keeps its descriptors as
+//! plain arrays (struct of arrays, three words each), or as four numbers
+//! when the blocks are evenly spaced (strided), which also crosses the wire
+//! in a few bytes however many blocks it names.
+//!
+//! A request is built from two lists and two index sequences
+//! ([`ops_between`]); indices are checked at build time and nothing moves
+//! when one is out of range.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{LocalSlice, OpError, OpKind, RdmaOp, Region, RemoteBuffer};
+
+/// One descriptor: `len` bytes at `offset` in region `region` of its list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Desc {
+    /// Index of the region in its list's region table.
+    pub region: u32,
+    /// Byte offset into that region.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// How a list stores its descriptors.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum Layout {
+    /// Any descriptors, as three parallel arrays.
+    Explicit {
+        region: Vec<u32>,
+        offset: Vec<u64>,
+        len: Vec<u64>,
+    },
+    /// `count` blocks of `len` bytes in region `region`, the first at
+    /// `base`, each `stride` bytes after the one before.
+    Strided {
+        region: u32,
+        base: u64,
+        stride: u64,
+        len: u64,
+        count: u32,
+    },
+}
+
+/// Descriptors, without the regions they point into: see the module docs.
+/// Build them with [`Descs::push`], [`Descs::from_triples`] or
+/// [`Descs::strided`], then bind them to regions in a [`LocalDescList`] or
+/// [`RemoteDescList`], which checks every one.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Descs(Layout);
+
+impl Default for Descs {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Descs {
+    /// No descriptors yet.
+    pub fn new() -> Self {
+        Self::with_capacity(0)
+    }
+
+    /// Room for `n` descriptors before the arrays grow.
+    pub fn with_capacity(n: usize) -> Self {
+        Descs(Layout::Explicit {
+            region: Vec::with_capacity(n),
+            offset: Vec::with_capacity(n),
+            len: Vec::with_capacity(n),
+        })
+    }
+
+    /// `count` blocks of `len` bytes in region `region`, at `base`,
+    /// `base + stride`, ...: O(1) in memory and on the wire however large
+    /// `count` is. Blocks may overlap (`stride < len`); bounds are checked
+    /// when the list is bound to its regions.
+    pub fn strided(region: u32, base: u64, stride: u64, len: u64, count: u32) -> Self {
+        Descs(Layout::Strided {
+            region,
+            base,
+            stride,
+            len,
+            count,
+        })
+    }
+
+    /// Descriptors from `(region, offset, len)` rows, e.g. an N×3 integer
+    /// array made with numpy. A region index over `u32::MAX` is
+    /// [`DescError::NoSuchRegion`].
+    pub fn from_triples(rows: &[[u64; 3]]) -> Result<Self, DescError> {
+        let mut descs = Self::with_capacity(rows.len());
+        for (index, &[region, offset, len]) in rows.iter().enumerate() {
+            let region = u32::try_from(region).map_err(|_| DescError::NoSuchRegion {
+                index,
+                region,
+                regions: 0,
+            })?;
+            descs.push(region, offset, len);
+        }
+        Ok(descs)
+    }
+
+    /// Appends a descriptor. On a strided list this first spells its
+    /// descriptors out (it stops being O(1)).
+    pub fn push(&mut self, region: u32, offset: u64, len: u64) {
+        if let Layout::Strided { .. } = self.0 {
+            let mut explicit = Self::with_capacity(self.len() + 1);
+            for desc in self.iter() {
+                explicit.push(desc.region, desc.offset, desc.len);
+            }
+            *self = explicit;
+        }
+        let Layout::Explicit {
+            region: regions,
+            offset: offsets,
+            len: lens,
+        } = &mut self.0
+        else {
+            unreachable!("made explicit above")
+        };
+        regions.push(region);
+        offsets.push(offset);
+        lens.push(len);
+    }
+
+    /// How many descriptors.
+    pub fn len(&self) -> usize {
+        match &self.0 {
+            Layout::Explicit { region, .. } => region.len(),
+            Layout::Strided { count, .. } => *count as usize,
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the list is in the O(1) strided form.
+    pub fn is_strided(&self) -> bool {
+        matches!(self.0, Layout::Strided { .. })
+    }
+
+    /// Descriptor `i`, if there is one. A strided descriptor whose offset
+    /// would overflow `u64` reads as `u64::MAX` there, which no region
+    /// holds: binding the list refuses it.
+    pub fn get(&self, i: usize) -> Option<Desc> {
+        match &self.0 {
+            Layout::Explicit {
+                region,
+                offset,
+                len,
+            } => Some(Desc {
+                region: *region.get(i)?,
+                offset: offset[i],
+                len: len[i],
+            }),
+            &Layout::Strided {
+                region,
+                base,
+                stride,
+                len,
+                count,
+            } => (i < count as usize).then(|| Desc {
+                region,
+                offset: stride
+                    .checked_mul(i as u64)
+                    .and_then(|o| o.checked_add(base))
+                    .unwrap_or(u64::MAX),
+                len,
+            }),
+        }
+    }
+
+    /// Every descriptor, in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = Desc> + '_ {
+        (0..self.len()).map(|i| self.get(i).expect("i < len"))
+    }
+
+    /// Checks every descriptor against `lens`, the byte lengths of the
+    /// list's regions: the first that names no region or leaves its region
+    /// is the error, with its index.
+    fn check(&self, lens: &[u64]) -> Result<(), DescError> {
+        let bad = |index: usize, desc: Desc| -> Option<DescError> {
+            let Some(&bound) = lens.get(desc.region as usize) else {
+                return Some(DescError::NoSuchRegion {
+                    index,
+                    region: u64::from(desc.region),
+                    regions: lens.len(),
+                });
+            };
+            let outside = desc
+                .offset
+                .checked_add(desc.len)
+                .is_none_or(|end| end > bound);
+            outside.then_some(DescError::Descriptor {
+                index,
+                error: OpError::OutOfBounds {
+                    offset: desc.offset,
+                    len: desc.len,
+                    bound,
+                },
+            })
+        };
+        match &self.0 {
+            // The last block is the farthest: one check covers them all,
+            // so a strided list of any size is checked in O(1).
+            Layout::Strided { count: 0, .. } => Ok(()),
+            Layout::Strided { count, .. } => {
+                let last = *count as usize - 1;
+                match bad(0, self.get(0).expect("count > 0")) {
+                    Some(error) => Err(error),
+                    None => bad(last, self.get(last).expect("last < count")).map_or(Ok(()), Err),
+                }
+            }
+            Layout::Explicit { .. } => self
+                .iter()
+                .enumerate()
+                .find_map(|(index, desc)| bad(index, desc))
+                .map_or(Ok(()), Err),
+        }
+    }
+}
+
+/// Why a descriptor list or a request built from lists was refused. Each
+/// names the position it is about, so a caller can find the bad entry in
+/// the arrays it passed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DescError {
+    /// Descriptor `index` names a region the list does not have.
+    #[error("descriptor {index} names region {region}, but the list has {regions} regions")]
+    NoSuchRegion {
+        /// The descriptor's index.
+        index: usize,
+        /// The region index it names.
+        region: u64,
+        /// Regions in the list.
+        regions: usize,
+    },
+    /// Descriptor `index` is not usable: it leaves its region, or (in a
+    /// request) its two sides differ in length.
+    #[error("descriptor {index}: {error}")]
+    Descriptor {
+        /// The descriptor's index (in a request: the position in the index
+        /// arrays).
+        index: usize,
+        /// What is wrong with it.
+        error: OpError,
+    },
+    /// A region handle of a remote list is unusable (its range wraps the
+    /// address space: forged or corrupt).
+    #[error("region {region} of the list: {error}")]
+    Region {
+        /// The region's index in the list.
+        region: usize,
+        /// What is wrong with it.
+        error: OpError,
+    },
+    /// Position `position` of a request's index array names descriptor
+    /// `index` of a list of `len`.
+    #[error("index {index} at position {position} is out of range for a list of {len}")]
+    IndexOutOfRange {
+        /// Position in the index array.
+        position: usize,
+        /// The index found there.
+        index: u64,
+        /// Descriptors in the list.
+        len: usize,
+    },
+    /// The two index arrays of a request differ in length.
+    #[error("{local} local indices but {remote} remote ones")]
+    CountMismatch {
+        /// Local indices.
+        local: usize,
+        /// Remote indices.
+        remote: usize,
+    },
+}
+
+/// Descriptors into this node's regions, checked once when made.
+#[derive(Clone, Debug)]
+pub struct LocalDescList {
+    regions: Vec<Region>,
+    descs: Descs,
+}
+
+impl LocalDescList {
+    /// Binds `descs` to `regions` (descriptor region `i` is `regions[i]`),
+    /// checking every descriptor's bounds.
+    pub fn new(regions: Vec<Region>, descs: Descs) -> Result<Self, DescError> {
+        let lens: Vec<u64> = regions.iter().map(Region::len).collect();
+        descs.check(&lens)?;
+        Ok(LocalDescList { regions, descs })
+    }
+
+    /// The list's descriptors.
+    pub fn descs(&self) -> &Descs {
+        &self.descs
+    }
+
+    /// The list's regions.
+    pub fn regions(&self) -> &[Region] {
+        &self.regions
+    }
+
+    /// Descriptor `i` as a local slice.
+    fn slice(&self, i: usize) -> Option<LocalSlice> {
+        let desc = self.descs.get(i)?;
+        let region = &self.regions[desc.region as usize];
+        // Checked when the list was made: in bounds.
+        region.slice(desc.offset..desc.offset + desc.len).ok()
+    }
+}
+
+/// Descriptors into a peer's regions, checked once when made; serializable
+/// (a strided list in a few hundred bytes, its handles included, however
+/// many blocks it names).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteDescList {
+    regions: Vec<RemoteBuffer>,
+    descs: Descs,
+}
+
+impl RemoteDescList {
+    /// Binds `descs` to `regions` (descriptor region `i` is `regions[i]`),
+    /// checking every descriptor's bounds against its handle. The owner
+    /// still checks every op against the region as registered.
+    pub fn new(regions: Vec<RemoteBuffer>, descs: Descs) -> Result<Self, DescError> {
+        for (region, handle) in regions.iter().enumerate() {
+            handle
+                .check_address_range()
+                .map_err(|error| DescError::Region { region, error })?;
+        }
+        let lens: Vec<u64> = regions.iter().map(RemoteBuffer::len).collect();
+        descs.check(&lens)?;
+        Ok(RemoteDescList { regions, descs })
+    }
+
+    /// The list's descriptors.
+    pub fn descs(&self) -> &Descs {
+        &self.descs
+    }
+
+    /// The list's region handles.
+    pub fn regions(&self) -> &[RemoteBuffer] {
+        &self.regions
+    }
+
+    /// Descriptor `i` as a handle to its bytes.
+    fn slice(&self, i: usize) -> Option<RemoteBuffer> {
+        let desc = self.descs.get(i)?;
+        let handle = &self.regions[desc.region as usize];
+        handle.slice(desc.offset..desc.offset + desc.len).ok()
+    }
+}
+
+/// Which descriptors of a list a request uses, in order: a slice of
+/// indices (repeats allowed) or a range.
+pub trait DescIndices {
+    /// How many.
+    fn count(&self) -> usize;
+    /// The index at `position` (`position < count`).
+    fn at(&self, position: usize) -> u64;
+}
+
+impl DescIndices for &[u32] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn at(&self, position: usize) -> u64 {
+        u64::from(self[position])
+    }
+}
+
+impl DescIndices for &Vec<u32> {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn at(&self, position: usize) -> u64 {
+        u64::from(self[position])
+    }
+}
+
+impl DescIndices for Range<usize> {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn at(&self, position: usize) -> u64 {
+        (self.start + position) as u64
+    }
+}
+
+/// The ops of a request: for each position `k`, `kind` between local
+/// descriptor `local_idx[k]` and remote descriptor `remote_idx[k]`.
+/// Every index and every pair's lengths are checked before any op is
+/// made: an error names the position, and nothing has moved.
+pub fn ops_between(
+    kind: OpKind,
+    local: &LocalDescList,
+    local_idx: impl DescIndices,
+    remote: &RemoteDescList,
+    remote_idx: impl DescIndices,
+) -> Result<Vec<RdmaOp>, DescError> {
+    let count = local_idx.count();
+    if remote_idx.count() != count {
+        return Err(DescError::CountMismatch {
+            local: count,
+            remote: remote_idx.count(),
+        });
+    }
+    let lookup = |position: usize, index: u64, len: usize| {
+        usize::try_from(index)
+            .ok()
+            .filter(|&i| i < len)
+            .ok_or(DescError::IndexOutOfRange {
+                position,
+                index,
+                len,
+            })
+    };
+    let mut ops = Vec::with_capacity(count);
+    for position in 0..count {
+        let l = lookup(position, local_idx.at(position), local.descs.len())?;
+        let r = lookup(position, remote_idx.at(position), remote.descs.len())?;
+        let (Some(local), Some(remote)) = (local.slice(l), remote.slice(r)) else {
+            unreachable!("indices and descriptors checked");
+        };
+        if local.len() != remote.len() {
+            return Err(DescError::Descriptor {
+                index: position,
+                error: OpError::LengthMismatch {
+                    local: local.len(),
+                    remote: remote.len(),
+                },
+            });
+        }
+        ops.push(match kind {
+            OpKind::Read => RdmaOp::read(local, remote),
+            OpKind::Write => RdmaOp::write(local, remote),
+        });
+    }
+    Ok(ops)
+}
+
+#[cfg(test)]
+mod tests;

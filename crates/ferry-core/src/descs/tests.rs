@@ -1,0 +1,184 @@
+use super::*;
+use crate::memory::tests::region;
+
+#[test]
+fn a_strided_list_is_its_four_numbers_and_reads_like_the_explicit_one() {
+    let strided = Descs::strided(1, 64, 4096, 1024, 100_000);
+    assert!(strided.is_strided());
+    assert_eq!(strided.len(), 100_000);
+    let mut explicit = Descs::new();
+    for i in 0..100_000u64 {
+        explicit.push(1, 64 + i * 4096, 1024);
+    }
+    assert!(strided.iter().eq(explicit.iter()));
+    assert_eq!(
+        strided.get(99_999),
+        Some(Desc {
+            region: 1,
+            offset: 64 + 99_999 * 4096,
+            len: 1024
+        })
+    );
+    assert_eq!(strided.get(100_000), None);
+    // Pushing onto it spells it out, keeping what it held.
+    let mut grown = Descs::strided(0, 0, 8, 8, 3);
+    grown.push(0, 100, 1);
+    assert!(!grown.is_strided());
+    assert_eq!(
+        grown.iter().map(|d| d.offset).collect::<Vec<_>>(),
+        [0, 8, 16, 100]
+    );
+}
+
+#[test]
+fn triples_become_descriptors_and_a_huge_region_index_is_refused() {
+    let descs = Descs::from_triples(&[[0, 0, 16], [1, 32, 8]]).unwrap();
+    assert_eq!(
+        descs.get(1),
+        Some(Desc {
+            region: 1,
+            offset: 32,
+            len: 8
+        })
+    );
+    assert_eq!(
+        Descs::from_triples(&[[0, 0, 1], [1 << 40, 0, 1]]),
+        Err(DescError::NoSuchRegion {
+            index: 1,
+            region: 1 << 40,
+            regions: 0
+        })
+    );
+}
+
+#[test]
+fn binding_checks_every_descriptor_and_names_the_bad_one() {
+    let (a, b) = (region(4096), region(100));
+    let descs = Descs::from_triples(&[[0, 0, 4096], [1, 0, 100], [1, 50, 51]]).unwrap();
+    assert_eq!(
+        LocalDescList::new(vec![a.clone(), b.clone()], descs.clone()).err(),
+        Some(DescError::Descriptor {
+            index: 2,
+            error: OpError::OutOfBounds {
+                offset: 50,
+                len: 51,
+                bound: 100
+            }
+        })
+    );
+    assert_eq!(
+        RemoteDescList::new(vec![a.remote()], descs).err(),
+        Some(DescError::NoSuchRegion {
+            index: 1,
+            region: 1,
+            regions: 1
+        })
+    );
+    // A strided list is checked at its ends: the last block leaves.
+    assert!(LocalDescList::new(vec![a.clone()], Descs::strided(0, 0, 1024, 1024, 4)).is_ok());
+    assert_eq!(
+        LocalDescList::new(vec![a.clone()], Descs::strided(0, 0, 1024, 1024, 5)).err(),
+        Some(DescError::Descriptor {
+            index: 4,
+            error: OpError::OutOfBounds {
+                offset: 4096,
+                len: 1024,
+                bound: 4096
+            }
+        })
+    );
+    // An offset past u64 is out of bounds, not a wrapped small one.
+    assert!(matches!(
+        LocalDescList::new(vec![a], Descs::strided(0, 0, u64::MAX / 2, 1, 3)).err(),
+        Some(DescError::Descriptor { index: 2, .. })
+    ));
+}
+
+#[test]
+fn a_request_pairs_descriptors_by_index_and_checks_before_making_ops() {
+    let local = region(8 * 1024);
+    let remote = region(8 * 1024);
+    let locals =
+        LocalDescList::new(vec![local.clone()], Descs::strided(0, 0, 1024, 1024, 8)).unwrap();
+    let remotes =
+        RemoteDescList::new(vec![remote.remote()], Descs::strided(0, 0, 1024, 1024, 8)).unwrap();
+    // Repeated and interleaved indices, and a range.
+    let ops = ops_between(
+        OpKind::Write,
+        &locals,
+        &[3u32, 3, 0][..],
+        &remotes,
+        &[7u32, 1, 2][..],
+    )
+    .unwrap();
+    let spans: Vec<(u64, u64, u64)> = ops
+        .iter()
+        .map(|op| {
+            (
+                op.local.offset(),
+                op.remote.addr() - remote.memory().addr(),
+                op.len(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        spans,
+        [(3072, 7168, 1024), (3072, 1024, 1024), (0, 2048, 1024)]
+    );
+    assert!(ops.iter().all(|op| op.kind == OpKind::Write));
+    assert_eq!(
+        ops_between(OpKind::Read, &locals, 2..8, &remotes, 0..6)
+            .unwrap()
+            .len(),
+        6
+    );
+
+    assert_eq!(
+        ops_between(
+            OpKind::Read,
+            &locals,
+            &[0u32, 8][..],
+            &remotes,
+            &[0u32, 0][..]
+        )
+        .err(),
+        Some(DescError::IndexOutOfRange {
+            position: 1,
+            index: 8,
+            len: 8
+        })
+    );
+    assert_eq!(
+        ops_between(OpKind::Read, &locals, 0..2, &remotes, 0..3).err(),
+        Some(DescError::CountMismatch {
+            local: 2,
+            remote: 3
+        })
+    );
+    let short =
+        RemoteDescList::new(vec![remote.remote()], Descs::strided(0, 0, 512, 512, 4)).unwrap();
+    assert_eq!(
+        ops_between(OpKind::Read, &locals, 0..1, &short, 0..1).err(),
+        Some(DescError::Descriptor {
+            index: 0,
+            error: OpError::LengthMismatch {
+                local: 1024,
+                remote: 512
+            }
+        })
+    );
+}
+
+#[test]
+fn a_strided_remote_list_of_100_000_blocks_crosses_the_wire_in_under_a_kib() {
+    let remote = region(400 << 20);
+    let list = RemoteDescList::new(
+        vec![remote.remote()],
+        Descs::strided(0, 0, 4096, 4096, 100_000),
+    )
+    .unwrap();
+    let wire = serde_json::to_vec(&list).unwrap();
+    assert!(wire.len() < 1024, "{} bytes", wire.len());
+    let back: RemoteDescList = serde_json::from_slice(&wire).unwrap();
+    assert_eq!(back, list);
+}
