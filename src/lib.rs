@@ -25,6 +25,8 @@
 #![warn(missing_docs)]
 
 mod actor;
+mod advertise;
+mod body;
 mod builder;
 mod messages;
 mod meters;
@@ -34,8 +36,15 @@ mod rpc;
 mod tables;
 mod transports;
 
+#[cfg(test)]
+mod ask_tests;
+
 pub use actor::{Alloc, NodeActor, Register, Transports};
+pub use body::IntoBody;
 pub use builder::{ADVERTISE_ENV, DISABLE_IBVERBS_ENV, DISABLE_MEMORY_ENV, NodeBuilder, NodeError};
+/// Every message, notification, RPC argument and answer is one: re-exported
+/// so that a program needs no `bytes` dependency of its own to name it.
+pub use bytes::Bytes;
 /// The node's endpoint and control plane, for direct use of its sessions.
 pub use ferry_control as control;
 pub use ferry_control::{
@@ -43,8 +52,8 @@ pub use ferry_control::{
     EndpointConfig, Inbox, MessageError, RpcError, RpcRequest,
 };
 pub use ferry_core::{
-    Access, Generation, IbvRemote, LocalSlice, MemoryBlock, NodeAddr, NodeId, OpError, OpKind,
-    PAGE_SIZE, RdmaBackend, RdmaOp, RdmaTransportLevel, Region, RegionId, RegisterError,
+    Access, ByteOffset, Generation, IbvRemote, LocalSlice, MemoryBlock, NodeAddr, NodeId, OpError,
+    OpKind, PAGE_SIZE, RdmaBackend, RdmaOp, RdmaTransportLevel, Region, RegionId, RegisterError,
     RemoteBuffer, RemoteTransports, Submit, SubmitError, TransportInfo, TransportLevel,
 };
 pub use ferry_discovery as discovery;
@@ -68,7 +77,7 @@ pub use transports::{TransportState, TransportStatus};
 /// What a program using ferry usually needs, in one import.
 pub mod prelude {
     pub use crate::{
-        Access, Alloc, Node, NodeActor, NodeBuilder, OpError, OpKind, RdmaBackend, RdmaOp,
+        Access, Alloc, Bytes, Node, NodeActor, NodeBuilder, OpError, OpKind, RdmaBackend, RdmaOp,
         RdmaTransportLevel, Region, RemoteBuffer, Submit, SubmitError,
     };
 }
