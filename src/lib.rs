@@ -6,7 +6,11 @@
 //! [`RemoteBuffer`] handles to them, and runs batches of [`RdmaOp`]s, each
 //! routed to the fastest transport both ends share. Worker actors send
 //! [`Submit`] to the node's [`NodeActor`]; other code holds the cheap
-//! [`Node`] handle. Both take the same routing path.
+//! [`Node`] handle. Both take the same routing path; [`Node::route`] and
+//! [`Node::path`] say which transport it picks for an op. Messages,
+//! notifications and RPC arguments take any [`IntoBody`]: `b"done"`,
+//! `Vec<u8>`, `String`, [`Bytes`]. The crates, the path of a submit and the
+//! invariants are described in `docs/architecture.md`.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
