@@ -24,6 +24,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
 cargo build --release --locked -p ferry-cli >&2
+source scripts/target-dir.sh
 
 # One line per case: the arguments both sides run with.
 cases=(
@@ -48,14 +49,14 @@ commands() {
 }
 
 echo "TCP on this host: $rounds rounds" >&2
-commands target/release/ferry tcp | while read -r line; do
+commands "$target_dir/release/ferry" tcp | while read -r line; do
     $line >>"$out/tcp.jsonl"
 done
 
 if [ "${FERRY_BENCH_SKIP_RDMA:-0}" != 1 ]; then
     echo "ibverbs on soft-RoCE, one VM boot: $rounds rounds" >&2
     guest=$(commands ferry ibverbs | paste -sd '&' | sed 's/&/ \&\& /g')
-    tests/rxe/run.sh --bin target/release/ferry -- "$guest" | tee "$out/console.log" >&2
+    tests/rxe/run.sh --bin "$target_dir/release/ferry" -- "$guest" | tee "$out/console.log" >&2
     grep -a '^{' "$out/console.log" >"$out/ibverbs.jsonl"
 fi
 

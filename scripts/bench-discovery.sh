@@ -8,8 +8,9 @@ source scripts/install-deps.sh
 ferry_install_deps etcd-server
 cargo build --release --locked -q -p ferry-cli
 cargo build --release --locked -q --features etcd --example discovery_timing
-timing=target/release/examples/discovery_timing
-ferry=target/release/ferry
+source scripts/target-dir.sh
+timing=$target_dir/release/examples/discovery_timing
+ferry=$target_dir/release/ferry
 
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 client=$(port); peer=$(port); data=$(mktemp -d)

@@ -15,7 +15,8 @@ SECONDS_PER_RUN=${SECONDS_PER_RUN:-3}
 SIZES=(1048576 16777216)
 
 cargo build --release --locked -q -p ferry-cli
-ferry=target/release/ferry
+source scripts/target-dir.sh
+ferry=$target_dir/release/ferry
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 

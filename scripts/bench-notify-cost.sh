@@ -24,6 +24,7 @@ TRANSPORT=${1:-tcp}
 ROUNDS=${2:-5}
 case $TRANSPORT in tcp | memory | ibverbs | ibverbs-two) ;; *) echo "transport: tcp, memory, ibverbs or ibverbs-two" >&2; exit 2 ;; esac
 cargo build --release --locked -p ferry-cli >&2
+source scripts/target-dir.sh
 
 # The measurement, in POSIX sh and awk: it also runs in the VM's busybox.
 measure=$(cat <<'EOF'
@@ -91,7 +92,7 @@ EOF
 )
 
 if [ "$TRANSPORT" = tcp ] || [ "$TRANSPORT" = memory ]; then
-  sh -c "$measure" sh target/release/ferry "$TRANSPORT" "$ROUNDS"
+  sh -c "$measure" sh "$target_dir/release/ferry" "$TRANSPORT" "$ROUNDS"
   exit
 fi
 stage=$(mktemp -d)
@@ -99,11 +100,11 @@ trap 'rm -rf "$stage"' EXIT
 printf '%s\n' "#!/bin/sh" "$measure" > "$stage/notify-cost"
 chmod +x "$stage/notify-cost"
 if [ "$TRANSPORT" = ibverbs ]; then
-  tests/rxe/run.sh --bin target/release/ferry --bin "$stage/notify-cost" -- \
+  tests/rxe/run.sh --bin "$target_dir/release/ferry" --bin "$stage/notify-cost" -- \
     "notify-cost ferry ibverbs $ROUNDS" 2>&1 | grep -E '^(RESULT|MEDIAN)|rxe .*(error|status)'
 else
   perf='for r in 1 2; do rxe-pair --perf ib_write_lat -s 4096 -n 1000; rxe-pair --perf ib_send_lat -s 64 -n 1000; done'
-  tests/rxe/run.sh --two --bin target/release/ferry --bin "$stage/notify-cost" -- \
+  tests/rxe/run.sh --two --bin "$target_dir/release/ferry" --bin "$stage/notify-cost" -- \
     "$perf; notify-cost ferry ibverbs $ROUNDS peer" 2>&1 |
     grep -E '^(RESULT|MEDIAN|PERF)|rxe .*(error|status)'
 fi

@@ -26,6 +26,7 @@ cd "$(dirname "$0")/.."
 SCENARIOS=${1:-clean flap3 outage30}
 RUNS=${2:-1}
 cargo build --release --locked -p ferry-cli >&2
+source scripts/target-dir.sh
 cmd=$(cat <<'EOF2'
 up() { cut -d' ' -f1 /proc/uptime; }
 elapsed() { awk -v a="$1" -v b="$(up)" 'BEGIN { printf "%.1f", b - a }'; }
@@ -74,4 +75,4 @@ EOF2
 )
 cmd=${cmd//SCENARIOS/$SCENARIOS}
 cmd=${cmd//RUNS/$RUNS}
-tests/rxe/run.sh --two --bin target/release/ferry -- "$cmd" | grep -E '^RESULT'
+tests/rxe/run.sh --two --bin "$target_dir/release/ferry" -- "$cmd" | grep -E '^RESULT'

@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 LOSSES=${1:-0 2}
 RUNS=${2:-2}
 cargo build --release --locked -p ferry-cli >&2
+source scripts/target-dir.sh
 cmd=$(cat <<EOF2
 on-peer 'setsid ferry serve --listen 10.88.0.1:7100 --size 8M --publish r < /dev/null > /tmp/serve.log 2>&1 &'
 sleep 5
@@ -33,4 +34,4 @@ for loss in $LOSSES; do
 done
 EOF2
 )
-tests/rxe/run.sh --two --bin target/release/ferry -- "$cmd" | grep -E '^LOSS='
+tests/rxe/run.sh --two --bin "$target_dir/release/ferry" -- "$cmd" | grep -E '^LOSS='

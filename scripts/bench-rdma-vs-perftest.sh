@@ -21,8 +21,9 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
 cargo build --release --locked -p ferry-cli >&2
+source scripts/target-dir.sh
 bench="ferry bench --loopback --transport ibverbs --json"
-tests/rxe/run.sh --perf --bin target/release/ferry -- \
+tests/rxe/run.sh --perf --bin "$target_dir/release/ferry" -- \
     "$bench --size 64M --block 4K,64K,1M --op write --duration $seconds && \
      $bench --size 64M --block 4K,64K,1M --op read --duration $seconds && \
      rxe-pair --perf ib_write_bw -s 64 -n 20000 && \

@@ -23,7 +23,8 @@ if ! command -v sockperf >/dev/null; then
     $sudo apt-get install -y -q sockperf >&2
 fi
 cargo build --release --locked -p ferry-cli >&2
-ferry=target/release/ferry
+source scripts/target-dir.sh
+ferry=$target_dir/release/ferry
 
 sockperf server --tcp -i 127.0.0.1 -p $port >/dev/null 2>&1 &
 server=$!

@@ -50,7 +50,8 @@ fi
 
 echo "building ferry (release)" >&2
 cargo build --release --locked -p ferry-cli >&2
-FERRY=target/release/ferry
+source scripts/target-dir.sh
+FERRY=$target_dir/release/ferry
 
 # iperf3 3.12 (Debian 12) runs all -P streams on one thread, while ferry uses
 # every core, so a single `iperf3 -P N` understates what loopback TCP can do.

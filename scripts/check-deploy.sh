@@ -6,11 +6,16 @@
 #     container's args in the built manifests through the real binary with
 #     --help appended: clap rejects unknown flags and bad values before it
 #     prints help, so a stale flag in a manifest fails here.
-# Usage: scripts/check-deploy.sh [path/to/ferry]   (default target/debug/ferry)
+# Usage: scripts/check-deploy.sh [path/to/ferry]   (default: debug/ferry in
+# cargo's target directory, wherever CARGO_TARGET_DIR puts it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ferry=${1:-target/debug/ferry}
+if [ $# -eq 0 ]; then
+    source scripts/target-dir.sh
+    set -- "$target_dir/debug/ferry"
+fi
+ferry=$1
 # The Kubernetes version whose schemas the manifests must satisfy, and the
 # tools, pinned (kubernetes-validate 1.37.0 ships schemas for 1.25 to 1.37).
 k8s_version=1.30.0

@@ -9,4 +9,5 @@ source scripts/install-deps.sh
 ferry_install_deps
 
 cargo build --release --locked --example demo
-exec target/release/examples/demo --verify "$@"
+source scripts/target-dir.sh
+exec "$target_dir/release/examples/demo" --verify "$@"

@@ -18,6 +18,15 @@ cargo test --workspace --doc --all-features --locked
 # The API docs build without a warning: a doc link to an item that was
 # renamed or removed fails here instead of rotting.
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked -q
+# Every crate packages as a registry user would get it: manifests complete
+# (description, license), path dependencies versioned, the file list whole,
+# and the crates' unpublished interdependencies resolved through cargo's
+# local overlay. --no-verify (seconds): verifying would compile each of the 7
+# packages again, from its extracted sources in a target directory of its
+# own, which is many minutes on 2 cores to prove what the build above
+# already compiled from the same files. --allow-dirty: a local run with
+# uncommitted edits checks them too.
+cargo package --workspace --no-verify --allow-dirty --locked -q
 # Fuzzing: every decoder of bytes from the network or another node, for
 # FERRY_FUZZ_SECONDS per target (default 20), from the committed seeds; a
 # crash fails the run and leaves its input in fuzz/regressions/. Adds about
@@ -26,7 +35,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --lock
 scripts/fuzz.sh "${FERRY_FUZZ_SECONDS:-20}"
 # The deploy files: manifests validated, every ferry command line in them
 # parsed by the binary just built (the image itself is not built here).
-scripts/check-deploy.sh target/debug/ferry
+scripts/check-deploy.sh
 # The examples a newcomer runs first exit non-zero when anything is wrong.
 cargo run --locked -q --example workers >/dev/null
 cargo run --locked -q --example kv_handoff >/dev/null

@@ -113,6 +113,9 @@ impl NodeBuilder {
     /// hands out; port 0 means the port the endpoint bound. Needed when
     /// listening on every interface; otherwise the listen address is
     /// advertised. Without this call, `FERRY_ADVERTISE` is used if set.
+    /// An address that is not one of this host's is accepted (NAT and
+    /// proxies make that right) but logged as a warning at spawn: peers on
+    /// the same host never dial it, so a wrong one shows only across hosts.
     pub fn advertise(mut self, addr: SocketAddr) -> Self {
         self.advertise = Some(addr);
         self
@@ -309,6 +312,7 @@ impl NodeBuilder {
             }
         };
         let endpoint = Endpoint::bind(self.listen, self.advertised()?, id, self.endpoint).await?;
+        crate::advertise::warn_if_foreign(endpoint.local().endpoint.ip());
         let rpc = Rpc::start(&endpoint, self.rpc_max_payload)?;
         let messages = Messages::start(&endpoint, self.message_max_len, self.inbox_capacity)?;
         let tcp = TcpBackend::start(&endpoint, self.tcp, Arc::downgrade(&messages))?;

@@ -6,7 +6,11 @@
 //! [`RemoteBuffer`] handles to them, and runs batches of [`RdmaOp`]s, each
 //! routed to the fastest transport both ends share. Worker actors send
 //! [`Submit`] to the node's [`NodeActor`]; other code holds the cheap
-//! [`Node`] handle. Both take the same routing path.
+//! [`Node`] handle. Both take the same routing path; [`Node::route`] and
+//! [`Node::path`] say which transport it picks for an op. Messages,
+//! notifications and RPC arguments take any [`IntoBody`]: `b"done"`,
+//! `Vec<u8>`, `String`, [`Bytes`]. The crates, the path of a submit and the
+//! invariants are described in `docs/architecture.md`.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -25,6 +29,8 @@
 #![warn(missing_docs)]
 
 mod actor;
+mod advertise;
+mod body;
 mod builder;
 mod messages;
 mod meters;
@@ -34,8 +40,15 @@ mod rpc;
 mod tables;
 mod transports;
 
+#[cfg(test)]
+mod ask_tests;
+
 pub use actor::{Alloc, NodeActor, Register, Transports};
+pub use body::IntoBody;
 pub use builder::{ADVERTISE_ENV, DISABLE_IBVERBS_ENV, DISABLE_MEMORY_ENV, NodeBuilder, NodeError};
+/// Every message, notification, RPC argument and answer is one: re-exported
+/// so that a program needs no `bytes` dependency of its own to name it.
+pub use bytes::Bytes;
 /// The node's endpoint and control plane, for direct use of its sessions.
 pub use ferry_control as control;
 pub use ferry_control::{
@@ -43,8 +56,8 @@ pub use ferry_control::{
     EndpointConfig, Inbox, MessageError, RpcError, RpcRequest,
 };
 pub use ferry_core::{
-    Access, Generation, IbvRemote, LocalSlice, MemoryBlock, NodeAddr, NodeId, OpError, OpKind,
-    PAGE_SIZE, RdmaBackend, RdmaOp, RdmaTransportLevel, Region, RegionId, RegisterError,
+    Access, ByteOffset, Generation, IbvRemote, LocalSlice, MemoryBlock, NodeAddr, NodeId, OpError,
+    OpKind, PAGE_SIZE, RdmaBackend, RdmaOp, RdmaTransportLevel, Region, RegionId, RegisterError,
     RemoteBuffer, RemoteTransports, Submit, SubmitError, TransportInfo, TransportLevel,
 };
 pub use ferry_core::{
@@ -71,7 +84,7 @@ pub use transports::{TransportState, TransportStatus};
 /// What a program using ferry usually needs, in one import.
 pub mod prelude {
     pub use crate::{
-        Access, Alloc, Node, NodeActor, NodeBuilder, OpError, OpKind, RdmaBackend, RdmaOp,
+        Access, Alloc, Bytes, Node, NodeActor, NodeBuilder, OpError, OpKind, RdmaBackend, RdmaOp,
         RdmaTransportLevel, Region, RemoteBuffer, Submit, SubmitError,
     };
 }

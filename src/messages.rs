@@ -23,7 +23,7 @@ use tracing::{debug, warn};
 
 use crate::meters::Submitted;
 use crate::node::Router;
-use crate::{Node, NodeActor};
+use crate::{IntoBody, Node, NodeActor};
 
 /// Why a submit with a notification failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -49,6 +49,18 @@ pub enum NotifyError {
         /// Why.
         error: MessageError,
     },
+}
+
+impl<M> From<SendError<M, NotifyError>> for NotifyError {
+    /// The handler's error as it is; a node actor that did not take or
+    /// answer [`SubmitWithNotification`] as [`SubmitError::BackendStopped`]
+    /// (nothing ran, nobody was notified), so `actor.ask(msg).await?` works.
+    fn from(e: SendError<M, NotifyError>) -> Self {
+        match e {
+            SendError::HandlerError(e) => e,
+            _ => NotifyError::Submit(SubmitError::BackendStopped),
+        }
+    }
 }
 
 /// The node's inbox has a consumer already: it has one at a time.
@@ -88,9 +100,9 @@ impl Node {
         &self,
         ops: Vec<RdmaOp>,
         timeout: Duration,
-        notification: impl Into<Bytes>,
+        notification: impl IntoBody,
     ) -> Result<(), NotifyError> {
-        submit_with_notification(&self.0.router, ops, timeout, notification.into()).await
+        submit_with_notification(&self.0.router, ops, timeout, notification.into_body()).await
     }
 
     /// Sends `body` to `peer`'s inbox: `Ok` once it is there, or a typed
@@ -107,10 +119,13 @@ impl Node {
     pub async fn send_message(
         &self,
         peer: NodeAddr,
-        body: impl Into<Bytes>,
+        body: impl IntoBody,
         timeout: Duration,
     ) -> Result<(), MessageError> {
-        self.0.router.send_message(peer, body.into(), timeout).await
+        self.0
+            .router
+            .send_message(peer, body.into_body(), timeout)
+            .await
     }
 
     /// The node's inbox, for a task that pulls deliveries (a stream); give
@@ -463,6 +478,17 @@ pub struct SendMessage {
     pub timeout: Duration,
 }
 
+impl SendMessage {
+    /// The message, with `body` as any [`IntoBody`] (`b"done"` included).
+    pub fn new(peer: NodeAddr, body: impl IntoBody, timeout: Duration) -> Self {
+        SendMessage {
+            peer,
+            body: body.into_body(),
+            timeout,
+        }
+    }
+}
+
 /// Run a batch and notify its owners once it has completed, through the
 /// node's actor (as [`Node::submit_with_notification`]).
 #[derive(Debug)]
@@ -473,6 +499,17 @@ pub struct SubmitWithNotification {
     pub timeout: Duration,
     /// What each owner's inbox receives.
     pub notification: Bytes,
+}
+
+impl SubmitWithNotification {
+    /// The message, with `notification` as any [`IntoBody`].
+    pub fn new(ops: Vec<RdmaOp>, timeout: Duration, notification: impl IntoBody) -> Self {
+        SubmitWithNotification {
+            ops,
+            timeout,
+            notification: notification.into_body(),
+        }
+    }
 }
 
 impl Message<SubmitWithNotification> for NodeActor {

@@ -3,6 +3,11 @@
 //! completed submits, `ferry_errors_total` failed submits (by op kind and
 //! error), and `ferry_submit_seconds` is the submit latency histogram.
 //!
+//! The `transport` label is the backend (`tcp`, `ibverbs`, `memory`):
+//! `memory` counts mapped copies and `process_vm` alike, since one memory
+//! batch may mix the two. Which one an op takes is [`crate::Node::path`]'s
+//! answer, per op.
+//!
 //! The counters and the histogram are registered once, when the node spawns,
 //! not looked up on every submit: install a recorder before spawning a node
 //! (as `metrics` advises), or the node's handles stay no-ops.

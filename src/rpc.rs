@@ -15,7 +15,7 @@ use kameo::error::SendError;
 use kameo::message::{Context, Message};
 use kameo::reply::DelegatedReply;
 
-use crate::{Node, NodeActor};
+use crate::{IntoBody, Node, NodeActor};
 
 impl Node {
     /// Answers peers' calls of `name` with `handler`, which gets the caller,
@@ -66,14 +66,14 @@ impl Node {
         &self,
         peer: NodeAddr,
         name: &str,
-        body: impl Into<Bytes>,
+        body: impl IntoBody,
         timeout: Duration,
     ) -> Result<Bytes, RpcError> {
         let router = &self.0.router;
         if router.is_shut_down() {
             return Err(RpcError::ShutDown);
         }
-        router.rpc.call(peer, name, body.into(), timeout).await
+        router.rpc.call(peer, name, body.into_body(), timeout).await
     }
 }
 
@@ -89,6 +89,18 @@ pub struct Call {
     pub body: Bytes,
     /// How long to wait for the answer.
     pub timeout: Duration,
+}
+
+impl Call {
+    /// The message, with `body` as any [`IntoBody`] (`b"get"` included).
+    pub fn new(peer: NodeAddr, name: &str, body: impl IntoBody, timeout: Duration) -> Self {
+        Call {
+            peer,
+            name: name.to_string(),
+            body: body.into_body(),
+            timeout,
+        }
+    }
 }
 
 impl Message<Call> for NodeActor {

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 # cargo names each test binary it builds on stderr (see ferry-tests.sh).
 built=$(cargo test --locked -p ferry --test rxe_wire --no-run 2>&1)
 echo "$built" >&2
-path=$(sed -n 's|.*Executable .* (\(target/[^)]*/rxe_wire-[0-9a-f]*\))|\1|p' <<<"$built" | tail -n 1)
+path=$(sed -n 's|.*Executable .* (\([^)]*/rxe_wire-[0-9a-f]*\))|\1|p' <<<"$built" | tail -n 1)
 [ -n "$path" ] || { echo "wire-tests: no test binary named rxe_wire was built" >&2; exit 1; }
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT

@@ -110,6 +110,23 @@ pub enum MessageError {
     /// This node was shut down: it sends nothing any more.
     #[error("the node was shut down: it sends no messages")]
     ShutDown,
+    /// The node's actor did not take or answer the send (stopped, crashed,
+    /// restarting): nothing was sent. Only from asking a node's actor,
+    /// through the conversion from kameo's `SendError` that lets
+    /// `actor.ask(send).await?` return a `MessageError`.
+    #[error("the node's actor is not running: the message was not sent")]
+    NodeStopped,
+}
+
+impl<M> From<kameo::error::SendError<M, MessageError>> for MessageError {
+    /// The handler's error as it is; an actor that did not take or answer
+    /// the message as [`MessageError::NodeStopped`].
+    fn from(e: kameo::error::SendError<M, MessageError>) -> Self {
+        match e {
+            kameo::error::SendError::HandlerError(e) => e,
+            _ => MessageError::NodeStopped,
+        }
+    }
 }
 
 /// The receiving end of a node's inbox: deliveries in the order they were

@@ -121,6 +121,12 @@ pub enum RpcError {
         /// The callee's limit.
         limit: usize,
     },
+    /// The node's actor did not take or answer the facade's `Call`
+    /// (stopped, crashed, restarting): the call was never made. Only from
+    /// asking a node's actor, through the conversion from kameo's
+    /// `SendError` that lets `actor.ask(call).await?` return an `RpcError`.
+    #[error("the node's actor is not running: the call was not made")]
+    NodeStopped,
     /// The name is empty or longer than [`MAX_RPC_NAME`] bytes.
     #[error("'{0}' is not an RPC name (1 to 255 bytes)")]
     BadName(String),
@@ -138,6 +144,17 @@ pub enum RpcError {
         /// What was wrong.
         reason: String,
     },
+}
+
+impl<M> From<kameo::error::SendError<M, RpcError>> for RpcError {
+    /// The handler's error as it is; an actor that did not take or answer
+    /// the message as [`RpcError::NodeStopped`].
+    fn from(e: kameo::error::SendError<M, RpcError>) -> Self {
+        match e {
+            kameo::error::SendError::HandlerError(e) => e,
+            _ => RpcError::NodeStopped,
+        }
+    }
 }
 
 /// Outcome byte of an answer.

@@ -46,7 +46,20 @@ impl std::fmt::Display for RdmaTransportLevel {
 /// A data plane that executes batches of one-sided operations.
 ///
 /// Implemented by cheap cloneable handles to backend manager actors, so a
-/// worker can keep its own copy and submit without a central bottleneck.
+/// worker can keep its own copy and submit without a central bottleneck,
+/// and by the facade's `Node`, which routes each op to the fastest
+/// transport both ends share.
+///
+/// Not usable as a trait object: `submit` and `transport_info` are async
+/// (they return `impl Future`), `TransportInfo` is an associated type, and
+/// `Clone` needs `Sized`, none of which `dyn` allows. Write code over it as
+/// a generic (`fn run<B: RdmaBackend>(backend: &B)`); to pick a transport
+/// at run time, which is what a `dyn RdmaBackend` is usually wanted for,
+/// use `Node`, which does that per op.
+///
+/// ```compile_fail
+/// let _: Option<Box<dyn ferry_core::RdmaBackend<TransportInfo = ()>>> = None;
+/// ```
 pub trait RdmaBackend: Clone + Send + Sync + 'static {
     /// The backend's raw, transport-specific details (listener address, or the
     /// verbs handles a GPU kernel needs to post work itself).

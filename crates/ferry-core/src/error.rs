@@ -30,6 +30,10 @@ pub enum OpError {
         /// The range's end, as given.
         end: u64,
     },
+    /// A slice was asked for with a negative offset (only possible with a
+    /// signed range, such as an unsuffixed literal): a caller bug.
+    #[error("byte offset {0} is negative: offsets count from the start of the buffer")]
+    NegativeOffset(i64),
     /// A handle's `addr + len` wraps past the end of the 64-bit address space.
     /// No region the owner registered can look like that, so the handle was
     /// forged or corrupted on its way here.
@@ -61,9 +65,14 @@ pub enum OpError {
     /// handle was made, or an access its registration does not allow).
     #[error("remote side rejected the access credentials (wrong token or key)")]
     AccessDenied,
-    /// The handle's region was deregistered and its slot reused by a newer
-    /// one. Reported by the TCP owner.
-    #[error("remote region was deregistered (handle generation {handle:?}, now {current:?})")]
+    /// The handle's generation is not the one the owner's slot holds now.
+    /// Older: its region was deregistered and the slot reused by a newer
+    /// one. Newer: no region of that generation ever existed there, so the
+    /// handle was forged or corrupted (a restarted owner is caught earlier,
+    /// as [`OpError::UnknownNode`]). One variant for both, since the owner
+    /// reports only the two generations; the text tells them apart.
+    /// Reported by the TCP and same-host memory owners.
+    #[error("{}", stale_generation_text(*handle, *current))]
     StaleGeneration {
         /// The generation the handle carries.
         handle: Generation,
@@ -116,6 +125,22 @@ pub enum OpError {
     Protocol(String),
 }
 
+/// [`OpError::StaleGeneration`]'s text: a handle older than the slot
+/// outlived its region; one newer than the slot never named a region.
+fn stale_generation_text(handle: Generation, current: Generation) -> String {
+    if handle < current {
+        format!(
+            "remote region was deregistered (the handle is of generation {handle}; \
+             its slot now holds generation {current})"
+        )
+    } else {
+        format!(
+            "forged or wrong handle: it names generation {handle} of a slot \
+             whose newest region is generation {current}"
+        )
+    }
+}
+
 /// Outcome of a failed `Submit`.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SubmitError {
@@ -166,7 +191,7 @@ pub enum RegisterError {
     BackendStopped,
     /// The backend already holds a region with this id: registering the
     /// same region twice is a caller bug.
-    #[error("region id {0:?} is already registered with this backend")]
+    #[error("region id {0} is already registered with this backend")]
     IdInUse(crate::RegionId),
     /// The backend refused the memory (for ibverbs, `ibv_reg_mr` failed,
     /// e.g. over the locked-memory limit); the text says why.
@@ -176,4 +201,37 @@ pub enum RegisterError {
     /// any more.
     #[error("the node was shut down: it registers no memory")]
     ShutDown,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ids read as numbers, and a handle newer than its slot reads as the
+    /// forgery it is, not as a deregistered region.
+    #[test]
+    fn stale_generation_tells_old_handles_from_forged_ones() {
+        let old = OpError::StaleGeneration {
+            handle: Generation(1),
+            current: Generation(2),
+        };
+        assert_eq!(
+            old.to_string(),
+            "remote region was deregistered (the handle is of generation 1; \
+             its slot now holds generation 2)"
+        );
+        let future = OpError::StaleGeneration {
+            handle: Generation(2),
+            current: Generation(1),
+        };
+        assert_eq!(
+            future.to_string(),
+            "forged or wrong handle: it names generation 2 of a slot \
+             whose newest region is generation 1"
+        );
+        assert_eq!(
+            RegisterError::IdInUse(crate::RegionId(7)).to_string(),
+            "region id 7 is already registered with this backend"
+        );
+    }
 }

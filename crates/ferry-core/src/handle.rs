@@ -184,16 +184,12 @@ impl RemoteBuffer {
         }
     }
 
-    /// A narrower view: `range` (byte offsets, `u64`) is relative to this view
-    /// and must lie inside it.
-    pub fn slice(&self, range: Range<u64>) -> Result<RemoteBuffer, OpError> {
+    /// A narrower view: `range` (byte offsets, `u64`, `usize` or a literal:
+    /// see [`crate::ByteOffset`]) is relative to this view and must lie
+    /// inside it.
+    pub fn slice<T: crate::ByteOffset>(&self, range: Range<T>) -> Result<RemoteBuffer, OpError> {
         self.check_address_range()?;
-        if range.start > range.end {
-            return Err(OpError::InvertedRange {
-                start: range.start,
-                end: range.end,
-            });
-        }
+        let range = crate::offset::byte_range(range)?;
         if range.end > self.len {
             return Err(OpError::OutOfBounds {
                 offset: range.start,

@@ -56,6 +56,14 @@ pub struct NodeAddr {
     pub endpoint: SocketAddr,
 }
 
+impl fmt::Display for NodeAddr {
+    /// The endpoint, then the full id: what a person needs to find the
+    /// node, and to tell it from a restarted process at the same address.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (node {})", self.endpoint, self.id)
+    }
+}
+
 /// Slot of a region in its node's region table. Slots are reused, so a
 /// [`RegionId`] alone does not name a region: pair it with its [`Generation`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -65,6 +73,20 @@ pub struct RegionId(pub u32);
 /// differs from the slot's current one refers to a region that is gone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Generation(pub u32);
+
+impl fmt::Display for RegionId {
+    /// The bare number, for error texts.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl fmt::Display for Generation {
+    /// The bare number, for error texts.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
 
 /// Serde for 128-bit values: a 32-digit hex string in human-readable formats
 /// (JSON numbers above 2^53 lose precision in most readers), a plain integer in

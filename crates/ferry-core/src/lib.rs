@@ -10,7 +10,8 @@
 //!
 //! Every length and offset in this API is a count of bytes, as `u64`,
 //! whether it describes local memory ([`Region`], [`LocalSlice`]) or a remote
-//! handle ([`RemoteBuffer`]).
+//! handle ([`RemoteBuffer`]); the ranges given to `slice` may also be
+//! `usize` (see [`ByteOffset`]).
 
 #![warn(missing_docs)]
 
@@ -23,6 +24,7 @@ pub mod inline;
 mod memory;
 mod message;
 mod notified;
+mod offset;
 mod op;
 mod progress;
 
@@ -34,5 +36,6 @@ pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128, tokens_equal}
 pub use memory::{MemoryBlock, PAGE_SIZE, Region, RegionIds, RegionParts, RegionSlot};
 pub use message::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 pub use notified::DataPathNotification;
+pub use offset::ByteOffset;
 pub use op::{LocalSlice, OpKind, RdmaOp};
 pub use progress::{Answer, BatchProgress};

@@ -451,14 +451,10 @@ impl Region {
     }
 
     /// A local slice for use in an [`crate::RdmaOp`]: `range` is byte
-    /// offsets (`u64`) into the region and must lie inside it.
-    pub fn slice(&self, range: Range<u64>) -> Result<LocalSlice, OpError> {
-        if range.start > range.end {
-            return Err(OpError::InvertedRange {
-                start: range.start,
-                end: range.end,
-            });
-        }
+    /// offsets into the region (`u64`, `usize` or a literal: see
+    /// [`crate::ByteOffset`]) and must lie inside it.
+    pub fn slice<T: crate::ByteOffset>(&self, range: Range<T>) -> Result<LocalSlice, OpError> {
+        let range = crate::offset::byte_range(range)?;
         let len = range.end - range.start;
         self.0.memory.check(range.start, len)?;
         Ok(LocalSlice::new(self.clone(), range.start, len))

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{Access, Generation, MemoryBlock, RdmaOp, RegionId, SubmitError};
+use crate::{Access, Generation, MemoryBlock, RdmaOp, RegionId, RegisterError, SubmitError};
 
 /// Run a batch of one-sided ops. Answered when every op has completed, one
 /// has failed, or `timeout` passes; the manager keeps serving other messages
@@ -59,6 +59,19 @@ impl From<kameo::error::SendError<Submit, SubmitError>> for SubmitError {
         match e {
             kameo::error::SendError::HandlerError(e) => e,
             _ => SubmitError::BackendStopped,
+        }
+    }
+}
+
+impl<M> From<kameo::error::SendError<M, RegisterError>> for RegisterError {
+    /// For every message answered with a registration (the node's `Alloc`
+    /// and `Register`, a backend's [`RegisterRegion`]): a refusal as it is;
+    /// a manager that did not take or answer the message as
+    /// `BackendStopped`.
+    fn from(e: kameo::error::SendError<M, RegisterError>) -> Self {
+        match e {
+            kameo::error::SendError::HandlerError(e) => e,
+            _ => RegisterError::BackendStopped,
         }
     }
 }

@@ -60,7 +60,7 @@ pub enum MetadataError {
     #[error("malformed metadata: {0}")]
     Malformed(String),
     /// A region a handle names belongs to another node than the blob's.
-    #[error("region {region:?} in the metadata of {node:?} belongs to another node")]
+    #[error("region {region:?} in the metadata of {node} belongs to another node")]
     ForeignRegion {
         /// The region's published name.
         region: String,
