@@ -128,6 +128,16 @@ impl NodeBuilder {
         self
     }
 
+    /// How long an accepted data connection may have no request in flight
+    /// before the endpoint closes it (default
+    /// [`ferry_control::DEFAULT_IDLE_TIMEOUT`], 60 s; see
+    /// [`ConnectionLimits::idle_timeout`]). Shorter gives idle clients'
+    /// descriptors back sooner; peers reconnect when they need it again.
+    pub fn idle_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.endpoint.limits.idle_timeout = timeout;
+        self
+    }
+
     /// How long a peer may acknowledge nothing on its control session
     /// before it is declared lost (default [`crate::DEFAULT_PEER_TIMEOUT`],
     /// 20 s; see the README's "Liveness"). Shorter finds dead hosts sooner;

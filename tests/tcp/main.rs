@@ -4,6 +4,7 @@
 mod bad_input;
 mod common;
 mod in_process;
+mod limits;
 mod malformed;
 mod names;
 mod notified;

@@ -101,6 +101,9 @@ struct Limits {
     max_connections: usize,
     max_per_address: usize,
     hello_timeout_s: f64,
+    /// An accepted data connection with no request in flight this long is
+    /// closed; at a bound, the least recently used idle one makes room.
+    idle_timeout_s: f64,
 }
 
 /// How a node tells a dead peer from a slow one (README, "Liveness").
@@ -152,6 +155,7 @@ async fn info() -> Result<Info, Failure> {
             max_connections: limits.max_connections,
             max_per_address: limits.max_per_address,
             hello_timeout_s: limits.hello_timeout.as_secs_f64(),
+            idle_timeout_s: limits.idle_timeout.as_secs_f64(),
         },
         liveness: Liveness {
             peer_timeout_s: ferry::DEFAULT_PEER_TIMEOUT.as_secs_f64(),
@@ -174,8 +178,13 @@ fn print_info(info: &Info) {
     }
     let limits = &info.connection_limits;
     println!(
-        "endpoint: at most {} accepted connections, {} per remote address, hello within {} s",
-        limits.max_connections, limits.max_per_address, limits.hello_timeout_s
+        "endpoint: at most {} accepted connections, {} per remote address, hello within {} s; \
+         data connections idle for {} s are closed, and at a bound the least recently used \
+         idle one makes room",
+        limits.max_connections,
+        limits.max_per_address,
+        limits.hello_timeout_s,
+        limits.idle_timeout_s
     );
     let liveness = &info.liveness;
     println!(

@@ -1,6 +1,7 @@
 //! The node's endpoint: one listener for everything peers open to this node.
 //!
-//! Each accepted connection is admitted under the [`ConnectionLimits`],
+//! Each accepted connection is admitted under the [`ConnectionLimits`]
+//! (at a bound, an idle connection makes room for it, see [`crate::limits`]),
 //! says hello within their deadline, and is then either a control session
 //! (served here) or handed, as it is, to the data plane that registered for
 //! its [`Channel`]. The endpoint knows nothing of what the data planes do.
@@ -20,7 +21,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::limits::{Admission, ConnectionLimits};
+use crate::limits::{Admission, ConnectionLimits, ConnectionPermit, IdleClose};
 use crate::session::{self, ServiceFuture, ServiceHandler};
 use crate::{
     Channel, ControlError, DEFAULT_MAX_FRAME, EndpointError, Request, Service, ServiceError,
@@ -74,6 +75,11 @@ pub struct Connection {
     pub node: NodeId,
     /// Where the connection comes from.
     pub remote: SocketAddr,
+    /// Its place under the [`ConnectionLimits`], held until the connection
+    /// is closed: the data plane waits for each of the client's requests
+    /// through [`ConnectionPermit::while_idle`], so that an idle connection
+    /// is closed in time or makes room for a new one at a bound.
+    pub permit: ConnectionPermit,
 }
 
 type ChannelHandler =
@@ -272,7 +278,8 @@ impl Endpoint {
 
     /// Serves `channel` with `handler`: it gets each connection for the
     /// channel after its hello, and must serve it to its end (the connection
-    /// counts against the limits until the returned future finishes).
+    /// counts against the limits until its [`Connection::permit`] is
+    /// dropped, and is idle only while the handler says so through it).
     pub fn handle<F, Fut>(&self, channel: Channel, handler: F) -> Result<(), EndpointError>
     where
         F: Fn(Connection) -> Fut + Send + Sync + 'static,
@@ -430,14 +437,15 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
         while connections.try_join_next().is_some() {}
         match accepted {
             Ok((stream, remote)) => {
-                // Over a bound: closed before it costs a task or a buffer.
+                // Over a bound with nothing idle to make room: told so and
+                // closed, before it costs a task or a buffer.
                 let Some(permit) = shared.admission.admit(remote.ip()) else {
+                    crate::hello::refuse_busy(&stream, shared.local.id);
                     continue;
                 };
                 let shared = shared.clone();
                 connections.spawn(async move {
-                    serve_connection(&shared, stream, remote).await;
-                    drop(permit);
+                    serve_connection(&shared, stream, remote, permit).await;
                 });
             }
             // Out of descriptors, most likely: transient. Back off instead of
@@ -454,24 +462,34 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     connections.shutdown().await;
 }
 
-/// The hello, then the channel: a control session served here, or the
-/// registered data plane's handler.
-async fn serve_connection(shared: &Arc<Shared>, mut stream: TcpStream, remote: SocketAddr) {
+/// The hello (the connection idle until it has come), then the channel: a
+/// control session served here, holding `permit` while it lasts, or the
+/// registered data plane's handler, which gets `permit`.
+async fn serve_connection(
+    shared: &Arc<Shared>,
+    mut stream: TcpStream,
+    remote: SocketAddr,
+    permit: ConnectionPermit,
+) {
     if let Err(e) = crate::socket::configure(&stream) {
         debug!(%remote, error = %e, "cannot configure an accepted connection");
         return;
     }
     let me = shared.local.id;
     let serves = |channel| channel == Channel::CONTROL || shared.channel(channel).is_some();
-    let hello = tokio::time::timeout(
-        shared.config.limits.hello_timeout,
-        crate::hello::accept(&mut stream, me, serves),
-    )
-    .await;
+    let hello = permit
+        .idle_within(
+            shared.config.limits.hello_timeout,
+            crate::hello::accept(&mut stream, me, serves),
+        )
+        .await;
     let hello = match hello {
         Ok(Ok(hello)) => hello,
         Ok(Err(e)) => return debug!(%remote, error = %e, "hello failed"),
-        Err(_) => return debug!(%remote, "no hello within the deadline; disconnected"),
+        Err(IdleClose::TimedOut(_)) => {
+            return debug!(%remote, "no hello within the deadline; disconnected");
+        }
+        Err(e @ IdleClose::Evicted) => return debug!(%remote, "before its hello: {e}"),
     };
     if hello.channel == Channel::CONTROL {
         let opened = tokio::time::timeout(
@@ -480,11 +498,13 @@ async fn serve_connection(shared: &Arc<Shared>, mut stream: TcpStream, remote: S
         )
         .await;
         match opened {
-            // The connection (and its permit) lasts as long as the session.
+            // The connection (and its permit, never idle: the session has
+            // its own liveness) lasts as long as the session.
             Ok(Ok((_, task))) => drop(task.await),
             Ok(Err(e)) => warn!(%remote, node = %hello.node, "control session refused: {e}"),
             Err(_) => debug!(%remote, "no session Open within the deadline; disconnected"),
         }
+        drop(permit);
         return;
     }
     let Some(handler) = shared.channel(hello.channel) else {
@@ -494,6 +514,7 @@ async fn serve_connection(shared: &Arc<Shared>, mut stream: TcpStream, remote: S
         stream,
         node: hello.node,
         remote,
+        permit,
     })
     .await;
 }

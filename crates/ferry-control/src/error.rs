@@ -32,9 +32,11 @@ pub enum ControlError {
         endpoint: SocketAddr,
     },
     /// The peer refused the connection: another protocol version, a channel
-    /// it does not serve, or (no status) it hung up before answering, as an
-    /// endpoint at its connection limit does.
+    /// it does not serve, its connection limit ([`HelloStatus::Busy`]), or
+    /// (no status) it hung up before answering, as an endpoint at its
+    /// connection limit may when its reply is lost, or one shutting down.
     #[error("{endpoint} refused the connection: {}", match status {
+        Some(HelloStatus::Busy) => "at its connection limit, with no idle connection to make room".into(),
         Some(status) => format!("{status:?}"),
         None => "closed it before answering the hello (at its connection limit, or shutting down)".into(),
     })]
@@ -115,8 +117,9 @@ impl ControlError {
 
 impl From<ControlError> for OpError {
     /// What an op learns when its transport could not set itself up with the
-    /// peer: unreachable, the wrong node, a lost connection, or (for every
-    /// refusal and failure of the peer) a protocol error carrying the reason.
+    /// peer: unreachable, the wrong node, a lost connection, the peer at its
+    /// connection limit, or (for every other refusal and failure of the
+    /// peer) a protocol error carrying the reason.
     fn from(e: ControlError) -> Self {
         match e {
             ControlError::Unreachable { endpoint, reason } => {
@@ -127,6 +130,13 @@ impl From<ControlError> for OpError {
             } => OpError::UnknownNode { expected, endpoint },
             ControlError::SessionClosed { endpoint } => OpError::ConnectionLost { endpoint },
             ControlError::Timeout { endpoint, .. } => OpError::PeerUnreachable {
+                endpoint,
+                reason: e.to_string(),
+            },
+            ControlError::Refused {
+                endpoint,
+                status: Some(HelloStatus::Busy) | None,
+            } => OpError::PeerBusy {
                 endpoint,
                 reason: e.to_string(),
             },

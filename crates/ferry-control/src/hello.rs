@@ -89,6 +89,11 @@ pub enum HelloStatus {
     BadVersion,
     /// No handler serves the requested channel on this node.
     BadChannel,
+    /// The node is at its connection limit and none of the connections it
+    /// holds is idle enough to make room (see [`crate::ConnectionLimits`]):
+    /// a client carries on over the connections it already has, or tries
+    /// again later.
+    Busy,
     /// A status this version does not know (from a newer server).
     Unknown(u8),
 }
@@ -99,6 +104,7 @@ impl HelloStatus {
             HelloStatus::Ok => 0,
             HelloStatus::BadVersion => 1,
             HelloStatus::BadChannel => 2,
+            HelloStatus::Busy => 3,
             HelloStatus::Unknown(code) => code,
         }
     }
@@ -108,6 +114,7 @@ impl HelloStatus {
             0 => HelloStatus::Ok,
             1 => HelloStatus::BadVersion,
             2 => HelloStatus::BadChannel,
+            3 => HelloStatus::Busy,
             other => HelloStatus::Unknown(other),
         }
     }
@@ -214,21 +221,27 @@ async fn say_hello(
         channel,
         node: me,
     };
-    stream
-        .write_all(&hello.encode())
-        .await
-        .map_err(unreachable)?;
+    // Once connected, a server that hangs up before its reply refused the
+    // connection, whether the client sees that as an end of stream or, with
+    // its hello unread there, as a reset.
+    let hung_up = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::ConnectionAborted
+        | std::io::ErrorKind::BrokenPipe => ControlError::Refused {
+            endpoint,
+            status: None,
+        },
+        _ => unreachable(e),
+    };
     let mut bytes = [0; HELLO_LEN];
-    stream
-        .read_exact(&mut bytes)
-        .await
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => ControlError::Refused {
-                endpoint,
-                status: None,
-            },
-            _ => unreachable(e),
-        })?;
+    // A refusing server may have replied and closed before the hello got
+    // there: its reply is still read.
+    let sent = stream.write_all(&hello.encode()).await;
+    let read = stream.read_exact(&mut bytes).await;
+    if let Err(e) = read {
+        return Err(hung_up(sent.err().unwrap_or(e)));
+    }
     let reply = HelloReply::decode(&bytes).map_err(|e| ControlError::Protocol {
         endpoint,
         reason: e.to_string(),
@@ -239,6 +252,8 @@ async fn say_hello(
             status: Some(reply.status),
         });
     }
+    // Taken, yet the hello did not go out whole: nothing to build on.
+    sent.map_err(hung_up)?;
     Ok((stream, reply.node))
 }
 
@@ -271,6 +286,30 @@ pub(crate) async fn accept(
     Ok(hello)
 }
 
+/// Tells a client the endpoint is at its connection limit
+/// ([`HelloStatus::Busy`]) as its connection is closed: one non-blocking
+/// send, before its hello is read, so a refusal costs no task and no wait.
+/// Best effort: a client that misses it sees the connection closed before
+/// the reply, which it reads as a refusal too.
+pub(crate) fn refuse_busy(stream: &TcpStream, me: NodeId) {
+    let reply = HelloReply {
+        version: VERSION,
+        status: HelloStatus::Busy,
+        node: me,
+    }
+    .encode();
+    // SAFETY: the descriptor is `stream`'s, open for this call; `reply` is
+    // a live buffer of the length passed.
+    _ = unsafe {
+        libc::send(
+            std::os::fd::AsRawFd::as_raw_fd(stream),
+            reply.as_ptr().cast(),
+            reply.len(),
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        )
+    };
+}
+
 fn invalid(e: impl ToString) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
 }
@@ -291,6 +330,7 @@ mod tests {
             HelloStatus::Ok,
             HelloStatus::BadVersion,
             HelloStatus::BadChannel,
+            HelloStatus::Busy,
             HelloStatus::Unknown(9),
         ] {
             let reply = HelloReply {

@@ -36,7 +36,9 @@ pub use hello::{Channel, HelloStatus, connect, identify};
 pub use inbox::{
     Delivery, DeliveryKind, Inbox, MessageError, Messages, NotificationSink, OfferError,
 };
-pub use limits::ConnectionLimits;
+pub use limits::{
+    ConnectionLimits, ConnectionPermit, DEFAULT_IDLE_TIMEOUT, EVICTABLE_AFTER, IdleClose,
+};
 pub use rpc::{Rpc, RpcError, RpcRequest};
 pub use session::{Request, ServiceFuture, Session};
 pub use socket::{DEFAULT_PEER_TIMEOUT, DEFAULT_SILENT_GRACE};

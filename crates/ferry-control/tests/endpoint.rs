@@ -10,8 +10,8 @@ use bytes::Bytes;
 use ferry_control::frame::{ControlCodec, Frame, SESSION_VERSIONS};
 use ferry_control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
 use ferry_control::{
-    Channel, ConnectionLimits, ControlError, DEFAULT_MAX_FRAME, Endpoint, EndpointConfig,
-    EndpointError, HelloStatus, Service, ServiceError,
+    Channel, ConnectionLimits, ControlError, DEFAULT_MAX_FRAME, EVICTABLE_AFTER, Endpoint,
+    EndpointConfig, EndpointError, HelloStatus, Service, ServiceError,
 };
 use ferry_core::{NodeAddr, NodeId};
 use futures_util::{SinkExt, StreamExt};
@@ -411,13 +411,21 @@ async fn connect_from(source: &str, to: SocketAddr) -> std::io::Result<TcpStream
     socket.connect(to).await
 }
 
-/// Whether the server has hung up on `stream` (within a moment).
+/// Whether the server has hung up on `stream` (within a moment), after
+/// whatever it said first (a refusal's `Busy` hello reply).
 async fn hung_up(stream: &mut TcpStream) -> bool {
-    let mut byte = [0];
-    matches!(
-        tokio::time::timeout(Duration::from_secs(2), stream.read(&mut byte)).await,
-        Ok(Ok(0) | Err(_))
-    )
+    let mut bytes = [0; HELLO_LEN];
+    let closed = async {
+        loop {
+            match stream.read(&mut bytes).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(2), closed)
+        .await
+        .is_ok()
 }
 
 /// How many of `streams` the server hangs up on, all watched at once.
@@ -437,6 +445,7 @@ async fn a_flood_from_one_address_does_not_lock_out_others() {
             max_connections: 40,
             max_per_address: 10,
             hello_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(30),
         },
         ..Default::default()
     };
@@ -446,7 +455,7 @@ async fn a_flood_from_one_address_does_not_lock_out_others() {
     let before = a.session(b.local(), T).await.unwrap();
 
     // Silent connections from 127.0.0.2: the first 10 are held, the rest
-    // are closed at once.
+    // are closed at once while those are fresh (see EVICTABLE_AFTER).
     let mut flood = Vec::new();
     for _ in 0..10 {
         flood.push(connect_from("127.0.0.2", b.local().endpoint).await.unwrap());
@@ -460,6 +469,16 @@ async fn a_flood_from_one_address_does_not_lock_out_others() {
     let c = endpoint().await;
     let fresh = c.session(b.local(), T).await.unwrap();
     assert!(fresh.request(ECHO, Bytes::new(), T).await.is_ok());
+
+    // Once they have idled a while, the oldest makes room for a newcomer.
+    tokio::time::sleep(EVICTABLE_AFTER).await;
+    let mut newcomer = connect_from("127.0.0.2", b.local().endpoint).await.unwrap();
+    assert!(!hung_up(&mut newcomer).await, "the newcomer is held");
+    assert!(
+        hung_up(&mut flood[0]).await,
+        "the oldest idle one made room"
+    );
+    assert!(!hung_up(&mut flood[1]).await, "only the oldest");
 
     // Closing the flood makes room again.
     drop(flood);
@@ -484,6 +503,7 @@ async fn at_the_total_bound_open_sessions_keep_working() {
             max_connections: 12,
             max_per_address: 4,
             hello_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(30),
         },
         ..Default::default()
     };
@@ -541,4 +561,40 @@ async fn shutdown_ends_sessions_and_stops_the_listener() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(refused, "the listener closed");
+}
+
+/// At the bound with nothing idle (a control session never is), a new
+/// connection is told `Busy` in a hello reply, which a data plane sees as
+/// the owner at its connection limit, however often it asks.
+#[tokio::test]
+async fn at_a_bound_with_nothing_idle_a_new_connection_is_told_busy() {
+    let config = EndpointConfig {
+        limits: ConnectionLimits {
+            max_per_address: 1,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let b = endpoint_with(config).await;
+    let a = endpoint().await;
+    let session = a.session(b.local(), T).await.unwrap();
+    for _ in 0..20 {
+        let refused = ferry_control::connect(b.local(), NodeId::random(), Channel::TCP_DATA)
+            .await
+            .unwrap_err();
+        let endpoint = b.local().endpoint;
+        assert_eq!(
+            refused,
+            ControlError::Refused {
+                endpoint,
+                status: Some(HelloStatus::Busy)
+            }
+        );
+        assert!(matches!(
+            ferry_core::OpError::from(refused),
+            ferry_core::OpError::PeerBusy { endpoint: e, .. } if e == endpoint
+        ));
+    }
+    // The session that holds the place is served throughout.
+    assert!(session.request(ECHO, Bytes::new(), T).await.is_ok());
 }

@@ -123,6 +123,16 @@ pub enum OpError {
     /// queue-pair exchange); the text says what, for people.
     #[error("protocol violation: {0}")]
     Protocol(String),
+    /// The owner is at its connection limit and took no new connection from
+    /// this node, which had none open to it to carry on over. Nothing was
+    /// sent; the owner is up, so trying again later may succeed.
+    #[error("peer {endpoint} is at its connection limit: {reason}")]
+    PeerBusy {
+        /// The owner's endpoint.
+        endpoint: SocketAddr,
+        /// What the owner said, for people.
+        reason: String,
+    },
 }
 
 /// [`OpError::StaleGeneration`]'s text: a handle older than the slot

@@ -46,10 +46,18 @@ struct Notification {
     outcomes: Vec<Arc<OnceLock<NotificationResult>>>,
 }
 
+/// How long a pool that could not open a connection carries on over the
+/// ones it has before it tries to grow again: an owner at its connection
+/// limit is not asked again for every chunk.
+const GROW_BACKOFF: Duration = Duration::from_millis(500);
+
 pub(crate) struct Peer {
     addr: NodeAddr,
     slots: Vec<tokio::sync::Mutex<Option<Conn>>>,
     next: AtomicUsize,
+    /// Until when the pool does not try to grow, after a connection it
+    /// tried to open failed while it had others.
+    no_growth_until: Mutex<Option<Instant>>,
     /// The table it is in, for its connections to release it as they end.
     table: std::sync::Weak<PeerTable>,
 }
@@ -145,6 +153,7 @@ impl Peers {
                         .map(|_| Default::default())
                         .collect(),
                     next: AtomicUsize::new(0),
+                    no_growth_until: Mutex::new(None),
                     table: Arc::downgrade(&self.peers),
                 })
             })
@@ -415,18 +424,76 @@ impl Peer {
             .count()
     }
 
-    /// The next connection in turn, connected first if needed.
+    /// The next connection in turn, connected first if needed. A pool that
+    /// cannot grow (the owner at its connection limit, say) carries on over
+    /// the connections it has, and tries to grow again after
+    /// [`GROW_BACKOFF`]; only a pool with none fails.
     async fn connection(&self, config: ClientConfig) -> Result<Conn, OpError> {
         let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-        let mut guard = self.slots[slot].lock().await;
-        match &*guard {
-            Some(conn) if !conn.closed.is_cancelled() => Ok(conn.clone()),
-            _ => {
+        let failed = {
+            let mut guard = self.slots[slot].lock().await;
+            match &*guard {
+                Some(conn) if !conn.closed.is_cancelled() => return Ok(conn.clone()),
+                _ if self.growth_paused() => None,
+                _ => {
+                    let release = (self.table.clone(), self.addr);
+                    match connect(self.addr, config, release).await {
+                        Ok(conn) => return Ok(guard.insert(conn).clone()),
+                        Err(e) => Some(e),
+                    }
+                }
+            }
+        };
+        // Our slot's lock is released first: holding one slot while waiting
+        // for another could deadlock with a submit doing the reverse.
+        if let Some(conn) = self.other_live(slot).await {
+            if let Some(e) = &failed {
+                debug!(endpoint = %self.addr.endpoint, error = %e, "pool cannot grow; using the connections it has");
+                self.pause_growth();
+            }
+            return Ok(conn);
+        }
+        match failed {
+            Some(e) => Err(e),
+            // None left to carry on over: grow after all.
+            None => {
+                let mut guard = self.slots[slot].lock().await;
+                if let Some(conn) = guard.as_ref().filter(|c| !c.closed.is_cancelled()) {
+                    return Ok(conn.clone());
+                }
                 let release = (self.table.clone(), self.addr);
                 Ok(guard
                     .insert(connect(self.addr, config, release).await?)
                     .clone())
             }
         }
+    }
+
+    /// A live connection of the pool in a slot other than `slot`, the next
+    /// ones first; each slot locked in turn, one at a time.
+    async fn other_live(&self, slot: usize) -> Option<Conn> {
+        let n = self.slots.len();
+        for k in 1..n {
+            let guard = self.slots[(slot + k) % n].lock().await;
+            if let Some(conn) = guard.as_ref().filter(|c| !c.closed.is_cancelled()) {
+                return Some(conn.clone());
+            }
+        }
+        None
+    }
+
+    fn growth_paused(&self) -> bool {
+        let until = self
+            .no_growth_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        until.is_some_and(|t| Instant::now() < t)
+    }
+
+    fn pause_growth(&self) {
+        *self
+            .no_growth_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + GROW_BACKOFF);
     }
 }

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::io;
 use std::sync::{Arc, Weak};
 
-use ferry_control::{Connection, Messages, OfferError};
+use ferry_control::{Connection, ConnectionPermit, IdleClose, Messages, OfferError};
 use tokio::net::TcpStream;
 use tracing::debug;
 
@@ -28,7 +28,10 @@ const _: () = assert!(MAX_PENDING_ACKS + 2 <= MAX_IOV);
 const MAX_FAILED_TAGS: usize = 1 << 16;
 
 /// Serves one data connection (after its hello) until the client closes it
-/// or breaks the protocol. Notifications go to `inbox`, if the node has one.
+/// or breaks the protocol, or the endpoint closes it for being idle: for its
+/// idle timeout, or to make room for a new connection at a bound. It is idle
+/// while it waits for a request with every response sent. Notifications go
+/// to `inbox`, if the node has one.
 pub(crate) async fn serve_connection(
     connection: Connection,
     table: Arc<RegionTable>,
@@ -38,25 +41,47 @@ pub(crate) async fn serve_connection(
         stream,
         node,
         remote,
+        permit,
     } = connection;
     debug!(%remote, client = ?node, "data connection open");
-    if let Err(e) = serve(&stream, &table, &inbox).await {
-        debug!(%remote, error = %e, "data connection closed with an error");
+    match serve(&stream, &table, &inbox, &permit).await {
+        Ok(None) => {}
+        Ok(Some(idle)) => debug!(%remote, "data connection closed: {idle}"),
+        Err(e) => debug!(%remote, error = %e, "data connection closed with an error"),
     }
 }
 
-async fn serve(stream: &TcpStream, table: &RegionTable, inbox: &Weak<Messages>) -> io::Result<()> {
+/// `Some` when the connection was closed for being idle.
+async fn serve(
+    stream: &TcpStream,
+    table: &RegionTable,
+    inbox: &Weak<Messages>,
+    permit: &ConnectionPermit,
+) -> io::Result<Option<IdleClose>> {
     let mut reader = FrameReader::default();
     let mut failed_tags = HashSet::new();
     let mut out = Outgoing::default();
     loop {
         // About to block on the socket: first send the acks we owe, so a
         // client waiting for them is never stalled behind our own read.
-        if reader.buffered() < REQUEST_LEN || out.acks.len() >= MAX_PENDING_ACKS {
+        let header = if reader.buffered() < REQUEST_LEN {
             out.flush(stream).await?;
-        }
-        let Some(bytes) = reader.header::<REQUEST_LEN>(stream).await? else {
-            return out.flush(stream).await;
+            // Nothing in flight: idle until the next request has come.
+            match permit
+                .while_idle(reader.header::<REQUEST_LEN>(stream))
+                .await
+            {
+                Ok(header) => header?,
+                Err(idle) => return Ok(Some(idle)),
+            }
+        } else {
+            if out.acks.len() >= MAX_PENDING_ACKS {
+                out.flush(stream).await?;
+            }
+            reader.header::<REQUEST_LEN>(stream).await?
+        };
+        let Some(bytes) = header else {
+            return out.flush(stream).await.map(|()| None);
         };
         let req = match ClientFrame::decode(&bytes) {
             Ok(ClientFrame::Op(req)) => req,

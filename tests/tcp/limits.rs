@@ -1,0 +1,194 @@
+//! An owner at its connection limit (issue 24): a client's pool that cannot
+//! grow carries on over what it has, one with nothing gets `PeerBusy`, and
+//! idle connections are closed (after the idle timeout, or at a bound to
+//! make room) so that idle clients cannot lock a well-behaved peer out.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
+use ferry::control::{Channel, ConnectionLimits, EVICTABLE_AFTER, HelloStatus};
+use ferry::prelude::*;
+use ferry::{Node, NodeId, OpError};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+
+use crate::common::pattern;
+
+const T: Duration = Duration::from_secs(20);
+
+/// A node moving data over TCP only (no same-host memory, no RDMA).
+async fn tcp_node(limits: Option<ConnectionLimits>) -> Node {
+    let mut builder = Node::builder()
+        .ibverbs(false)
+        .memory(false)
+        .tcp_chunk_size(64 << 10);
+    if let Some(limits) = limits {
+        builder = builder.connection_limits(limits);
+    }
+    builder.spawn().await.unwrap()
+}
+
+fn limits(max_per_address: usize, idle_timeout: Duration) -> ConnectionLimits {
+    ConnectionLimits {
+        max_connections: 64,
+        max_per_address,
+        hello_timeout: Duration::from_secs(10),
+        idle_timeout,
+    }
+}
+
+/// Writes fresh bytes from `node` into `target` and reads them back, both
+/// as one op each of many chunks; the bytes must match.
+async fn round_trip(node: &Node, target: &Region, seed: u8) -> Result<(), SubmitError> {
+    let len = target.len() as usize;
+    let data = pattern(len, seed);
+    let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    src.write_at(0, &data).unwrap();
+    let remote = target.remote();
+    node.submit(vec![RdmaOp::write(src.whole(), remote.clone())], T)
+        .await?;
+    assert!(target.to_vec() == data, "seed {seed}: the write landed");
+    let back = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    node.submit(vec![RdmaOp::read(back.whole(), remote)], T)
+        .await?;
+    assert!(back.to_vec() == data, "seed {seed}: read back");
+    Ok(())
+}
+
+/// A client from `from` that says a data-channel hello and then idles:
+/// `Some` if the server took it.
+async fn hello_only(server: SocketAddr, from: &str) -> Option<TcpStream> {
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+    let mut stream = socket.connect(server).await.unwrap();
+    let hello = Hello {
+        version: VERSION,
+        channel: Channel::TCP_DATA,
+        node: NodeId::random(),
+    };
+    let exchange = async {
+        stream.write_all(&hello.encode()).await?;
+        let mut reply = [0; HELLO_LEN];
+        stream.read_exact(&mut reply).await?;
+        Ok::<_, std::io::Error>(reply)
+    };
+    match tokio::time::timeout(T, exchange)
+        .await
+        .expect("hello answered")
+    {
+        Ok(reply) if HelloReply::decode(&reply).unwrap().status == HelloStatus::Ok => Some(stream),
+        _ => None,
+    }
+}
+
+/// Whether the server closes `stream` within `within`.
+async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
+    let mut byte = [0];
+    matches!(
+        tokio::time::timeout(within, stream.read(&mut byte)).await,
+        Ok(Ok(0) | Err(_))
+    )
+}
+
+/// The owner takes 3 connections from 127.0.0.1; the client's pool wants 4.
+/// The connections it has are in use (idle only between its requests), so
+/// none makes room: the pool carries on over them instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_that_cannot_grow_carries_on_over_the_connections_it_has() {
+    let owner = tcp_node(Some(limits(3, Duration::from_secs(60)))).await;
+    let client = tcp_node(None).await;
+    let target = owner.alloc(4 << 20, Access::ReadWrite).await.unwrap();
+    for seed in 0..3 {
+        round_trip(&client, &target, seed)
+            .await
+            .unwrap_or_else(|e| panic!("round trip {seed}: {e}"));
+    }
+    let info = client.tcp().transport_info().await.unwrap();
+    assert!(
+        (1..=3).contains(&info.open_connections),
+        "{} connections open",
+        info.open_connections
+    );
+}
+
+/// The owner takes one connection from 127.0.0.1, and another node's
+/// control session (never idle) holds it: a client with no connection gets
+/// one typed error saying the owner is at its limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_with_no_connection_to_an_owner_at_its_limit_gets_peer_busy() {
+    let owner = tcp_node(Some(limits(1, Duration::from_secs(60)))).await;
+    let other = tcp_node(None).await;
+    let _session = other.endpoint().session(owner.addr(), T).await.unwrap();
+    let client = tcp_node(None).await;
+    let target = owner.alloc(1 << 20, Access::ReadWrite).await.unwrap();
+    for seed in 0..5 {
+        match round_trip(&client, &target, seed).await {
+            Err(SubmitError::Op {
+                index: 0,
+                error: OpError::PeerBusy { endpoint, .. },
+            }) => assert_eq!(endpoint, owner.addr().endpoint),
+            other => panic!("attempt {seed}: {other:?}"),
+        }
+    }
+}
+
+/// Six idle clients from 127.0.0.1 fill its bound of 6: once they have
+/// idled a moment, a peer from the same address is served anyway, the
+/// least recently used of them making room for each of its connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_clients_do_not_lock_a_peer_out_of_their_address() {
+    let owner = tcp_node(Some(limits(6, Duration::from_secs(60)))).await;
+    let server = owner.addr().endpoint;
+    let mut flood = Vec::new();
+    for _ in 0..6 {
+        flood.push(
+            hello_only(server, "127.0.0.1")
+                .await
+                .expect("within the bound"),
+        );
+    }
+    tokio::time::sleep(EVICTABLE_AFTER + Duration::from_millis(100)).await;
+    let target = owner.alloc(4 << 20, Access::ReadWrite).await.unwrap();
+    let peer = tcp_node(None).await;
+    for seed in 0..3 {
+        round_trip(&peer, &target, seed)
+            .await
+            .unwrap_or_else(|e| panic!("round trip {seed}: {e}"));
+    }
+    let open = peer.tcp().transport_info().await.unwrap().open_connections;
+    let mut evicted = 0;
+    for stream in &mut flood {
+        if closed_within(stream, Duration::from_millis(200)).await {
+            evicted += 1;
+        }
+    }
+    assert_eq!(evicted, open, "one idle client made room per connection");
+}
+
+/// With an idle timeout of 300 ms, an idle client and the peer's own idle
+/// data connections are closed; the peer reconnects for its next submit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_data_connections_are_closed_after_the_idle_timeout() {
+    let owner = tcp_node(Some(limits(8, Duration::from_millis(300)))).await;
+    let mut idle = hello_only(owner.addr().endpoint, "127.0.0.2")
+        .await
+        .expect("taken");
+    assert!(
+        closed_within(&mut idle, T).await,
+        "the idle client was closed"
+    );
+
+    let target = owner.alloc(1 << 20, Access::ReadWrite).await.unwrap();
+    let peer = tcp_node(None).await;
+    round_trip(&peer, &target, 1).await.unwrap();
+    let started = Instant::now();
+    while peer.tcp().transport_info().await.unwrap().open_connections > 0 {
+        assert!(
+            started.elapsed() < T,
+            "the peer's idle connections are still open"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    round_trip(&peer, &target, 2).await.unwrap();
+}
