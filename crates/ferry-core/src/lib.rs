@@ -24,6 +24,7 @@ mod message;
 mod notified;
 mod op;
 mod progress;
+mod release;
 
 pub use backend::{RdmaBackend, RdmaTransportLevel};
 pub use error::{OpError, RegisterError, SubmitError};
@@ -34,3 +35,4 @@ pub use message::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 pub use notified::DataPathNotification;
 pub use op::{LocalSlice, OpKind, RdmaOp};
 pub use progress::{Answer, BatchProgress};
+pub use release::{CloseError, Closing, MemoryHold, MemoryHolder};
