@@ -25,23 +25,29 @@ unsafe impl Send for RawMemory {}
 // SAFETY: as for Send.
 unsafe impl Sync for RawMemory {}
 
+#[allow(dead_code)] // not every suite that shares common.rs uses these
 impl RawMemory {
-    fn new(len: usize) -> Arc<RawMemory> {
+    pub fn new(len: usize) -> Arc<RawMemory> {
         let layout = Layout::from_size_align(len, 4096).unwrap();
         // SAFETY: a non-zero size (the tests never ask for 0 bytes).
         let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).expect("memory");
         Arc::new(RawMemory { ptr, layout })
     }
 
+    /// The first byte, for `MemoryBlock::from_raw`.
+    pub fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
     /// Copies out the bytes (another process may be writing them).
-    fn snapshot(&self) -> Vec<u8> {
+    pub fn snapshot(&self) -> Vec<u8> {
         let mut out = vec![0; self.layout.size()];
         // SAFETY: the allocation is `size` bytes and lives while self does.
         unsafe { std::ptr::copy(self.ptr.as_ptr(), out.as_mut_ptr(), out.len()) };
         out
     }
 
-    fn fill(&self, bytes: &[u8]) {
+    pub fn fill(&self, bytes: &[u8]) {
         assert_eq!(bytes.len(), self.layout.size());
         // SAFETY: as above.
         unsafe { std::ptr::copy(bytes.as_ptr(), self.ptr.as_ptr(), bytes.len()) };
@@ -109,6 +115,24 @@ pub async fn command(
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
+        // Writes the whole region `index` to the handle, again and again in
+        // the background, until a write fails.
+        ["write-loop", index, _, ..] => {
+            let index: usize = index.parse().unwrap();
+            let handle = line.trim().splitn(3, ' ').nth(2).unwrap();
+            let remote: RemoteBuffer = serde_json::from_str(handle).expect("handle JSON");
+            let local = regions[index].clone().expect("live region");
+            let node = node.clone();
+            tokio::spawn(async move {
+                let op = RdmaOp::write(local.whole(), remote);
+                while node
+                    .submit(vec![op.clone()], Duration::from_secs(30))
+                    .await
+                    .is_ok()
+                {}
+            });
+            "looping".to_string()
+        }
         // How this node would carry a read of the handle.
         ["path", _, ..] => {
             let handle = line.trim().split_once(' ').unwrap().1;
@@ -157,6 +181,16 @@ impl PeerProcess {
             watch.as_millis()
         ))
         .await
+    }
+
+    /// Has the peer write its whole region `local` to `remote` again and
+    /// again, in the background, until a write fails.
+    pub async fn write_loop(&mut self, local: &PeerRegion, remote: &RemoteBuffer) {
+        let json = serde_json::to_string(remote).unwrap();
+        let reply = self
+            .command(&format!("write-loop {} {json}", local.index))
+            .await;
+        assert_eq!(reply, "looping");
     }
 
     /// How the peer's node would carry a read of `remote` (`Debug` of

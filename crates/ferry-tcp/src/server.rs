@@ -7,6 +7,7 @@ use std::io;
 use std::sync::{Arc, Weak};
 
 use ferry_control::{Connection, Messages, OfferError};
+use ferry_core::MemoryHolder;
 use tokio::net::TcpStream;
 use tracing::debug;
 
@@ -40,12 +41,20 @@ pub(crate) async fn serve_connection(
         remote,
     } = connection;
     debug!(%remote, client = ?node, "data connection open");
-    if let Err(e) = serve(&stream, &table, &inbox).await {
+    // Chunks this connection serves hold their region's memory in the
+    // peer's name (see `table::Grant`).
+    let peer = MemoryHolder::TcpPeer { node, remote };
+    if let Err(e) = serve(&stream, &table, &inbox, &peer).await {
         debug!(%remote, error = %e, "data connection closed with an error");
     }
 }
 
-async fn serve(stream: &TcpStream, table: &RegionTable, inbox: &Weak<Messages>) -> io::Result<()> {
+async fn serve(
+    stream: &TcpStream,
+    table: &RegionTable,
+    inbox: &Weak<Messages>,
+    peer: &MemoryHolder,
+) -> io::Result<()> {
     let mut reader = FrameReader::default();
     let mut failed_tags = HashSet::new();
     let mut out = Outgoing::default();
@@ -80,13 +89,13 @@ async fn serve(stream: &TcpStream, table: &RegionTable, inbox: &Weak<Messages>) 
             }
         };
         let len = req.len as usize;
-        match (req.kind, table.authorize(&req)) {
+        match (req.kind, table.authorize(&req, || peer.clone())) {
             (RequestKind::Write, Ok(grant)) => {
                 // SAFETY: `authorize` checked offset+len against the block's
                 // length, and `grant.memory` keeps the block alive across the call.
                 unsafe {
                     reader
-                        .payload(stream, grant.memory.as_ptr().add(grant.offset), len)
+                        .payload(stream, grant.memory.memory().as_ptr().add(grant.offset), len)
                         .await?
                 };
                 served("write", req.len);
@@ -105,7 +114,7 @@ async fn serve(stream: &TcpStream, table: &RegionTable, inbox: &Weak<Messages>) 
                 unsafe {
                     out.push_into(&mut iov);
                     iov.push(header.as_ptr(), header.len());
-                    iov.push(grant.memory.as_ptr().add(grant.offset), len);
+                    iov.push(grant.memory.memory().as_ptr().add(grant.offset), len);
                 }
                 iov.send_all(stream).await?;
                 out.acks.clear();
