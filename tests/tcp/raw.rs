@@ -7,6 +7,7 @@ use std::alloc::Layout;
 use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use ferry::MemoryBlock;
@@ -34,11 +35,6 @@ impl RawMemory {
         Arc::new(RawMemory { ptr, layout })
     }
 
-    /// The first byte, for `MemoryBlock::from_raw`.
-    pub fn ptr(&self) -> NonNull<u8> {
-        self.ptr
-    }
-
     /// Copies out the bytes (another process may be writing them).
     pub fn snapshot(&self) -> Vec<u8> {
         let mut out = vec![0; self.layout.size()];
@@ -59,6 +55,46 @@ impl Drop for RawMemory {
         // SAFETY: allocated in `new` with this layout; the last reference.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
     }
+}
+
+/// Says when a `from_raw` region's `keep_alive` is dropped.
+struct Released(Arc<AtomicBool>);
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// `len` bytes of this process's own memory (zeroed) registered with
+/// `node` through `from_raw`: the region; the memory, which the caller
+/// keeps, so it can watch it after the region is gone; and whether the
+/// region's `keep_alive` has been dropped.
+#[allow(dead_code)] // not every suite that shares common.rs uses these
+pub async fn raw_region(node: &Node, len: usize) -> (Region, Arc<RawMemory>, Arc<AtomicBool>) {
+    let memory = RawMemory::new(len);
+    let released = Arc::new(AtomicBool::new(false));
+    let keep_alive = (memory.clone(), Released(released.clone()));
+    // SAFETY: the allocation lives while the guard (an Arc of it) does.
+    let block = unsafe { MemoryBlock::from_raw(memory.ptr, len as u64, Box::new(keep_alive)) }
+        .unwrap();
+    let region = node.register(block, Access::ReadWrite).await.unwrap();
+    (region, memory, released)
+}
+
+/// Fills `memory` with 0xA5 and watches it for `watch`: `None` if it stays
+/// so, else where the first byte changed.
+#[allow(dead_code)] // not every suite that shares common.rs uses these
+pub async fn scribble_and_watch(memory: &RawMemory, watch: Duration) -> Option<usize> {
+    memory.fill(&vec![0xA5; memory.layout.size()]);
+    let until = Instant::now() + watch;
+    while Instant::now() < until {
+        if let Some(at) = memory.snapshot().iter().position(|&b| b != 0xA5) {
+            return Some(at);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    None
 }
 
 /// The peer's raw memory, by region index: kept after the region drops.
