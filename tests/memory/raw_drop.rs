@@ -91,7 +91,10 @@ async fn give_back_while_stopped(
         Ok(()) => {
             // Nothing held it: the memory is ours even though the peer has
             // not gone on yet, and it must not write into it when it does.
-            assert!(released.load(Ordering::SeqCst), "{what}: released, keep_alive not dropped");
+            assert!(
+                released.load(Ordering::SeqCst),
+                "{what}: released, keep_alive not dropped"
+            );
             memory.fill(&vec![0xA5; memory.snapshot().len()]);
             signal(pid, "CONT");
         }
@@ -106,7 +109,10 @@ async fn give_back_while_stopped(
                 .wait(tokio::time::Instant::now() + DEADLINE)
                 .await
                 .unwrap_or_else(|e| panic!("{what}: after SIGCONT: {e}"));
-            assert!(released.load(Ordering::SeqCst), "{what}: released, keep_alive not dropped");
+            assert!(
+                released.load(Ordering::SeqCst),
+                "{what}: released, keep_alive not dropped"
+            );
             assert_eq!(
                 scribble_and_watch(&memory, Duration::from_millis(300)).await,
                 None,
@@ -148,7 +154,9 @@ async fn dropping_a_region_never_waits_for_a_peer_stopped_inside_a_copy() {
         if attempt == 0 {
             let path = peer.path_to(&raw.0.remote()).await;
             if path != "Some(Memory(ProcessVm))" {
-                eprintln!("SKIPPED: the kernel does not let the peer process_vm this process ({path})");
+                eprintln!(
+                    "SKIPPED: the kernel does not let the peer process_vm this process ({path})"
+                );
                 return;
             }
         }
@@ -163,7 +171,10 @@ async fn dropping_a_region_never_waits_for_a_peer_stopped_inside_a_copy() {
         }
         peer.drop_region(&local).await;
         if caught >= 2 {
-            eprintln!("caught the peer inside a copy {caught} times in {} attempts", attempt + 1);
+            eprintln!(
+                "caught the peer inside a copy {caught} times in {} attempts",
+                attempt + 1
+            );
             break;
         }
     }

@@ -76,8 +76,8 @@ pub async fn raw_region(node: &Node, len: usize) -> (Region, Arc<RawMemory>, Arc
     let released = Arc::new(AtomicBool::new(false));
     let keep_alive = (memory.clone(), Released(released.clone()));
     // SAFETY: the allocation lives while the guard (an Arc of it) does.
-    let block = unsafe { MemoryBlock::from_raw(memory.ptr, len as u64, Box::new(keep_alive)) }
-        .unwrap();
+    let block =
+        unsafe { MemoryBlock::from_raw(memory.ptr, len as u64, Box::new(keep_alive)) }.unwrap();
     let region = node.register(block, Access::ReadWrite).await.unwrap();
     (region, memory, released)
 }

@@ -108,7 +108,10 @@ async fn a_tcp_chunk_still_arriving_holds_a_dropped_region_in_its_peers_name() {
         .await
         .unwrap();
     assert!(released.load(std::sync::atomic::Ordering::SeqCst));
-    assert!(memory.snapshot() == payload, "the chunk landed whole before");
+    assert!(
+        memory.snapshot() == payload,
+        "the chunk landed whole before"
+    );
 
     // Nothing lands after: the next chunk is refused, its bytes discarded.
     memory.fill(&vec![0xA5; len]);

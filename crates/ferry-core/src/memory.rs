@@ -12,12 +12,17 @@
 //!   transport may read or write the local bytes — after a timeout too, until
 //!   the transport has given the memory up.
 //! * A backend serving remote access keeps only a `Weak<MemoryBlock>` and
-//!   upgrades it for the duration of each access.
+//!   upgrades it for the duration of each access, or holds the block (a
+//!   [`MemoryHold`], naming who) for as long as a peer may still write into
+//!   it after deregistration.
 //!
 //! `RegionInner`'s fields drop in declaration order: first the registrations
 //! (no new remote access can start), then the id slot (the id may be reused,
 //! with a new generation), then this region's reference to the bytes. The bytes
-//! themselves are freed only when the last upgraded `Weak` is gone as well.
+//! themselves are freed (or, for `MemoryBlock::from_raw`, their `keep_alive`
+//! dropped) only when the last upgraded `Weak` and the last hold are gone as
+//! well. No drop here waits for a peer; [`Region::close`] waits for that last
+//! moment (`release.rs`).
 
 use std::alloc::{self, Layout};
 use std::any::Any;

@@ -294,17 +294,15 @@ mod tests {
             );
             drop(clone);
             let err = closing.wait(soon()).await.unwrap_err();
-            assert_eq!(
-                err,
-                CloseError::Held {
-                    holders: vec![pid]
-                }
-            );
+            assert_eq!(err, CloseError::Held { holders: vec![pid] });
             assert_eq!(
                 err.to_string(),
                 "the region's memory is still held: process 42 inside a process_vm copy"
             );
-            assert!(!dropped.load(Ordering::SeqCst), "keep_alive dropped while held");
+            assert!(
+                !dropped.load(Ordering::SeqCst),
+                "keep_alive dropped while held"
+            );
             let waiter = async {
                 closing
                     .wait(tokio::time::Instant::now() + Duration::from_secs(10))
@@ -316,7 +314,10 @@ mod tests {
             };
             let (waited, ()) = tokio::join!(waiter, release);
             assert_eq!(waited, Ok(()));
-            assert!(dropped.load(Ordering::SeqCst), "released before keep_alive dropped");
+            assert!(
+                dropped.load(Ordering::SeqCst),
+                "released before keep_alive dropped"
+            );
             assert!(closing.is_released() && closing.holders().is_empty());
         });
     }

@@ -66,7 +66,6 @@ const LANE_BYTES: usize = GATES * 4;
 /// page is only allocated when touched.
 pub(crate) const TABLE_LEN: usize = LIVE_BYTES + LANES * LANE_BYTES;
 
-
 /// A mapping of a gate table: the owner's, or a peer's.
 pub(crate) struct Table {
     base: *mut u8,
@@ -477,7 +476,11 @@ mod tests {
             start.elapsed() < Duration::from_secs(1),
             "the drop waited for the step"
         );
-        assert_eq!(gates.table().live(index).load(Ordering::SeqCst), 0, "closed");
+        assert_eq!(
+            gates.table().live(index).load(Ordering::SeqCst),
+            0,
+            "closed"
+        );
         // The memory is held until the step ends, and the gate not reused.
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!(Arc::strong_count(&memory), 2, "the memory was let go");

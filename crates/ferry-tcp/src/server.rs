@@ -95,7 +95,11 @@ async fn serve(
                 // length, and `grant.memory` keeps the block alive across the call.
                 unsafe {
                     reader
-                        .payload(stream, grant.memory.memory().as_ptr().add(grant.offset), len)
+                        .payload(
+                            stream,
+                            grant.memory.memory().as_ptr().add(grant.offset),
+                            len,
+                        )
                         .await?
                 };
                 served("write", req.len);

@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock, Weak};
 
-use ferry_core::{Access, Generation, MemoryBlock, MemoryHold, MemoryHolder, RegionId, tokens_equal};
+use ferry_core::{
+    Access, Generation, MemoryBlock, MemoryHold, MemoryHolder, RegionId, tokens_equal,
+};
 
 use crate::frame::{Refusal, Request, RequestKind};
 
@@ -87,7 +89,11 @@ impl RegionTable {
 
     /// Checks region, generation, token, access and bounds, in that order, and
     /// holds the memory for the access in `peer`'s name.
-    pub fn authorize(&self, req: &Request, peer: impl FnOnce() -> MemoryHolder) -> Result<Grant, Refusal> {
+    pub fn authorize(
+        &self,
+        req: &Request,
+        peer: impl FnOnce() -> MemoryHolder,
+    ) -> Result<Grant, Refusal> {
         let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
         let entry = entries.get(&req.region).ok_or(Refusal::UnknownRegion)?;
         if entry.generation != req.generation {
