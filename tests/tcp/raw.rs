@@ -131,11 +131,16 @@ pub async fn command(
             raws.0.insert(regions.len() - 1, raw);
             format!("{} {json}", regions.len() - 1)
         }
-        // Drops the region; the moment that returns, fills its memory with
-        // 0xA5 and watches it for `ms` milliseconds.
-        ["drop-scribble", index, ms] => {
+        // Closes the region (waits until its memory is released: no write
+        // can land any more); the moment that returns, fills its memory
+        // with 0xA5 and watches it for `ms` milliseconds.
+        ["close-scribble", index, ms] => {
             let index: usize = index.parse().unwrap();
-            regions[index] = None;
+            let region = regions[index].take().expect("live region");
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            if let Err(e) = region.close(deadline).await {
+                return Some(format!("not released: {e}"));
+            }
             let raw = raws.0.get(&index).expect("a raw region");
             let fill = vec![0xA5; raw.layout.size()];
             raw.fill(&fill);
@@ -208,11 +213,12 @@ impl PeerProcess {
         }
     }
 
-    /// Drops the peer's raw region, then at once fills its memory with 0xA5
-    /// and watches it for `watch`: `"intact"`, or where a byte changed.
-    pub async fn drop_and_scribble(&mut self, region: &PeerRegion, watch: Duration) -> String {
+    /// Closes the peer's raw region (`Region::close`), then at once fills
+    /// its memory with 0xA5 and watches it for `watch`: `"intact"`, where a
+    /// byte changed, or why the memory was not released.
+    pub async fn close_and_scribble(&mut self, region: &PeerRegion, watch: Duration) -> String {
         self.command(&format!(
-            "drop-scribble {} {}",
+            "close-scribble {} {}",
             region.index,
             watch.as_millis()
         ))
