@@ -56,9 +56,10 @@ pub use ferry_control::{
     EndpointConfig, Inbox, MessageError, RpcError, RpcRequest,
 };
 pub use ferry_core::{
-    Access, ByteOffset, Generation, IbvRemote, LocalSlice, MemoryBlock, NodeAddr, NodeId, OpError,
-    OpKind, PAGE_SIZE, RdmaBackend, RdmaOp, RdmaTransportLevel, Region, RegionId, RegisterError,
-    RemoteBuffer, RemoteTransports, Submit, SubmitError, TransportInfo, TransportLevel,
+    Access, ByteOffset, CloseError, Closing, Generation, IbvRemote, LocalSlice, MemoryBlock,
+    MemoryHolder, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaBackend, RdmaOp,
+    RdmaTransportLevel, Region, RegionId, RegisterError, RemoteBuffer, RemoteTransports, Submit,
+    SubmitError, TransportInfo, TransportLevel,
 };
 pub use ferry_core::{
     Desc, DescError, DescIndices, Descs, LocalDescList, RemoteDescList, ops_between,

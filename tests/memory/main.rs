@@ -10,6 +10,7 @@
 mod common;
 mod notified;
 mod process_vm;
+mod raw_drop;
 mod shutdown;
 
 use std::time::Duration;

@@ -1,7 +1,8 @@
 //! Memory ferry did not allocate (`MemoryBlock::from_raw`) between two
 //! processes: over `process_vm_readv`/`process_vm_writev` byte for byte,
 //! saying so; read-only and stale handles refused with typed errors; no
-//! write landing after the owner dropped the region; and, where the kernel
+//! write landing once the owner closed the region (`Region::close`: its
+//! memory released); and, where the kernel
 //! refuses (another uid), over TCP, saying so.
 
 use std::sync::Arc;
@@ -148,7 +149,7 @@ async fn a_dropped_and_reregistered_from_raw_region_is_stale() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn no_process_vm_write_lands_after_the_owner_dropped_the_region() {
+async fn no_process_vm_write_lands_once_the_owner_closed_the_region() {
     let node = node().await;
     let mut peer = sharing_peer().await;
     let len = 4 << 20;
@@ -178,7 +179,7 @@ async fn no_process_vm_write_lands_after_the_owner_dropped_the_region() {
                 })
             })
             .collect();
-        // Writes are landing when the owner drops the region.
+        // Writes are landing when the owner closes the region.
         let start = Instant::now();
         while ok.load(Ordering::Relaxed) < 4 + round as usize {
             assert!(
@@ -188,12 +189,12 @@ async fn no_process_vm_write_lands_after_the_owner_dropped_the_region() {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         let verdict = peer
-            .drop_and_scribble(&target, Duration::from_millis(300))
+            .close_and_scribble(&target, Duration::from_millis(300))
             .await;
         stop.store(true, Ordering::Relaxed);
         assert_eq!(
             verdict, "intact",
-            "round {round}: a write landed after the drop"
+            "round {round}: a write landed once the memory was released"
         );
         let mut refused = 0;
         for writer in writers {
@@ -210,7 +211,7 @@ async fn no_process_vm_write_lands_after_the_owner_dropped_the_region() {
             }
         }
         eprintln!(
-            "round {round}: {} writes landed before the drop, {refused} refused after",
+            "round {round}: {} writes landed before the close, {refused} refused after",
             ok.load(Ordering::Relaxed)
         );
     }

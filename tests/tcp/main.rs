@@ -9,6 +9,7 @@ mod malformed;
 mod names;
 mod notified;
 mod peer_death;
+mod raw_drop;
 mod timeout;
 mod transfers;
 mod two_hosts;

@@ -27,6 +27,7 @@ mod notified;
 mod offset;
 mod op;
 mod progress;
+mod release;
 
 pub use backend::{RdmaBackend, RdmaTransportLevel};
 pub use descs::{Desc, DescError, DescIndices, Descs, LocalDescList, RemoteDescList, ops_between};
@@ -39,3 +40,4 @@ pub use notified::DataPathNotification;
 pub use offset::ByteOffset;
 pub use op::{LocalSlice, OpKind, RdmaOp};
 pub use progress::{Answer, BatchProgress};
+pub use release::{CloseError, Closing, MemoryHold, MemoryHolder};

@@ -12,12 +12,17 @@
 //!   transport may read or write the local bytes — after a timeout too, until
 //!   the transport has given the memory up.
 //! * A backend serving remote access keeps only a `Weak<MemoryBlock>` and
-//!   upgrades it for the duration of each access.
+//!   upgrades it for the duration of each access, or holds the block (a
+//!   [`MemoryHold`], naming who) for as long as a peer may still write into
+//!   it after deregistration.
 //!
 //! `RegionInner`'s fields drop in declaration order: first the registrations
 //! (no new remote access can start), then the id slot (the id may be reused,
 //! with a new generation), then this region's reference to the bytes. The bytes
-//! themselves are freed only when the last upgraded `Weak` is gone as well.
+//! themselves are freed (or, for `MemoryBlock::from_raw`, their `keep_alive`
+//! dropped) only when the last upgraded `Weak` and the last hold are gone as
+//! well. No drop here waits for a peer; [`Region::close`] waits for that last
+//! moment (`release.rs`).
 
 use std::alloc::{self, Layout};
 use std::any::Any;
@@ -26,9 +31,10 @@ use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
+use crate::release::{Closing, Release};
 use crate::{
-    Access, Generation, LocalSlice, NodeAddr, OpError, RegionId, RegisterError, RemoteBuffer,
-    RemoteTransports,
+    Access, CloseError, Generation, LocalSlice, MemoryHold, MemoryHolder, NodeAddr, OpError,
+    RegionId, RegisterError, RemoteBuffer, RemoteTransports,
 };
 
 /// Owned regions are page aligned: NICs register whole pages, and O_DIRECT or
@@ -52,6 +58,9 @@ pub struct MemoryBlock {
     /// and any offset up to it converts back with `as usize`.
     len: usize,
     owner: BlockOwner,
+    /// Who holds the block past its registrations, and who waits for it to
+    /// go (`release.rs`).
+    release: Arc<Release>,
 }
 
 enum BlockOwner {
@@ -103,6 +112,7 @@ impl MemoryBlock {
             ptr,
             len,
             owner: BlockOwner::Owned(layout),
+            release: Release::new(),
         })
     }
 
@@ -145,6 +155,7 @@ impl MemoryBlock {
             ptr: NonNull::new(start as *mut u8).expect("mmap never returns address 0 here"),
             len,
             owner: BlockOwner::Mapped { base, len: mapped },
+            release: Release::new(),
         })
     }
 
@@ -159,7 +170,18 @@ impl MemoryBlock {
     /// `ptr..ptr+len` must be valid for reads and writes from any thread for as
     /// long as `keep_alive` has not been dropped, and nothing else may free or
     /// unmap it during that time. Ferry drops `keep_alive` only after the last
-    /// transfer touching the block has finished.
+    /// transfer touching the block has finished, on every transport: no
+    /// write lands in the memory once `keep_alive` has been dropped.
+    ///
+    /// Dropping the region does not wait for that: a peer may still be
+    /// writing (a TCP chunk arriving, a same-host peer stopped inside a
+    /// `process_vm` copy), and a drop never blocks its thread on a peer.
+    /// The transport keeps the block, and so `keep_alive`, until no write
+    /// can land, which may be after the drop returned; `keep_alive` is then
+    /// dropped on whichever thread lets go last. To know when the memory is
+    /// yours again, call [`Region::close`] (or [`Region::closing`]) instead
+    /// of dropping the region: it returns once `keep_alive` is gone, or says
+    /// who still holds it.
     pub unsafe fn from_raw(
         ptr: NonNull<u8>,
         len: u64,
@@ -170,7 +192,20 @@ impl MemoryBlock {
             ptr,
             len,
             owner: BlockOwner::External(keep_alive),
+            release: Release::new(),
         })
+    }
+
+    /// Keeps the block (and a `from_raw` block's `keep_alive`) alive until
+    /// the hold drops, naming `holder` as the reason to whoever waits for
+    /// the region to close. For a backend that may still touch the bytes
+    /// after its registration dropped, or while it serves one access.
+    pub fn hold(self: &Arc<Self>, holder: MemoryHolder) -> MemoryHold {
+        MemoryHold::new(self.clone(), holder)
+    }
+
+    pub(crate) fn release(&self) -> &Arc<Release> {
+        &self.release
     }
 
     /// What keeps memory wrapped by [`MemoryBlock::from_raw`] alive, for a
@@ -264,17 +299,21 @@ impl MemoryBlock {
 
 impl Drop for MemoryBlock {
     fn drop(&mut self) {
-        match self.owner {
+        match &mut self.owner {
             // SAFETY: allocated in `alloc` with exactly this layout; the last
             // Arc is gone, so no transfer can reach the memory any more.
-            BlockOwner::Owned(layout) => unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) },
+            BlockOwner::Owned(layout) => unsafe { alloc::dealloc(self.ptr.as_ptr(), *layout) },
             // SAFETY: exactly the mapping made in `map_huge`; as above, nothing
             // can reach it any more.
             BlockOwner::Mapped { base, len } => unsafe {
-                libc::munmap(base, len);
+                libc::munmap(*base, *len);
             },
-            BlockOwner::External(_) => {}
+            // Dropped here rather than after this function, so that whoever
+            // waits for the release learns of it only once the caller's
+            // memory is theirs. (A zero-sized box allocates nothing.)
+            BlockOwner::External(keep_alive) => drop(std::mem::replace(keep_alive, Box::new(()))),
         }
+        self.release.fire();
     }
 }
 
@@ -437,6 +476,27 @@ impl Region {
         self.0.owner
     }
 
+    /// Drops this handle and says when the memory is the caller's again:
+    /// once every other clone (this node's transfers in flight hold some)
+    /// and every transport's hold is gone, so that no write can land in it
+    /// any more. Dropping a region never waits for peers; this does, for as
+    /// long as the caller likes. See [`Closing`].
+    pub fn closing(self) -> Closing {
+        let region: std::sync::Weak<dyn Any + Send + Sync> = Arc::downgrade(&self.0) as _;
+        Closing::new(region, &self.0.memory)
+    }
+
+    /// Drops this handle and waits until the memory is the caller's again
+    /// (for `MemoryBlock::from_raw`, its `keep_alive` dropped: no write can
+    /// land in it), or until `deadline`; then [`CloseError::Held`] says who
+    /// still holds it: other handles, or a peer still writing (a same-host
+    /// process stopped inside a copy, a TCP chunk arriving). The memory
+    /// then goes back by itself once they let go; [`Region::closing`] gives
+    /// a [`Closing`] to wait on again.
+    pub async fn close(self, deadline: tokio::time::Instant) -> Result<(), CloseError> {
+        self.closing().wait(deadline).await
+    }
+
     /// A serializable handle to the whole region with the region's access.
     pub fn remote(&self) -> RemoteBuffer {
         RemoteBuffer::new(
@@ -577,9 +637,14 @@ pub(crate) mod tests {
 
     /// A region of `len` bytes registered with no backend.
     pub(crate) fn region(len: u64) -> Region {
+        region_of(MemoryBlock::alloc(len).unwrap())
+    }
+
+    /// A region of `block` registered with no backend.
+    pub(crate) fn region_of(block: MemoryBlock) -> Region {
         RegionParts {
             slot: RegionIds::new().allocate(),
-            memory: Arc::new(MemoryBlock::alloc(len).unwrap()),
+            memory: Arc::new(block),
             access: Access::ReadWrite,
             owner: NodeAddr {
                 id: crate::NodeId(1),

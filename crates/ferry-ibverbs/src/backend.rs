@@ -41,7 +41,11 @@ impl Registry {
 }
 
 /// Dropping this deregisters the region from the device: first from the key
-/// registry (no new work can name it), then the MR itself.
+/// registry (no new work can name it), then the MR itself. `ibv_dereg_mr`
+/// returns only once the NIC can no longer access the memory through the
+/// MR (a peer's RDMA write naming its rkey fails with a remote access
+/// error), so no ibverbs write lands in the memory once this drop returned;
+/// the MR's hold on the block goes right after.
 pub struct IbvRegistration {
     registry: Arc<Registry>,
     key: (RegionId, Generation),

@@ -13,20 +13,34 @@
 //! stamp while it is registered, 0 after), and per *lane* (one per peer
 //! process) and gate an *in-flight counter*.
 //!
-//! **Invariant (no write after deregistration).** A peer copies at most
-//! [`PIECE`](crate::pvm::PIECE) bytes per step, and each step is:
+//! **Invariant (no write once the memory is released).** A peer copies at
+//! most [`PIECE`](crate::pvm::PIECE) bytes per step, and each step is:
 //! increment its lane's counter for the gate, read the live word, copy only
 //! if it holds the grant's stamp, decrement — all four SeqCst. The owner's
-//! deregistration ([`Gate::shut`]) stores 0 in the live word (SeqCst), then
-//! waits until every lane's counter for the gate is 0 or that lane's peer
-//! process has exited; only then does the registration's drop return. In
-//! the single total order of SeqCst operations, a step whose read saw the
-//! stamp comes before the owner's store, so its increment does too, and the
-//! owner's later read of the counter sees it until the step's decrement,
-//! which follows the end of its system call. A process that has exited
-//! (its pidfd readable: every thread left the kernel) cannot write. Hence
-//! no piece lands after `Gate::shut` returns. Enforced here (the owner's
-//! half) and in `pvm.rs` (the peer's half).
+//! deregistration ([`Gate::close`]) stores 0 in the live word (SeqCst); the
+//! gate, and with it a hold on the region's `MemoryBlock`, is then kept
+//! until every lane's counter for the gate has been seen 0 or that lane's
+//! peer process has exited. In the single total order of SeqCst
+//! operations, a step whose read saw the stamp comes before the owner's
+//! store, so its increment does too, and the owner's later read of the
+//! counter sees it until the step's decrement, which follows the end of
+//! its system call. A process that has exited (its pidfd readable: every
+//! thread left the kernel) cannot write. Hence no piece lands once the hold
+//! is gone, and so none once `MemoryBlock::from_raw`'s `keep_alive` has
+//! been dropped (the hold keeps the block, which keeps `keep_alive`).
+//! Enforced here (the owner's half: [`Gate`]'s drop and `drain.rs`) and in
+//! `pvm.rs` (the peer's half).
+//!
+//! **No thread waits for a peer.** A step takes microseconds, but a peer
+//! stopped inside one (`SIGSTOP`, a debugger) stays inside for as long as
+//! it is stopped, and nothing can take a started `process_vm_writev` back:
+//! the peer has the pid and the address, and the kernel lets it. Killing it
+//! would be drastic and is not ferry's call. So a gate whose steps are not
+//! all done when its registration drops goes to the drain thread
+//! (`drain.rs`), holding the memory in the stopped peer's name
+//! (`MemoryHolder::ProcessVmPeer`), for as long as the peer stays stopped
+//! or until it exits; the drop itself returns at once, and
+//! `Region::close` says which process holds the memory.
 //!
 //! A lane belongs to one peer process, named by a pidfd the owner takes
 //! from the socket (`SO_PEERPIDFD`, else `pidfd_open` of `SO_PEERCRED`'s
@@ -36,7 +50,10 @@
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+
+use ferry_core::{MemoryBlock, MemoryHolder};
+
+use crate::drain::{Drain, Stuck};
 
 /// Registrations one owner carries over `process_vm` at once; more go over
 /// the next transport.
@@ -48,11 +65,6 @@ const LANE_BYTES: usize = GATES * 4;
 /// The memfd's length: live words, then the lanes' counters. Sparse: a
 /// page is only allocated when touched.
 pub(crate) const TABLE_LEN: usize = LIVE_BYTES + LANES * LANE_BYTES;
-
-/// How long a deregistration waits for a live peer's step before it says
-/// so in the log. Steps are at most one piece (about 100 µs), so only a
-/// stopped peer (a debugger, `SIGSTOP`) holds a gate this long.
-const STUCK_AFTER: Duration = Duration::from_secs(5);
 
 /// A mapping of a gate table: the owner's, or a peer's.
 pub(crate) struct Table {
@@ -205,9 +217,9 @@ impl Pidfd {
 }
 
 /// A lane's peer process.
-struct Holder {
-    pid: i32,
-    pidfd: Pidfd,
+pub(crate) struct Holder {
+    pub pid: i32,
+    pub pidfd: Pidfd,
 }
 
 struct State {
@@ -262,8 +274,16 @@ impl Gates {
         &self.table
     }
 
-    /// A gate for a new registration, open (live); `None` if all are taken.
-    pub fn open(self: &Arc<Self>) -> Option<Gate> {
+    /// Gate `index` is shut and no step through it can still write: free
+    /// for another registration.
+    pub(crate) fn free(&self, index: u32) {
+        self.lock().free.push(index);
+    }
+
+    /// A gate for a new registration of `memory`, open (live); `None` if
+    /// all are taken. The gate holds `memory` until no step through it can
+    /// write any more (the invariant).
+    pub fn open(self: &Arc<Self>, memory: Arc<MemoryBlock>) -> Option<Gate> {
         let index = {
             let mut state = self.lock();
             match state.free.pop() {
@@ -281,7 +301,7 @@ impl Gates {
             gates: self.clone(),
             index,
             stamp,
-            shut: false,
+            memory,
         })
     }
 
@@ -314,13 +334,16 @@ impl Gates {
     }
 }
 
-/// One registration's gate. Dropping it shuts it (if [`Gate::shut`] was
-/// not called) and frees it for another registration.
+/// One registration's gate. Dropping it closes it (if [`Gate::close`]
+/// was not called) without waiting for anyone: the gate and its hold on the
+/// memory go at once if no peer step is in flight through it, else to the
+/// drain thread until none is (the module's invariant).
 pub(crate) struct Gate {
     gates: Arc<Gates>,
     index: u32,
     stamp: u64,
-    shut: bool,
+    /// The registration's memory, kept until no step can write into it.
+    memory: Arc<MemoryBlock>,
 }
 
 impl Gate {
@@ -340,20 +363,19 @@ impl Gate {
         self.gates.table.live(self.index).load(Ordering::SeqCst) == self.stamp
     }
 
-    /// Closes the gate and waits until no peer step through it can still
-    /// write (see the module's invariant). Steps are one piece each, so
-    /// this takes microseconds; a peer stopped inside one (a debugger,
-    /// `SIGSTOP`) holds it until it goes on or exits. That one wait has no
-    /// deadline on purpose: returning earlier would let the peer's write
-    /// land in memory its owner has taken back, and memory safety comes
-    /// first. It is logged every few seconds, naming the process.
-    pub fn shut(&mut self) {
-        if self.shut {
-            return;
-        }
-        self.shut = true;
+    /// Closes the gate: no step that starts from now on copies through it.
+    /// Steps already past their check may still be copying; the drop waits
+    /// those out, off this thread.
+    pub fn close(&self) {
+        self.gates.table.live(self.index).store(0, Ordering::SeqCst);
+    }
+
+    /// The peer processes whose steps through this gate may still write:
+    /// their lane's counter is not 0 and they have not exited. Read after
+    /// [`close`](Self::close), so any step it misses started after the
+    /// close and will not copy.
+    fn stuck(&self) -> Vec<(u16, Arc<Holder>)> {
         let table = &self.gates.table;
-        table.live(self.index).store(0, Ordering::SeqCst);
         let holders: Vec<(u16, Arc<Holder>)> = self
             .gates
             .lock()
@@ -362,45 +384,65 @@ impl Gate {
             .enumerate()
             .filter_map(|(i, h)| Some((i as u16, h.clone()?)))
             .collect();
-        for (lane, holder) in holders {
-            let counter = table.in_flight(lane, self.index);
-            let mut since = Instant::now();
-            let mut spins = 0u32;
-            while counter.load(Ordering::SeqCst) != 0 && !holder.pidfd.exited() {
-                spins += 1;
-                if spins < 100 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::sleep(Duration::from_micros(50));
-                }
-                if since.elapsed() >= STUCK_AFTER {
-                    tracing::error!(
-                        pid = holder.pid,
-                        "memory transport: a peer process has been inside a process_vm copy \
-                         for {STUCK_AFTER:?}; the region's deregistration waits for it"
-                    );
-                    since = Instant::now();
-                }
-            }
-        }
+        holders
+            .into_iter()
+            .filter(|(lane, holder)| {
+                table.in_flight(*lane, self.index).load(Ordering::SeqCst) != 0
+                    && !holder.pidfd.exited()
+            })
+            .collect()
     }
 }
 
 impl Drop for Gate {
     fn drop(&mut self) {
-        self.shut();
-        self.gates.lock().free.push(self.index);
+        self.close();
+        let stuck = self.stuck();
+        if stuck.is_empty() {
+            // No step can write: the memory goes with this gate, now.
+            self.gates.free(self.index);
+            return;
+        }
+        // Held in each stepping peer's name until its step ends or it
+        // exits; the gate is freed only then, so its counters are not
+        // reused under a step still in flight.
+        let stuck = stuck
+            .into_iter()
+            .map(|(lane, holder)| Stuck {
+                hold: self
+                    .memory
+                    .hold(MemoryHolder::ProcessVmPeer { pid: holder.pid }),
+                lane,
+                holder,
+            })
+            .collect();
+        crate::drain::hand_off(Drain::new(self.gates.clone(), self.index, stuck));
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::{Duration, Instant};
+
     use super::*;
 
+    fn block() -> Arc<MemoryBlock> {
+        Arc::new(MemoryBlock::alloc(4096).unwrap())
+    }
+
+    /// Waits (a generous deadline) until `done`.
+    fn eventually(what: &str, done: impl Fn() -> bool) {
+        let start = Instant::now();
+        while !done() {
+            assert!(start.elapsed() < Duration::from_secs(10), "{what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     #[test]
-    fn gates_are_stamped_shut_and_reused_with_a_new_stamp() {
+    fn gates_are_stamped_closed_and_reused_with_a_new_stamp() {
         let gates = Gates::new().expect("memfd and pidfds");
-        let mut a = gates.open().unwrap();
+        let a = gates.open(block()).unwrap();
         assert!(a.is_open());
         let (index, stamp) = (a.index(), a.stamp());
         assert_eq!(gates.table().live(index).load(Ordering::SeqCst), stamp);
@@ -408,27 +450,48 @@ mod tests {
         let me = unsafe { libc::getpid() };
         let lane = gates.lane(me, Pidfd::open(me).unwrap()).unwrap();
         assert_eq!(gates.lane(me, Pidfd::open(me).unwrap()), Some(lane));
-        // A step in flight holds the shut until it ends.
-        let counter = gates.table().in_flight(lane, index);
-        counter.fetch_add(1, Ordering::SeqCst);
-        let shut = std::thread::scope(|s| {
-            let waiter = s.spawn(|| {
-                a.shut();
-                Instant::now()
-            });
-            std::thread::sleep(Duration::from_millis(50));
-            let released = Instant::now();
-            counter.fetch_sub(1, Ordering::SeqCst);
-            let shut = waiter.join().unwrap();
-            assert!(shut >= released, "shut returned while a step was in flight");
-            shut
-        });
-        let _ = shut;
+        a.close();
         assert!(!a.is_open());
         drop(a);
-        let b = gates.open().unwrap();
+        let b = gates.open(block()).unwrap();
         assert_eq!(b.index(), index, "the gate is reused");
         assert_ne!(b.stamp(), stamp, "with a new stamp");
+    }
+
+    #[test]
+    fn a_step_in_flight_holds_the_memory_not_the_dropping_thread() {
+        let gates = Gates::new().unwrap();
+        // SAFETY: a plain getter.
+        let me = unsafe { libc::getpid() };
+        let lane = gates.lane(me, Pidfd::open(me).unwrap()).unwrap();
+        let memory = block();
+        let gate = gates.open(memory.clone()).unwrap();
+        let index = gate.index();
+        // A step of this process is "inside its copy".
+        let counter = gates.table().in_flight(lane, index);
+        counter.fetch_add(1, Ordering::SeqCst);
+        let start = Instant::now();
+        drop(gate);
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "the drop waited for the step"
+        );
+        assert_eq!(
+            gates.table().live(index).load(Ordering::SeqCst),
+            0,
+            "closed"
+        );
+        // The memory is held until the step ends, and the gate not reused.
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(Arc::strong_count(&memory), 2, "the memory was let go");
+        let other = gates.open(block()).unwrap();
+        assert_ne!(other.index(), index, "a gate with a step in flight reused");
+        counter.fetch_sub(1, Ordering::SeqCst);
+        eventually("the memory is let go once the step ended", || {
+            Arc::strong_count(&memory) == 1
+        });
+        eventually("the gate is freed", || gates.lock().free.contains(&index));
+        drop(other);
     }
 
     #[test]
@@ -438,15 +501,17 @@ mod tests {
         let pid = child.id() as i32;
         let pidfd = Pidfd::open(pid).unwrap();
         let lane = gates.lane(pid, pidfd).unwrap();
-        let mut gate = gates.open().unwrap();
+        let memory = block();
+        let gate = gates.open(memory.clone()).unwrap();
         // The child "died inside a step".
         gates
             .table()
             .in_flight(lane, gate.index())
             .store(1, Ordering::SeqCst);
         child.wait().unwrap();
-        let start = Instant::now();
-        gate.shut();
-        assert!(start.elapsed() < Duration::from_secs(1));
+        drop(gate);
+        eventually("an exited peer holds the memory", || {
+            Arc::strong_count(&memory) == 1
+        });
     }
 }

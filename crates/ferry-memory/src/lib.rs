@@ -34,15 +34,18 @@
 //! without a round trip; one the ring has no room for goes over the
 //! control session.
 //!
-//! Deregistration: a `process_vm` write must never land after the
-//! owner's registration is dropped, since the caller may reuse the memory
-//! at once. Every copy goes in bounded steps through the owner's gate
-//! table, and the drop waits out the steps in flight: `gate.rs` states the
-//! invariant and enforces the owner's half, `pvm.rs` the peer's.
+//! Deregistration: a `process_vm` write must never land once the memory
+//! is the caller's again (`from_raw`'s `keep_alive` dropped). Every copy
+//! goes in bounded steps through the owner's gate table; dropping the
+//! registration closes the gate at once, and the gate keeps the memory
+//! until the steps in flight are done, off the dropping thread
+//! (`drain.rs`): `gate.rs` states the invariant and enforces the owner's
+//! half, `pvm.rs` the peer's.
 
 #![warn(missing_docs)]
 
 mod copy;
+mod drain;
 mod gate;
 mod lane;
 mod owner;

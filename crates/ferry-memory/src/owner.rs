@@ -101,7 +101,7 @@ impl Exports {
                 (Shared::Memfd(memory.clone()), Held::Memfd(memory))
             }
             None => {
-                let gate = self.gates.as_ref()?.open()?;
+                let gate = self.gates.as_ref()?.open(memory.clone())?;
                 let how = Shared::ProcessVm {
                     base: memory.addr(),
                     len: memory.len(),
@@ -281,9 +281,11 @@ enum Held {
 /// The memory transport's half of a region's registration. Dropping it
 /// marks the region dead (its memfd's liveness word, or its gate), so
 /// peers' copies are refused with `StaleGeneration`, and stops handing the
-/// region out. For a `process_vm` region the drop returns only once no
-/// peer's write can land in the memory any more (the invariant in
-/// `gate.rs`): the caller may reuse the memory at once.
+/// region out. It never waits for a peer: for a `process_vm` region, the
+/// gate keeps the memory (and `from_raw`'s `keep_alive`) until no peer's
+/// write can land in it any more (the invariant in `gate.rs`), which a
+/// peer stopped inside a copy may delay past the drop;
+/// `Region::close` waits for that and names such a peer.
 pub struct MemRegistration {
     exports: Arc<Exports>,
     id: RegionId,
@@ -302,9 +304,10 @@ impl Drop for MemRegistration {
                     mapping.liveness().store(0, Ordering::SeqCst);
                 }
             }
-            // Waits for peers' steps in flight; the gate is freed for
-            // another registration when `held` drops, after this.
-            Held::Gate(gate) => gate.shut(),
+            // No new step copies from here on; the gate waits out the
+            // steps in flight when `held` drops, after this, off this
+            // thread if it must (`drain.rs`).
+            Held::Gate(gate) => gate.close(),
         }
         let mut exports = self.exports.lock();
         if exports

@@ -7,6 +7,7 @@ use std::io;
 use std::sync::{Arc, Weak};
 
 use ferry_control::{Connection, ConnectionPermit, IdleClose, Messages, OfferError};
+use ferry_core::MemoryHolder;
 use tokio::net::TcpStream;
 use tracing::debug;
 
@@ -44,7 +45,10 @@ pub(crate) async fn serve_connection(
         permit,
     } = connection;
     debug!(%remote, client = ?node, "data connection open");
-    match serve(&stream, &table, &inbox, &permit).await {
+    // Chunks this connection serves hold their region's memory in the
+    // peer's name (see `table::Grant`).
+    let peer = MemoryHolder::TcpPeer { node, remote };
+    match serve(&stream, &table, &inbox, &permit, &peer).await {
         Ok(None) => {}
         Ok(Some(idle)) => debug!(%remote, "data connection closed: {idle}"),
         Err(e) => debug!(%remote, error = %e, "data connection closed with an error"),
@@ -57,6 +61,7 @@ async fn serve(
     table: &RegionTable,
     inbox: &Weak<Messages>,
     permit: &ConnectionPermit,
+    peer: &MemoryHolder,
 ) -> io::Result<Option<IdleClose>> {
     let mut reader = FrameReader::default();
     let mut failed_tags = HashSet::new();
@@ -105,13 +110,17 @@ async fn serve(
             }
         };
         let len = req.len as usize;
-        match (req.kind, table.authorize(&req)) {
+        match (req.kind, table.authorize(&req, || peer.clone())) {
             (RequestKind::Write, Ok(grant)) => {
                 // SAFETY: `authorize` checked offset+len against the block's
                 // length, and `grant.memory` keeps the block alive across the call.
                 unsafe {
                     reader
-                        .payload(stream, grant.memory.as_ptr().add(grant.offset), len)
+                        .payload(
+                            stream,
+                            grant.memory.memory().as_ptr().add(grant.offset),
+                            len,
+                        )
                         .await?
                 };
                 served("write", req.len);
@@ -130,7 +139,7 @@ async fn serve(
                 unsafe {
                     out.push_into(&mut iov);
                     iov.push(header.as_ptr(), header.len());
-                    iov.push(grant.memory.as_ptr().add(grant.offset), len);
+                    iov.push(grant.memory.memory().as_ptr().add(grant.offset), len);
                 }
                 iov.send_all(stream).await?;
                 out.acks.clear();

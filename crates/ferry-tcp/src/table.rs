@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock, Weak};
 
-use ferry_core::{Access, Generation, MemoryBlock, RegionId, tokens_equal};
+use ferry_core::{
+    Access, Generation, MemoryBlock, MemoryHold, MemoryHolder, RegionId, tokens_equal,
+};
 
 use crate::frame::{Refusal, Request, RequestKind};
 
@@ -25,9 +27,15 @@ pub struct RegionTable {
     entries: RwLock<HashMap<RegionId, Entry>>,
 }
 
-/// A request that passed every check: the memory it may touch, pinned.
+/// A request that passed every check: the memory it may touch, held in
+/// the requesting peer's name until the chunk is served. This hold is what
+/// keeps a chunk's bytes from landing in memory its caller got back: a
+/// region's drop removes its entry (no new chunk is granted) without
+/// waiting, and the memory, with `from_raw`'s `keep_alive`, goes only once
+/// the last chunk granted before that has been served
+/// (`Region::close` waits for it and names the peer).
 pub struct Grant {
-    pub memory: Arc<MemoryBlock>,
+    pub memory: MemoryHold,
     pub offset: usize,
 }
 
@@ -80,8 +88,12 @@ impl RegionTable {
     }
 
     /// Checks region, generation, token, access and bounds, in that order, and
-    /// pins the memory for the access.
-    pub fn authorize(&self, req: &Request) -> Result<Grant, Refusal> {
+    /// holds the memory for the access in `peer`'s name.
+    pub fn authorize(
+        &self,
+        req: &Request,
+        peer: impl FnOnce() -> MemoryHolder,
+    ) -> Result<Grant, Refusal> {
         let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
         let entry = entries.get(&req.region).ok_or(Refusal::UnknownRegion)?;
         if entry.generation != req.generation {
@@ -110,7 +122,7 @@ impl RegionTable {
         // a failed upgrade only happens in that short window: same as gone.
         let memory = entry.memory.upgrade().ok_or(Refusal::UnknownRegion)?;
         Ok(Grant {
-            memory,
+            memory: memory.hold(peer()),
             offset: offset as usize,
         })
     }
@@ -147,6 +159,13 @@ mod tests {
         }
     }
 
+    fn peer() -> MemoryHolder {
+        MemoryHolder::TcpPeer {
+            node: ferry_core::NodeId(7),
+            remote: "127.0.0.1:9".parse().unwrap(),
+        }
+    }
+
     #[test]
     fn every_check_refuses_with_its_own_reason() {
         let table = RegionTable::default();
@@ -158,10 +177,11 @@ mod tests {
             "id taken"
         );
         let ok = table
-            .authorize(&request(RequestKind::Read, 2, 55, base + 10, 90))
+            .authorize(&request(RequestKind::Read, 2, 55, base + 10, 90), peer)
             .unwrap();
         assert_eq!(ok.offset, 10);
-        let refuse = |r: Request| table.authorize(&r).err().unwrap();
+        drop(ok);
+        let refuse = |r: Request| table.authorize(&r, peer).err().unwrap();
         assert_eq!(
             refuse(request(RequestKind::Read, 1, 55, base, 1)),
             Refusal::StaleGeneration {
