@@ -33,12 +33,12 @@ pub enum ControlError {
     },
     /// The peer refused the connection: another protocol version, a channel
     /// it does not serve, its connection limit ([`HelloStatus::Busy`]), or
-    /// (no status) it hung up before answering, as an endpoint at its
-    /// connection limit may when its reply is lost, or one shutting down.
+    /// (no status) it hung up before answering: it stopped, died or is
+    /// shutting down (an endpoint at its limit says `Busy` first).
     #[error("{endpoint} refused the connection: {}", match status {
         Some(HelloStatus::Busy) => "at its connection limit, with no idle connection to make room".into(),
         Some(status) => format!("{status:?}"),
-        None => "closed it before answering the hello (at its connection limit, or shutting down)".into(),
+        None => "closed it before answering the hello (stopped, dying, or shutting down)".into(),
     })]
     Refused {
         /// The peer's endpoint.
@@ -135,8 +135,18 @@ impl From<ControlError> for OpError {
             },
             ControlError::Refused {
                 endpoint,
-                status: Some(HelloStatus::Busy) | None,
+                status: Some(HelloStatus::Busy),
             } => OpError::PeerBusy {
+                endpoint,
+                reason: e.to_string(),
+            },
+            // A hang-up without the `Busy` reply: an owner at its limit
+            // sends that reply before it closes, so this is one that
+            // stopped or died, not a busy one.
+            ControlError::Refused {
+                endpoint,
+                status: None,
+            } => OpError::PeerUnreachable {
                 endpoint,
                 reason: e.to_string(),
             },
