@@ -158,11 +158,7 @@ async fn forged_and_stale_handles_are_refused_and_change_nothing() {
 
     let rw = peer.alloc(len, Access::ReadWrite, 4).await;
     // A wrong token.
-    let wrong_token = forge(&rw.handle, |j| {
-        let token = &mut j["transports"]["memory"]["token"];
-        let value = u128::from_str_radix(token.as_str().unwrap(), 16).unwrap();
-        *token = format!("{:032x}", value ^ 1).into();
-    });
+    let wrong_token = with_wrong_memory_token(&rw.handle);
     assert_op_error(node.submit(write(wrong_token), DEADLINE).await, |e| {
         *e == OpError::AccessDenied
     });

@@ -13,7 +13,7 @@ use ferry::prelude::*;
 use ferry::{CloseError, MemoryHolder};
 
 use crate::common::pattern;
-use crate::common::raw::{RawMemory, raw_region, scribble_and_watch};
+use crate::common::raw::{RawMemory, raw_region, scribble_and_watch, watch_unchanged};
 use crate::{DEADLINE, node, sharing_peer};
 
 /// Waits until the peer's writes (of `pattern(_, seed)`) land in `memory`.
@@ -122,24 +122,11 @@ async fn give_back_while_stopped(
         }
     }
     assert_eq!(
-        watch(&memory, Duration::from_millis(300)).await,
+        watch_unchanged(&memory, Duration::from_millis(300)).await,
         None,
         "{what}: a write landed once the memory was released"
     );
     false
-}
-
-/// Watches `memory` (all 0xA5) for `watch`: `None` if it stays so, else
-/// where a byte changed.
-async fn watch(memory: &RawMemory, watch: Duration) -> Option<usize> {
-    let until = Instant::now() + watch;
-    while Instant::now() < until {
-        if let Some(at) = memory.snapshot().iter().position(|&b| b != 0xA5) {
-            return Some(at);
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    None
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -87,6 +87,13 @@ pub async fn raw_region(node: &Node, len: usize) -> (Region, Arc<RawMemory>, Arc
 #[allow(dead_code)] // not every suite that shares common.rs uses these
 pub async fn scribble_and_watch(memory: &RawMemory, watch: Duration) -> Option<usize> {
     memory.fill(&vec![0xA5; memory.layout.size()]);
+    watch_unchanged(memory, watch).await
+}
+
+/// Watches `memory` (all 0xA5) for `watch`: `None` if it stays so, else
+/// where the first byte changed.
+#[allow(dead_code)] // not every suite that shares common.rs uses these
+pub async fn watch_unchanged(memory: &RawMemory, watch: Duration) -> Option<usize> {
     let until = Instant::now() + watch;
     while Instant::now() < until {
         if let Some(at) = memory.snapshot().iter().position(|&b| b != 0xA5) {
