@@ -27,6 +27,7 @@ mod notified;
 mod offset;
 mod op;
 mod progress;
+mod region;
 mod release;
 
 pub use backend::{RdmaBackend, RdmaTransportLevel};
@@ -34,10 +35,11 @@ pub use descs::{Desc, DescError, DescIndices, Descs, LocalDescList, RemoteDescLi
 pub use error::{OpError, RegisterError, SubmitError};
 pub use handle::{Access, IbvRemote, MemRemote, RemoteBuffer, RemoteTransports, TcpRemote};
 pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128, tokens_equal};
-pub use memory::{MemoryBlock, PAGE_SIZE, Region, RegionIds, RegionParts, RegionSlot};
+pub use memory::{MemoryBlock, PAGE_SIZE};
 pub use message::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 pub use notified::DataPathNotification;
 pub use offset::ByteOffset;
 pub use op::{LocalSlice, OpKind, RdmaOp};
 pub use progress::{Answer, BatchProgress};
+pub use region::{Region, RegionIds, RegionParts, RegionSlot};
 pub use release::{CloseError, Closing, MemoryHold, MemoryHolder};
