@@ -3,9 +3,12 @@
 
 use std::process::{Command, Output};
 
-/// `ferry serve` under load: connection bounds, timed-out submits. A module
-/// of this binary (not a test target of its own) so that it runs in the
-/// soft-RoCE VM too.
+/// `ferry serve` under a timed-out submit: the wire goes quiet.
+#[path = "cli/timed_out.rs"]
+mod timed_out;
+/// `ferry serve` under load: connection bounds. A module of this binary
+/// (not a test target of its own) so that it runs in the soft-RoCE VM too;
+/// so is the next.
 #[path = "cli/under_load.rs"]
 mod under_load;
 /// `bench --verify` in pieces, and its failures told from the run's.
