@@ -23,6 +23,9 @@
 //! dropped) only when the last upgraded `Weak` and the last hold are gone as
 //! well. No drop here waits for a peer; [`Region::close`] waits for that last
 //! moment (`release.rs`).
+//!
+//! [`Region`]: crate::Region
+//! [`Region::close`]: crate::Region::close
 
 use std::alloc::{self, Layout};
 use std::any::Any;
@@ -178,6 +181,9 @@ impl MemoryBlock {
     /// yours again, call [`Region::close`] (or [`Region::closing`]) instead
     /// of dropping the region: it returns once `keep_alive` is gone, or says
     /// who still holds it.
+    ///
+    /// [`Region::close`]: crate::Region::close
+    /// [`Region::closing`]: crate::Region::closing
     pub unsafe fn from_raw(
         ptr: NonNull<u8>,
         len: u64,
