@@ -393,6 +393,8 @@ impl NodeBuilder {
             messages,
             names,
             shut_down: Default::default(),
+            runtime: tokio::runtime::Handle::current(),
+            estimates: Default::default(),
         });
         let actor = NodeActor::spawn(NodeActor::new(router.clone()));
         Ok(Node(Arc::new(NodeInner { router, actor })))

@@ -32,13 +32,16 @@ mod actor;
 mod advertise;
 mod body;
 mod builder;
+mod estimate;
 mod messages;
 mod meters;
 mod names;
 mod node;
+mod prepare;
 mod rpc;
 mod tables;
 mod transports;
+mod xfer;
 
 #[cfg(test)]
 mod ask_tests;
@@ -49,6 +52,7 @@ pub use builder::{ADVERTISE_ENV, DISABLE_IBVERBS_ENV, DISABLE_MEMORY_ENV, NodeBu
 /// Every message, notification, RPC argument and answer is one: re-exported
 /// so that a program needs no `bytes` dependency of its own to name it.
 pub use bytes::Bytes;
+pub use estimate::{Estimate, EstimateMethod};
 /// The node's endpoint and control plane, for direct use of its sessions.
 pub use ferry_control as control;
 pub use ferry_control::{
@@ -62,7 +66,8 @@ pub use ferry_core::{
     SubmitError, TransportInfo, TransportLevel,
 };
 pub use ferry_core::{
-    Desc, DescError, DescIndices, Descs, LocalDescList, RemoteDescList, ops_between,
+    Desc, DescError, DescIndices, Descs, Indices, LocalDescList, RemoteDescList, check_pairs,
+    op_at, ops_between,
 };
 pub use ferry_discovery as discovery;
 #[cfg(feature = "etcd")]
@@ -78,9 +83,13 @@ pub use ferry_tcp as tcp;
 pub use messages::{InboxTaken, NotifyError, SendMessage, SubmitWithNotification};
 pub use names::NameTaken;
 pub use node::{Node, NodeTransportInfo, TransportPath};
+pub use prepare::{Connect, Connected, PrepareError, PrepareRemote, PreparedRemote};
 pub use rpc::Call;
 pub use tables::PeerTables;
 pub use transports::{TransportState, TransportStatus};
+pub use xfer::{
+    MakeXfer, PostError, SLICE_BYTES, SLICE_OPS, SLICES_IN_FLIGHT, Xfer, XferError, XferStatus,
+};
 
 /// What a program using ferry usually needs, in one import.
 pub mod prelude {

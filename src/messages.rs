@@ -188,7 +188,7 @@ impl Router {
 }
 
 /// See [`Node::submit_with_notification`].
-async fn submit_with_notification(
+pub(crate) async fn submit_with_notification(
     router: &Router,
     ops: Vec<RdmaOp>,
     timeout: Duration,

@@ -10,7 +10,7 @@ use ferry_control::{Endpoint, Messages, Rpc};
 use ferry_core::{
     Access, Answer, Generation, MemoryBlock, NodeAddr, OpError, RdmaBackend, RdmaOp,
     RdmaTransportLevel, Region, RegionId, RegionIds, RegionParts, RegisterError, RegisterRegion,
-    RemoteTransports, SubmitError,
+    RemoteBuffer, RemoteTransports, SubmitError,
 };
 use ferry_ibverbs::{IbvBackend, IbvTransportInfo};
 use ferry_memory::{MemoryBackend, MemoryPath};
@@ -19,6 +19,7 @@ use kameo::actor::ActorRef;
 
 use crate::NodeBuilder;
 use crate::actor::NodeActor;
+use crate::estimate::Estimator;
 use crate::meters::{Meters, Submitted};
 use crate::transports::TransportStatus;
 
@@ -44,6 +45,11 @@ pub(crate) struct Router {
     /// that starts after it fails with a `ShutDown` error instead of
     /// reaching a transport that may still be half running.
     pub shut_down: AtomicBool,
+    /// The runtime the node was spawned on: transfer requests posted from
+    /// any thread are driven there.
+    pub runtime: tokio::runtime::Handle,
+    /// Per peer and transport, what completed requests took.
+    pub estimates: Estimator,
 }
 
 impl Router {
@@ -58,19 +64,28 @@ impl Router {
 
     /// The fastest transport this node and the op's remote side share.
     pub fn route(&self, op: &RdmaOp) -> Option<RdmaTransportLevel> {
-        self.path(op).map(TransportPath::level)
+        self.route_remote(&op.remote)
+    }
+
+    /// The fastest transport this node and `remote`'s owner share for it.
+    pub fn route_remote(&self, remote: &RemoteBuffer) -> Option<RdmaTransportLevel> {
+        self.path_remote(remote).map(TransportPath::level)
     }
 
     /// The fastest transport this node and the op's remote side share, and
     /// for the memory transport how it carries the op.
     pub fn path(&self, op: &RdmaOp) -> Option<TransportPath> {
-        let remote = op.remote.transports();
-        if let Some(path) = self.memory.as_ref().and_then(|m| m.path(&op.remote)) {
+        self.path_remote(&op.remote)
+    }
+
+    fn path_remote(&self, remote: &RemoteBuffer) -> Option<TransportPath> {
+        let transports = remote.transports();
+        if let Some(path) = self.memory.as_ref().and_then(|m| m.path(remote)) {
             Some(TransportPath::Memory(path))
-        } else if self.ibverbs.is_some() && remote.ibverbs.is_some() {
+        } else if self.ibverbs.is_some() && transports.ibverbs.is_some() {
             Some(TransportPath::Nic)
         } else {
-            remote.tcp.map(|_| TransportPath::Tcp)
+            transports.tcp.map(|_| TransportPath::Tcp)
         }
     }
 
@@ -96,6 +111,21 @@ impl Router {
             if memory.forget_dead_owners(on_memory) {
                 levels = self.levels(&ops)?;
             }
+        }
+        self.submit_routed(ops, levels, timeout).await
+    }
+
+    /// Runs a batch whose ops' transports are known (`levels[i]` is op
+    /// `i`'s): the ops of one transport stay one batch, and the transports
+    /// run concurrently.
+    pub async fn submit_routed(
+        &self,
+        ops: Vec<RdmaOp>,
+        levels: Vec<RdmaTransportLevel>,
+        timeout: Duration,
+    ) -> Result<(), SubmitError> {
+        if self.is_shut_down() {
+            return Err(SubmitError::ShutDown);
         }
         // Usually a whole batch takes one transport: it goes on as it is.
         match levels.first() {

@@ -12,6 +12,7 @@ mod notified;
 mod process_vm;
 mod raw_drop;
 mod shutdown;
+mod xfers;
 
 use std::time::Duration;
 

@@ -1,12 +1,13 @@
 //! Descriptor lists end to end, checked the same way over each transport:
-//! a request of 100,000 descriptors of 4 KiB between two processes, built
-//! from a strided remote list and an explicit local one, with index arrays
-//! that reverse, repeat and interleave, verified byte for byte.
+//! requests of 100,000 descriptors of 4 KiB between two processes, built
+//! from prepared lists (a strided remote one and an explicit one, an
+//! explicit local one) with index arrays that reverse, repeat and
+//! interleave, verified byte for byte; and the same ops as one `submit`.
 
 use std::time::Duration;
 
 use ferry::prelude::*;
-use ferry::{Descs, LocalDescList, RemoteDescList, ops_between};
+use ferry::{Descs, LocalDescList, RemoteDescList, XferStatus, ops_between};
 
 use crate::common::{PeerProcess, digest, pattern};
 
@@ -41,6 +42,7 @@ pub async fn hundred_thousand_descriptors(
     let locals = LocalDescList::new(vec![local.clone()], descs).unwrap();
 
     let reversed: Vec<u32> = (0..BLOCKS).rev().collect();
+    // The same ops as one submit first: a baseline the request must match.
     let ops = ops_between(
         OpKind::Write,
         &locals,
@@ -52,6 +54,49 @@ pub async fn hundred_thousand_descriptors(
     assert_eq!(ops.len(), BLOCKS as usize);
     assert_eq!(node.route(&ops[0]), Some(route));
     node.submit(ops, DEADLINE).await.unwrap();
+    // Then as a request on the prepared list, after scribbling over the
+    // peer's bytes with a write of zeros from an explicit remote list.
+    let prepared = node.prepare_remote(remotes, DEADLINE).await.unwrap();
+    assert_eq!(prepared.levels(), [route]);
+    let zeros = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    let zero_list =
+        LocalDescList::new(vec![zeros], Descs::strided(0, 0, BLOCK, BLOCK, BLOCKS)).unwrap();
+    let explicit = RemoteDescList::new(
+        vec![target.handle.clone()],
+        Descs::from_triples(
+            &(0..u64::from(BLOCKS))
+                .map(|i| [0, i * BLOCK, BLOCK])
+                .collect::<Vec<_>>(),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let explicit = node.prepare_remote(explicit, DEADLINE).await.unwrap();
+    let clear = node
+        .make_xfer(
+            OpKind::Write,
+            &zero_list,
+            0..BLOCKS as usize,
+            &explicit,
+            0..BLOCKS as usize,
+        )
+        .unwrap();
+    clear.post(DEADLINE).unwrap();
+    clear.wait().await.unwrap();
+    assert_eq!(peer.digest(&target).await, digest(&vec![0; len]), "cleared");
+    let xfer = node
+        .make_xfer(
+            OpKind::Write,
+            &locals,
+            0..BLOCKS as usize,
+            &prepared,
+            &reversed,
+        )
+        .unwrap();
+    assert_eq!((xfer.len(), xfer.bytes()), (BLOCKS as usize, len as u64));
+    xfer.post(DEADLINE).unwrap();
+    xfer.wait().await.unwrap();
+    assert_eq!(xfer.status(), XferStatus::Done);
     let block =
         |bytes: &[u8], i: usize| bytes[i * BLOCK as usize..(i + 1) * BLOCK as usize].to_vec();
     let expected: Vec<u8> = (0..BLOCKS as usize)
@@ -72,8 +117,11 @@ pub async fn hundred_thousand_descriptors(
         .flat_map(|k| [k, k + half as u32])
         .collect();
     local.write_at(0, &vec![0; len]).unwrap();
-    let ops = ops_between(OpKind::Read, &locals, &local_idx, &remotes, &remote_idx).unwrap();
-    node.submit(ops, DEADLINE).await.unwrap();
+    let read = node
+        .make_xfer(OpKind::Read, &locals, &local_idx, &prepared, &remote_idx)
+        .unwrap();
+    read.post(DEADLINE).unwrap();
+    read.wait().await.unwrap();
     let back = local.to_vec();
     for k in 0..half {
         let want = block(&expected, 2 * k);

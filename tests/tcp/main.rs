@@ -13,6 +13,7 @@ mod raw_drop;
 mod timeout;
 mod transfers;
 mod two_hosts;
+mod xfers;
 
 /// Entry point of the peer process; does nothing in a normal test run.
 #[test]

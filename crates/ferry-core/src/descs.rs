@@ -13,6 +13,7 @@
 //! when one is out of range.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -284,11 +285,12 @@ pub enum DescError {
     },
 }
 
-/// Descriptors into this node's regions, checked once when made.
+/// Descriptors into this node's regions, checked once when made. Cheap to
+/// clone (shared): every request built from it refers to the one list.
 #[derive(Clone, Debug)]
 pub struct LocalDescList {
-    regions: Vec<Region>,
-    descs: Descs,
+    regions: Arc<[Region]>,
+    descs: Arc<Descs>,
 }
 
 impl LocalDescList {
@@ -297,7 +299,10 @@ impl LocalDescList {
     pub fn new(regions: Vec<Region>, descs: Descs) -> Result<Self, DescError> {
         let lens: Vec<u64> = regions.iter().map(Region::len).collect();
         descs.check(&lens)?;
-        Ok(LocalDescList { regions, descs })
+        Ok(LocalDescList {
+            regions: regions.into(),
+            descs: Arc::new(descs),
+        })
     }
 
     /// The list's descriptors.
@@ -368,6 +373,49 @@ pub trait DescIndices {
     fn count(&self) -> usize;
     /// The index at `position` (`position < count`).
     fn at(&self, position: usize) -> u64;
+    /// The same sequence, owned, for a request that outlives the caller's
+    /// array: a range stays two numbers. Indices are checked against the
+    /// lists afterwards; one past `u32::MAX` becomes `u32::MAX`, which no
+    /// list of that many descriptors holds either.
+    fn to_indices(&self) -> Indices {
+        Indices::List(
+            (0..self.count())
+                .map(|p| u32::try_from(self.at(p)).unwrap_or(u32::MAX))
+                .collect(),
+        )
+    }
+}
+
+/// An owned index sequence ([`DescIndices::to_indices`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Indices {
+    /// `start`, `start + 1`, ... (`count` of them).
+    Range {
+        /// The first index.
+        start: u64,
+        /// How many.
+        count: usize,
+    },
+    /// Any indices, repeats allowed.
+    List(Arc<[u32]>),
+}
+
+impl DescIndices for Indices {
+    fn count(&self) -> usize {
+        match self {
+            Indices::Range { count, .. } => *count,
+            Indices::List(list) => list.len(),
+        }
+    }
+    fn at(&self, position: usize) -> u64 {
+        match self {
+            Indices::Range { start, .. } => start + position as u64,
+            Indices::List(list) => u64::from(list[position]),
+        }
+    }
+    fn to_indices(&self) -> Indices {
+        self.clone()
+    }
 }
 
 impl DescIndices for &[u32] {
@@ -395,6 +443,12 @@ impl DescIndices for Range<usize> {
     fn at(&self, position: usize) -> u64 {
         (self.start + position) as u64
     }
+    fn to_indices(&self) -> Indices {
+        Indices::Range {
+            start: self.start as u64,
+            count: self.len(),
+        }
+    }
 }
 
 /// The ops of a request: for each position `k`, `kind` between local
@@ -408,6 +462,21 @@ pub fn ops_between(
     remote: &RemoteDescList,
     remote_idx: impl DescIndices,
 ) -> Result<Vec<RdmaOp>, DescError> {
+    check_pairs(local, &local_idx, remote, &remote_idx)?;
+    Ok((0..local_idx.count())
+        .map(|k| op_at(kind, local, local_idx.at(k), remote, remote_idx.at(k)))
+        .collect())
+}
+
+/// Checks a request's pairs as [`ops_between`] does, without making its
+/// ops: both index sequences as long, every index in its list, the two
+/// descriptors of every pair as long. The error names the position.
+pub fn check_pairs(
+    local: &LocalDescList,
+    local_idx: &impl DescIndices,
+    remote: &RemoteDescList,
+    remote_idx: &impl DescIndices,
+) -> Result<(), DescError> {
     let count = local_idx.count();
     if remote_idx.count() != count {
         return Err(DescError::CountMismatch {
@@ -415,38 +484,52 @@ pub fn ops_between(
             remote: remote_idx.count(),
         });
     }
-    let lookup = |position: usize, index: u64, len: usize| {
+    let lookup = |position: usize, index: u64, descs: &Descs| {
         usize::try_from(index)
             .ok()
-            .filter(|&i| i < len)
+            .and_then(|i| descs.get(i))
             .ok_or(DescError::IndexOutOfRange {
                 position,
                 index,
-                len,
+                len: descs.len(),
             })
     };
-    let mut ops = Vec::with_capacity(count);
     for position in 0..count {
-        let l = lookup(position, local_idx.at(position), local.descs.len())?;
-        let r = lookup(position, remote_idx.at(position), remote.descs.len())?;
-        let (Some(local), Some(remote)) = (local.slice(l), remote.slice(r)) else {
-            unreachable!("indices and descriptors checked");
-        };
-        if local.len() != remote.len() {
+        let l = lookup(position, local_idx.at(position), &local.descs)?;
+        let r = lookup(position, remote_idx.at(position), &remote.descs)?;
+        if l.len != r.len {
             return Err(DescError::Descriptor {
                 index: position,
                 error: OpError::LengthMismatch {
-                    local: local.len(),
-                    remote: remote.len(),
+                    local: l.len,
+                    remote: r.len,
                 },
             });
         }
-        ops.push(match kind {
-            OpKind::Read => RdmaOp::read(local, remote),
-            OpKind::Write => RdmaOp::write(local, remote),
-        });
     }
-    Ok(ops)
+    Ok(())
+}
+
+/// The op between local descriptor `l` and remote descriptor `r`, a pair
+/// [`check_pairs`] accepted.
+///
+/// # Panics
+///
+/// If either index is out of its list's range.
+pub fn op_at(
+    kind: OpKind,
+    local: &LocalDescList,
+    l: u64,
+    remote: &RemoteDescList,
+    r: u64,
+) -> RdmaOp {
+    let (Some(local), Some(remote)) = (local.slice(l as usize), remote.slice(r as usize)) else {
+        panic!("op_at: descriptor {l} or {r} out of range (check_pairs first)");
+    };
+    match kind {
+        OpKind::Read => RdmaOp::read(local, remote),
+        OpKind::Write => RdmaOp::write(local, remote),
+    }
 }
 
 #[cfg(test)]

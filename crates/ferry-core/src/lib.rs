@@ -31,7 +31,10 @@ mod region;
 mod release;
 
 pub use backend::{RdmaBackend, RdmaTransportLevel};
-pub use descs::{Desc, DescError, DescIndices, Descs, LocalDescList, RemoteDescList, ops_between};
+pub use descs::{
+    Desc, DescError, DescIndices, Descs, Indices, LocalDescList, RemoteDescList, check_pairs,
+    op_at, ops_between,
+};
 pub use error::{OpError, RegisterError, SubmitError};
 pub use handle::{Access, IbvRemote, MemRemote, RemoteBuffer, RemoteTransports, TcpRemote};
 pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128, tokens_equal};

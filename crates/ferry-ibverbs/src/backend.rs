@@ -9,8 +9,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use ferry_control::{Endpoint, EndpointError, NotificationSink, Request, Service, ServiceError};
 use ferry_core::{
-    DataPathNotification, Generation, IbvRemote, RdmaBackend, RdmaOp, RdmaTransportLevel, RegionId,
-    RegisterError, RegisterRegion, Submit, SubmitError, TransportInfo, TransportLevel,
+    DataPathNotification, Generation, IbvRemote, NodeAddr, OpError, RdmaBackend, RdmaOp,
+    RdmaTransportLevel, RegionId, RegisterError, RegisterRegion, Submit, SubmitError,
+    TransportInfo, TransportLevel,
 };
 use kameo::Actor;
 use kameo::actor::{ActorRef, Spawn};
@@ -271,6 +272,19 @@ impl IbvBackend {
             shared,
             device: name,
         })
+    }
+
+    /// Connects this node's queue pair to `peer` (the exchange over the
+    /// control session and the moves to RTS) within `timeout`, as its
+    /// first transfer there would: the first transfer then pays none of it.
+    pub async fn connect(&self, peer: NodeAddr, timeout: Duration) -> Result<(), OpError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let shared = &self.shared;
+        shared
+            .peers
+            .get(&shared.device, &shared.endpoint, peer, deadline)
+            .await
+            .map(drop)
     }
 
     /// Runs `ops` as [`RdmaBackend::submit`] does and, if they all go to

@@ -247,6 +247,67 @@ impl MemoryBackend {
         }
     }
 
+    /// Sets up what ops to `owner` need before the first one, by `deadline`:
+    /// the link (its socket) and the notification lane from node `from`.
+    /// False when `owner` is not reachable this way (another host, or the
+    /// memory transport off there).
+    pub async fn connect(
+        &self,
+        owner: NodeAddr,
+        from: NodeAddr,
+        deadline: tokio::time::Instant,
+    ) -> bool {
+        let Some(link) = self.0.links.get(owner) else {
+            return false;
+        };
+        link.lane(from, deadline).await;
+        true
+    }
+
+    /// Maps (or is granted) `remote`'s region ahead of the first op, as
+    /// that op would: the owner checks the handle's generation, token and
+    /// access (`write`: for writes) now, and the ops find the mapping
+    /// cached. `Ok` also when this transport does not carry ops on
+    /// `remote` (nothing to prepare).
+    pub async fn prepare(&self, remote: &RemoteBuffer, write: bool) -> Result<(), OpError> {
+        if !self.routes(remote) {
+            return Ok(());
+        }
+        let Some(link) = self.0.links.get(remote.owner()) else {
+            return Ok(());
+        };
+        remote.check_address_range()?;
+        link.mapping_for(remote, write).await.map(drop)
+    }
+
+    /// Forgets the owners of `remotes` that closed their sockets; see
+    /// [`forget_dead_owners`](Self::forget_dead_owners).
+    pub fn forget_dead_owners_of<'a>(
+        &self,
+        remotes: impl IntoIterator<Item = &'a RemoteBuffer>,
+    ) -> bool {
+        let mut seen: Vec<NodeId> = Vec::new();
+        let mut forgot = false;
+        for remote in remotes {
+            let owner = remote.owner().id;
+            if seen.contains(&owner) {
+                continue;
+            }
+            seen.push(owner);
+            if self
+                .0
+                .links
+                .known(owner)
+                .is_some_and(|link| !link.is_alive())
+            {
+                tracing::debug!(owner = %remote.owner().endpoint, "memory transport: the owner closed its socket");
+                self.0.links.drop_link(owner);
+                forgot = true;
+            }
+        }
+        forgot
+    }
+
     /// Same-host owners this node keeps a link to (or remembers as
     /// unreachable). An owner's entry goes within a second (the sweep)
     /// after its socket closed, and an unreachable verdict after a few
@@ -335,26 +396,7 @@ impl MemoryBackend {
     /// what is at the address now, instead of failing here with
     /// `ConnectionLost`. One non-blocking peek per linked owner.
     pub fn forget_dead_owners<'a>(&self, ops: impl IntoIterator<Item = &'a RdmaOp>) -> bool {
-        let mut seen: Vec<NodeId> = Vec::new();
-        let mut forgot = false;
-        for op in ops {
-            let owner = op.remote.owner().id;
-            if seen.contains(&owner) {
-                continue;
-            }
-            seen.push(owner);
-            if self
-                .0
-                .links
-                .known(owner)
-                .is_some_and(|link| !link.is_alive())
-            {
-                tracing::debug!(owner = %op.remote.owner().endpoint, "memory transport: the owner closed its socket");
-                self.0.links.drop_link(owner);
-                forgot = true;
-            }
-        }
-        forgot
+        self.forget_dead_owners_of(ops.into_iter().map(|op| &op.remote))
     }
 
     /// Runs a batch whose ops all [`routes`](Self::routes) accepted: the

@@ -22,7 +22,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_core::{
-    Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaOp, RegionId, tokens_equal,
+    Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaOp, RegionId, RemoteBuffer,
+    tokens_equal,
 };
 
 use crate::DataPathNotification;
@@ -335,8 +336,13 @@ impl Link {
 
     /// The mapping or grant `op` needs: cached, or asked of the owner.
     pub async fn mapping(&self, op: &RdmaOp) -> Result<Target, OpError> {
-        let remote = &op.remote;
-        let write = op.kind == OpKind::Write;
+        self.mapping_for(&op.remote, op.kind == OpKind::Write).await
+    }
+
+    /// The mapping or grant ops on `remote` need (writes when `write`):
+    /// cached, or asked of the owner, which checks the handle's generation,
+    /// token and access as it would for an op.
+    pub async fn mapping_for(&self, remote: &RemoteBuffer, write: bool) -> Result<Target, OpError> {
         let token = remote.transports().memory.map_or(0, |m| m.token);
         let cached = || {
             let mapped = self.mapped.lock().unwrap_or_else(|e| e.into_inner());

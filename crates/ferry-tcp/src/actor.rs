@@ -9,8 +9,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use ferry_control::{Channel, Endpoint, EndpointError, Messages};
 use ferry_core::{
-    Answer, Generation, NodeAddr, RdmaBackend, RdmaOp, RdmaTransportLevel, RegionId, RegisterError,
-    SubmitError, TcpRemote, random_u128,
+    Answer, Generation, NodeAddr, OpError, RdmaBackend, RdmaOp, RdmaTransportLevel, RegionId,
+    RegisterError, SubmitError, TcpRemote, random_u128,
 };
 use ferry_core::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 use kameo::Actor;
@@ -324,6 +324,14 @@ impl TcpBackend {
     /// a task per submit waiting for each transfer.
     pub async fn submit_with_answer(&self, ops: Vec<RdmaOp>, timeout: Duration, answer: Answer) {
         self.shared.peers.start(ops, timeout, answer).await
+    }
+
+    /// Opens the data connections to `peer` this node would otherwise open
+    /// at its first transfer there (the pool's size), within `timeout`: the
+    /// number open after, or why none is.
+    pub async fn connect(&self, peer: NodeAddr, timeout: Duration) -> Result<usize, OpError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        self.shared.peers.connect(peer, deadline).await
     }
 
     /// Runs a batch and hands `notification` to the owner of its remote

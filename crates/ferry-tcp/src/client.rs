@@ -161,6 +161,40 @@ impl Peers {
         PeerRef(Some(peer))
     }
 
+    /// Opens every data connection of `addr`'s pool that is not open yet,
+    /// one after another, by `deadline`: the first transfer then finds its
+    /// connections up. The number open after; `Err` only when none is.
+    pub async fn connect(&self, addr: NodeAddr, deadline: Instant) -> Result<usize, OpError> {
+        let peer = self.peer(addr);
+        let mut failed = None;
+        for slot in &peer.slots {
+            let opening = async {
+                let mut guard = slot.lock().await;
+                if guard.as_ref().is_some_and(|c| !c.closed.is_cancelled()) {
+                    return Ok(());
+                }
+                let release = (peer.table.clone(), peer.addr);
+                *guard = Some(connect(peer.addr, self.config, release).await?);
+                Ok(())
+            };
+            match tokio::time::timeout_at(deadline, opening).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => failed = Some(e),
+                Err(_) => {
+                    failed = Some(OpError::PeerUnreachable {
+                        endpoint: addr.endpoint,
+                        reason: "its data connections did not open in time".into(),
+                    });
+                    break;
+                }
+            }
+        }
+        match (peer.live_connections(), failed) {
+            (0, Some(e)) => Err(e),
+            (open, _) => Ok(open),
+        }
+    }
+
     /// Runs one batch to completion or deadline.
     pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         let (tx, rx) = oneshot::channel();

@@ -1,0 +1,544 @@
+//! Transfer requests: how KV-cache connectors drive transfers. A request
+//! is made once from two prepared lists and two index sequences, then
+//! posted (again and again), polled with [`Xfer::status`] once per
+//! scheduler step, awaited, or cancelled.
+//!
+//! The node drives a posted request, not the caller's polling: a task of
+//! the node's runtime posts it in slices of at most [`SLICE_OPS`] ops and
+//! [`SLICE_BYTES`] bytes, [`SLICES_IN_FLIGHT`] at a time (the request's
+//! *window*), each through the same routing as [`Node::submit`], and sends
+//! the notification behind the last slice once every other one is done:
+//! the owner sees it only when every byte is in place, without waiting
+//! for the initiator to poll (as NIXL's requests do). The ops are built
+//! slice by slice from the lists, so a request of 100,000 descriptors
+//! holds its index arrays, not 100,000 handles.
+//!
+//! Cancelling (or dropping the request) stops posting: what is in flight
+//! (at most one window) finishes, and its memory stays held until then,
+//! as for a timeout; nothing else moves.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_core::{
+    DescError, DescIndices, Indices, LocalDescList, OpKind, RdmaOp, RdmaTransportLevel,
+    SubmitError, check_pairs, op_at,
+};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesOrdered;
+use kameo::message::{Context, Message};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::IntoBody;
+use crate::actor::NodeActor;
+use crate::estimate::Estimate;
+use crate::messages::{NotifyError, submit_with_notification};
+use crate::node::{Node, Router};
+use crate::prepare::{PreparedRemote, route_regions};
+
+/// The most ops in one slice of a request.
+pub const SLICE_OPS: usize = 1024;
+/// The most bytes in one slice of a request (a slice holds at least one op,
+/// however long).
+pub const SLICE_BYTES: u64 = 4 << 20;
+/// Slices of one request in flight at once: its window. A cancelled
+/// request moves at most this many slices more.
+pub const SLICES_IN_FLIGHT: usize = 2;
+
+/// Where a request stands ([`Xfer::status`]). A post moves it from
+/// [`Ready`](Self::Ready), [`Done`](Self::Done) or
+/// [`Failed`](Self::Failed) to [`InProgress`](Self::InProgress), and the
+/// node moves it on to `Done` or `Failed`, never back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum XferStatus {
+    /// Made, never posted.
+    Ready,
+    /// Posted; the node is moving it.
+    InProgress,
+    /// Every op completed, and the notification (if any) was delivered.
+    Done,
+    /// It failed, timed out or was cancelled; nothing of it is in flight
+    /// any more.
+    Failed(XferError),
+}
+
+/// Why a request failed. Positions are in the request's index arrays.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum XferError {
+    /// The transfer failed: an op (its `index` is the position in the
+    /// index arrays), the deadline (unfinished ops counted over the whole
+    /// request), or the node.
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    /// Every op completed but the notification was not delivered.
+    #[error(transparent)]
+    Notify(NotifyError),
+    /// [`Xfer::cancel`] (or a drop) stopped it after `completed` of
+    /// `total` ops.
+    #[error("cancelled after {completed} of {total} ops")]
+    Cancelled {
+        /// Ops that completed.
+        completed: usize,
+        /// Ops in the request.
+        total: usize,
+    },
+    /// Awaited without ever being posted.
+    #[error("the request was never posted")]
+    NotPosted,
+}
+
+/// Why a post was refused; the request is unchanged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PostError {
+    /// It is in progress: post it again once it is done or failed.
+    #[error("the request is in progress")]
+    InProgress,
+}
+
+/// What a request moves, shared by the request and the task driving it.
+#[derive(Clone)]
+struct Job {
+    router: Arc<Router>,
+    kind: OpKind,
+    local: LocalDescList,
+    local_idx: Indices,
+    remote: PreparedRemote,
+    remote_idx: Indices,
+    notification: Option<Bytes>,
+    count: usize,
+    bytes: u64,
+}
+
+/// Shared by the request and its driver.
+struct State {
+    status: watch::Sender<XferStatus>,
+    /// The current post's cancellation.
+    cancel: Mutex<CancellationToken>,
+    /// Ops of the current post that completed.
+    completed: AtomicUsize,
+}
+
+/// A transfer request ([`Node::make_xfer`]): see the module docs. Dropping
+/// it cancels it.
+pub struct Xfer {
+    job: Arc<Job>,
+    state: Arc<State>,
+}
+
+impl std::fmt::Debug for Xfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Xfer")
+            .field("kind", &self.job.kind)
+            .field("ops", &self.job.count)
+            .field("bytes", &self.job.bytes)
+            .field("status", &self.status())
+            .finish()
+    }
+}
+
+impl Node {
+    /// A request of `kind` between local descriptor `local_idx[k]` and
+    /// remote descriptor `remote_idx[k]` for every position `k`: index
+    /// slices (repeats allowed) or ranges. Every index and every pair's
+    /// lengths are checked now: an error names the position, and nothing
+    /// moves. Posted with [`Xfer::post`].
+    pub fn make_xfer(
+        &self,
+        kind: OpKind,
+        local: &LocalDescList,
+        local_idx: impl DescIndices,
+        remote: &PreparedRemote,
+        remote_idx: impl DescIndices,
+    ) -> Result<Xfer, DescError> {
+        make_xfer(
+            &self.0.router,
+            kind,
+            local,
+            local_idx.to_indices(),
+            remote,
+            remote_idx.to_indices(),
+        )
+    }
+
+    /// What `xfer` is expected to take, from the requests to its peer over
+    /// its transport that completed, or the configured defaults before any
+    /// did ([`crate::EstimateMethod`]).
+    pub fn estimate(&self, xfer: &Xfer) -> Estimate {
+        let job = &xfer.job;
+        let (peer, level) = job.path();
+        self.0
+            .router
+            .estimates
+            .estimate(peer, level, job.count, job.bytes)
+    }
+}
+
+fn make_xfer(
+    router: &Arc<Router>,
+    kind: OpKind,
+    local: &LocalDescList,
+    local_idx: Indices,
+    remote: &PreparedRemote,
+    remote_idx: Indices,
+) -> Result<Xfer, DescError> {
+    check_pairs(local, &local_idx, remote.list(), &remote_idx)?;
+    let descs = local.descs();
+    let bytes = (0..local_idx.count())
+        .map(|k| descs.get(local_idx.at(k) as usize).map_or(0, |d| d.len))
+        .sum();
+    let (status, _) = watch::channel(XferStatus::Ready);
+    Ok(Xfer {
+        job: Arc::new(Job {
+            router: router.clone(),
+            kind,
+            local: local.clone(),
+            count: local_idx.count(),
+            local_idx,
+            remote: remote.clone(),
+            remote_idx,
+            notification: None,
+            bytes,
+        }),
+        state: Arc::new(State {
+            status,
+            cancel: Mutex::new(CancellationToken::new()),
+            completed: AtomicUsize::new(0),
+        }),
+    })
+}
+
+impl Xfer {
+    /// Sends `notification` to the owner (every owner) of the remote list
+    /// once each post has moved every byte, behind the data where the
+    /// transport allows (see [`Node::submit_with_notification`]). Applies
+    /// from the next post on.
+    pub fn with_notification(mut self, notification: impl IntoBody) -> Self {
+        Arc::make_mut(&mut self.job).notification = Some(notification.into_body());
+        self
+    }
+
+    /// Ops in the request.
+    pub fn len(&self) -> usize {
+        self.job.count
+    }
+
+    /// Whether it has no ops.
+    pub fn is_empty(&self) -> bool {
+        self.job.count == 0
+    }
+
+    /// Bytes it moves.
+    pub fn bytes(&self) -> u64 {
+        self.job.bytes
+    }
+
+    /// Posts it, to be done within `timeout`: the node moves it from here
+    /// on (a task of the node's runtime; this returns at once, also outside
+    /// the runtime), and the status says when it is done. A request that is
+    /// done or failed may be posted again, and moves its bytes again.
+    pub fn post(&self, timeout: Duration) -> Result<(), PostError> {
+        let mut refused = false;
+        self.state.status.send_if_modified(|status| {
+            refused = *status == XferStatus::InProgress;
+            if !refused {
+                *status = XferStatus::InProgress;
+            }
+            !refused
+        });
+        if refused {
+            return Err(PostError::InProgress);
+        }
+        let cancel = CancellationToken::new();
+        *self.state.cancel.lock().unwrap_or_else(|e| e.into_inner()) = cancel.clone();
+        self.state.completed.store(0, Ordering::Relaxed);
+        let (job, state) = (self.job.clone(), self.state.clone());
+        self.job
+            .router
+            .runtime
+            .spawn(drive(job, state, cancel, timeout));
+        Ok(())
+    }
+
+    /// Where it stands now; never blocks.
+    pub fn status(&self) -> XferStatus {
+        self.state.status.borrow().clone()
+    }
+
+    /// Ops of the current (or last) post that completed so far.
+    pub fn completed(&self) -> usize {
+        self.state.completed.load(Ordering::Relaxed)
+    }
+
+    /// Waits until it is done or failed. Bounded by the post's timeout:
+    /// nothing stays in progress past it.
+    pub async fn wait(&self) -> Result<(), XferError> {
+        let mut status = self.state.status.subscribe();
+        let settled = status
+            .wait_for(|s| *s != XferStatus::InProgress)
+            .await
+            .map(|s| s.clone());
+        match settled {
+            Ok(XferStatus::Done) => Ok(()),
+            Ok(XferStatus::Failed(e)) => Err(e),
+            Ok(XferStatus::Ready) => Err(XferError::NotPosted),
+            // The sender lives in `self.state`: it cannot have gone.
+            Ok(XferStatus::InProgress) | Err(_) => unreachable!("waited for a settled status"),
+        }
+    }
+
+    /// Stops the current post: nothing more is put on the wire; what is in
+    /// flight (at most one window) finishes, then the status is
+    /// [`XferError::Cancelled`] (or `Done`, if it was the last of it).
+    pub fn cancel(&self) {
+        self.state
+            .cancel
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .cancel();
+    }
+}
+
+impl Drop for Xfer {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+impl Job {
+    /// The peer and transport its estimate is for: its first region's.
+    fn path(&self) -> (ferry_core::NodeAddr, RdmaTransportLevel) {
+        let regions = self.remote.list().regions();
+        let level = self
+            .remote
+            .levels()
+            .first()
+            .copied()
+            .unwrap_or(RdmaTransportLevel::Tcp);
+        let peer = regions
+            .first()
+            .map_or(self.router.addr(), |region| region.owner());
+        (peer, level)
+    }
+
+    /// Whether every op goes to one peer over one transport: only such
+    /// requests teach the estimates.
+    fn single_path(&self, levels: &[RdmaTransportLevel]) -> bool {
+        self.remote.owners().len() == 1 && levels.windows(2).all(|w| w[0] == w[1])
+    }
+
+    /// The end of the slice starting at `start`.
+    fn slice_end(&self, start: usize) -> usize {
+        let descs = self.local.descs();
+        let mut bytes = 0;
+        let mut end = start;
+        while end < self.count && end - start < SLICE_OPS {
+            let len = descs
+                .get(self.local_idx.at(end) as usize)
+                .map_or(0, |d| d.len);
+            if end > start && bytes + len > SLICE_BYTES {
+                break;
+            }
+            bytes += len;
+            end += 1;
+        }
+        end
+    }
+
+    /// The ops at positions `start..end`, and each one's transport.
+    fn slice(
+        &self,
+        start: usize,
+        end: usize,
+        levels: &[RdmaTransportLevel],
+    ) -> (Vec<RdmaOp>, Vec<RdmaTransportLevel>) {
+        let remote = self.remote.list();
+        (start..end)
+            .map(|k| {
+                let r = self.remote_idx.at(k);
+                let region = remote.descs().get(r as usize).map_or(0, |d| d.region);
+                let op = op_at(self.kind, &self.local, self.local_idx.at(k), remote, r);
+                (op, levels[region as usize])
+            })
+            .unzip()
+    }
+
+    /// Each region's transport for this post, routed once per post and
+    /// region (not per op): as prepared, unless a same-host owner closed
+    /// its socket since (stopped, or restarted under a new id), whose
+    /// regions then take the next transport, whose answer says what is at
+    /// the address now. Errors name the first position whose region has
+    /// no transport left.
+    fn levels_now(&self) -> Result<Vec<RdmaTransportLevel>, SubmitError> {
+        let regions = self.remote.list().regions();
+        if let Some(memory) = &self.router.memory {
+            memory.forget_dead_owners_of(regions);
+        }
+        route_regions(&self.router, regions).map_err(|e| {
+            let DescError::Region { region, error } = e else {
+                unreachable!("routing names regions")
+            };
+            let descs = self.remote.list().descs();
+            let index = (0..self.count)
+                .find(|&k| {
+                    descs
+                        .get(self.remote_idx.at(k) as usize)
+                        .is_some_and(|d| d.region as usize == region)
+                })
+                .unwrap_or(0);
+            SubmitError::Op { index, error }
+        })
+    }
+}
+
+/// Runs one post and settles its status.
+async fn drive(job: Arc<Job>, state: Arc<State>, cancel: CancellationToken, timeout: Duration) {
+    let started = Instant::now();
+    let result = run(&job, &state, &cancel, started + timeout, timeout).await;
+    if let Ok(levels) = &result
+        && job.single_path(levels)
+    {
+        let (peer, level) = job.path();
+        let took = started.elapsed();
+        (job.router.estimates).record(peer, level, job.count, job.bytes, took);
+    }
+    state.status.send_replace(match result {
+        Ok(_) => XferStatus::Done,
+        Err(e) => XferStatus::Failed(e),
+    });
+}
+
+/// Posts the slices, a window at a time; returns the transports taken.
+async fn run(
+    job: &Job,
+    state: &State,
+    cancel: &CancellationToken,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Vec<RdmaTransportLevel>, XferError> {
+    let router = &job.router;
+    if router.is_shut_down() {
+        return Err(SubmitError::ShutDown.into());
+    }
+    let levels = job.levels_now()?;
+    let total = job.count;
+    let mut next = 0;
+    let mut in_flight = FuturesOrdered::new();
+    let mut failure: Option<XferError> = None;
+    let mut timed_out = false;
+    loop {
+        while failure.is_none()
+            && !timed_out
+            && in_flight.len() < SLICES_IN_FLIGHT
+            && next < total
+            && !cancel.is_cancelled()
+        {
+            let end = job.slice_end(next);
+            let notification = job.notification.clone().filter(|_| end == total);
+            // The notification goes once every other slice is done.
+            if notification.is_some() && !in_flight.is_empty() {
+                break;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                timed_out = true;
+                break;
+            }
+            let (ops, op_levels) = job.slice(next, end, &levels);
+            let start = next;
+            in_flight.push_back(async move {
+                let result = match notification {
+                    None => router
+                        .submit_routed(ops, op_levels, left)
+                        .await
+                        .map_err(XferError::Submit),
+                    Some(body) => submit_with_notification(router, ops, left, body)
+                        .await
+                        .map_err(|e| match e {
+                            NotifyError::Submit(e) => XferError::Submit(e),
+                            e => XferError::Notify(e),
+                        }),
+                };
+                (start, end, result)
+            });
+            next = end;
+        }
+        let Some((start, end, result)) = in_flight.next().await else {
+            break;
+        };
+        match result {
+            Ok(()) => {
+                state.completed.fetch_add(end - start, Ordering::Relaxed);
+            }
+            Err(XferError::Submit(SubmitError::Timeout { .. })) => timed_out = true,
+            Err(XferError::Submit(SubmitError::Op { index, error })) => {
+                let index = start + index;
+                // The lowest failing position, as for a submit.
+                match &failure {
+                    Some(XferError::Submit(SubmitError::Op { index: lower, .. }))
+                        if *lower < index => {}
+                    _ => failure = Some(SubmitError::Op { index, error }.into()),
+                }
+            }
+            Err(e) => {
+                failure.get_or_insert(e);
+            }
+        }
+    }
+    let completed = state.completed.load(Ordering::Relaxed);
+    if let Some(failure) = failure {
+        return Err(failure);
+    }
+    if timed_out {
+        return Err(SubmitError::Timeout {
+            timeout,
+            unfinished: total - completed,
+            total,
+        }
+        .into());
+    }
+    if completed < total {
+        return Err(XferError::Cancelled { completed, total });
+    }
+    Ok(levels)
+}
+
+/// Asks a [`NodeActor`] for a request ([`Node::make_xfer`]); the worker
+/// posts and polls the [`Xfer`] it gets itself.
+#[derive(Clone, Debug)]
+pub struct MakeXfer {
+    /// Read or write.
+    pub kind: OpKind,
+    /// The local list.
+    pub local: LocalDescList,
+    /// Its descriptors to use, in order.
+    pub local_idx: Indices,
+    /// The remote list, prepared.
+    pub remote: PreparedRemote,
+    /// Its descriptors to use, in order.
+    pub remote_idx: Indices,
+    /// Sent to the remote owner once each post is done.
+    pub notification: Option<Bytes>,
+}
+
+impl Message<MakeXfer> for NodeActor {
+    type Reply = Result<Xfer, DescError>;
+
+    async fn handle(&mut self, msg: MakeXfer, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let xfer = make_xfer(
+            &self.router,
+            msg.kind,
+            &msg.local,
+            msg.local_idx,
+            &msg.remote,
+            msg.remote_idx,
+        )?;
+        Ok(match msg.notification {
+            Some(body) => xfer.with_notification(body),
+            None => xfer,
+        })
+    }
+}

@@ -1,0 +1,267 @@
+//! Transfer requests' life, checked the same way over each transport:
+//! status moves forward only, a re-post moves the bytes again, bad input is
+//! refused before anything moves, a cancelled request moves at most one
+//! window more, a dropped one holds its memory until its last byte landed,
+//! and a peer restarted between prepare and post is refused typed.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use ferry::prelude::*;
+use ferry::{
+    DescError, Descs, LocalDescList, MemoryBlock, PostError, RemoteDescList, SLICE_OPS,
+    SLICES_IN_FLIGHT, XferError, XferStatus,
+};
+
+use crate::common::{PeerProcess, digest, pattern};
+
+const BLOCK: u64 = 4096;
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A local list of `blocks` blocks over a region filled with
+/// `pattern(.., seed)`, and the region.
+async fn local_blocks(node: &Node, blocks: u32, seed: u8) -> (Region, LocalDescList, Vec<u8>) {
+    let len = BLOCK * u64::from(blocks);
+    let region = node.alloc(len, Access::ReadWrite).await.unwrap();
+    let data = pattern(len as usize, seed);
+    region.write_at(0, &data).unwrap();
+    let list = LocalDescList::new(
+        vec![region.clone()],
+        Descs::strided(0, 0, BLOCK, BLOCK, blocks),
+    )
+    .unwrap();
+    (region, list, data)
+}
+
+/// Status moves Ready → InProgress → Done and never back, a post while in
+/// progress is refused, a re-post moves new bytes, and bad descriptors and
+/// indices are refused with their positions while nothing moves.
+pub async fn a_request_lives_posts_again_and_refuses_bad_input(
+    node: &Node,
+    peer: &mut PeerProcess,
+    route: RdmaTransportLevel,
+) {
+    let blocks = 4096;
+    let target = peer
+        .alloc((BLOCK * blocks) as usize, Access::ReadWrite, 1)
+        .await;
+    let (local, locals, data) = local_blocks(node, blocks as u32, 2).await;
+    let remotes = RemoteDescList::new(
+        vec![target.handle.clone()],
+        Descs::strided(0, 0, BLOCK, BLOCK, blocks as u32),
+    )
+    .unwrap();
+    let prepared = node.prepare_remote(remotes, DEADLINE).await.unwrap();
+    assert_eq!(prepared.levels(), [route]);
+
+    // Bad input: nothing moves.
+    let mut bad = Descs::new();
+    bad.push(0, 0, BLOCK);
+    bad.push(0, BLOCK * blocks - 1, 2);
+    assert_eq!(
+        LocalDescList::new(vec![local.clone()], bad).unwrap_err(),
+        DescError::Descriptor {
+            index: 1,
+            error: OpError::OutOfBounds {
+                offset: BLOCK * blocks - 1,
+                len: 2,
+                bound: BLOCK * blocks
+            }
+        }
+    );
+    let out_of_range = [0u32, 1, blocks as u32];
+    assert_eq!(
+        node.make_xfer(OpKind::Write, &locals, 0..3, &prepared, &out_of_range[..])
+            .unwrap_err(),
+        DescError::IndexOutOfRange {
+            position: 2,
+            index: blocks,
+            len: blocks as usize
+        }
+    );
+    assert_eq!(peer.digest(&target).await, digest(&target.original()));
+
+    let xfer = node
+        .make_xfer(
+            OpKind::Write,
+            &locals,
+            0..blocks as usize,
+            &prepared,
+            0..blocks as usize,
+        )
+        .unwrap();
+    assert_eq!(xfer.status(), XferStatus::Ready);
+    assert_eq!(xfer.wait().await, Err(XferError::NotPosted));
+    let estimate = node.estimate(&xfer);
+    assert_eq!(estimate.method, ferry::EstimateMethod::Configured);
+    xfer.post(DEADLINE).unwrap();
+    assert_eq!(xfer.post(DEADLINE), Err(PostError::InProgress));
+    // Polled as a scheduler would: in progress, then done, never back.
+    let mut seen = vec![xfer.status()];
+    while *seen.last().unwrap() == XferStatus::InProgress {
+        tokio::time::sleep(Duration::from_micros(200)).await;
+        let now = xfer.status();
+        if now != *seen.last().unwrap() {
+            seen.push(now);
+        }
+    }
+    assert_eq!(seen, [XferStatus::InProgress, XferStatus::Done]);
+    assert_eq!(xfer.status(), XferStatus::Done, "stays done");
+    assert_eq!(xfer.completed(), blocks as usize);
+    assert_eq!(peer.digest(&target).await, digest(&data));
+
+    // A re-post moves the bytes again: new ones.
+    let again = pattern(data.len(), 3);
+    local.write_at(0, &again).unwrap();
+    xfer.post(DEADLINE).unwrap();
+    xfer.wait().await.unwrap();
+    assert_eq!(peer.digest(&target).await, digest(&again));
+    // Completed requests taught the estimate.
+    for _ in 0..3 {
+        xfer.post(DEADLINE).unwrap();
+        xfer.wait().await.unwrap();
+    }
+    let estimate = node.estimate(&xfer);
+    assert_eq!(
+        estimate.method,
+        ferry::EstimateMethod::Measured { samples: 5 }
+    );
+    assert!(
+        !estimate.duration.is_zero() && estimate.transport == route,
+        "{estimate:?}"
+    );
+    peer.drop_region(&target).await;
+}
+
+/// A request cancelled right after its post moves no more than one window
+/// (counted in the owner's memory: the blocks that hold the new bytes),
+/// and exactly the ops it reports completed; one dropped right after its
+/// post keeps its memory (`from_raw` here) until its last byte landed.
+pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mut PeerProcess) {
+    let blocks = 32 * 1024u32;
+    let len = BLOCK as usize * blocks as usize;
+    let target = peer.alloc(len, Access::ReadWrite, 4).await;
+    let (_, locals, data) = local_blocks(node, blocks, 5).await;
+    let remotes = RemoteDescList::new(
+        vec![target.handle.clone()],
+        Descs::strided(0, 0, BLOCK, BLOCK, blocks),
+    )
+    .unwrap();
+    let prepared = node.prepare_remote(remotes, DEADLINE).await.unwrap();
+    let xfer = node
+        .make_xfer(
+            OpKind::Write,
+            &locals,
+            0..blocks as usize,
+            &prepared,
+            0..blocks as usize,
+        )
+        .unwrap();
+    xfer.post(DEADLINE).unwrap();
+    xfer.cancel();
+    let at_cancel = xfer.completed();
+    let Err(XferError::Cancelled { completed, total }) = xfer.wait().await else {
+        panic!("expected a cancelled request, got {:?}", xfer.status());
+    };
+    assert_eq!(total, blocks as usize);
+    let window = SLICES_IN_FLIGHT * SLICE_OPS;
+    assert!(
+        completed <= at_cancel + window,
+        "{completed} ops completed, {at_cancel} at cancel"
+    );
+    // The owner's memory: every block is either new (moved) or as it was.
+    let back = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    let read = RdmaOp::read(back.whole(), target.handle.clone());
+    node.submit(vec![read], DEADLINE).await.unwrap();
+    let (owner, original) = (back.to_vec(), target.original());
+    let moved = (0..blocks as usize)
+        .filter(|&i| {
+            let now = block(&owner, i);
+            assert!(
+                now == block(&data, i) || now == block(&original, i),
+                "block {i}"
+            );
+            now == block(&data, i)
+        })
+        .count();
+    assert_eq!(moved, completed, "blocks moved against ops reported");
+
+    // Dropped in flight: the memory is held until the transfer let go.
+    let released = Arc::new(AtomicBool::new(false));
+    let mut buffer = vec![0u8; len].into_boxed_slice();
+    let ptr = std::ptr::NonNull::new(buffer.as_mut_ptr()).unwrap();
+    /// Frees its buffer when dropped, after raising its flag.
+    struct Flag(Arc<AtomicBool>, #[allow(dead_code)] Box<[u8]>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+    // SAFETY: the buffer lives in the keep-alive, freed only once ferry
+    // drops it.
+    let memory =
+        unsafe { MemoryBlock::from_raw(ptr, len as u64, Box::new(Flag(released.clone(), buffer))) }
+            .unwrap();
+    let raw = node.register(memory, Access::ReadWrite).await.unwrap();
+    let raw_list = LocalDescList::new(
+        vec![raw.clone()],
+        Descs::strided(0, 0, BLOCK, BLOCK, blocks),
+    )
+    .unwrap();
+    let reading = node
+        .make_xfer(
+            OpKind::Read,
+            &raw_list,
+            0..blocks as usize,
+            &prepared,
+            0..blocks as usize,
+        )
+        .unwrap();
+    reading.post(DEADLINE).unwrap();
+    let closing = raw.closing();
+    drop((reading, raw_list));
+    closing
+        .wait(tokio::time::Instant::now() + DEADLINE)
+        .await
+        .expect("released once the request let go");
+    assert!(released.load(Ordering::Acquire));
+    peer.drop_region(&target).await;
+}
+
+fn block(bytes: &[u8], i: usize) -> &[u8] {
+    &bytes[i * BLOCK as usize..(i + 1) * BLOCK as usize]
+}
+
+/// A peer restarted (same address, new node id) between prepare and post:
+/// the post fails typed, and the new process's memory is untouched.
+pub async fn a_peer_restarted_after_prepare_is_refused_typed(node: &Node, env: &[(&str, &str)]) {
+    let mut peer = PeerProcess::spawn_with_env(env).await;
+    let len = 64 * BLOCK as usize;
+    let old = peer.alloc(len, Access::ReadWrite, 6).await;
+    let (_, locals, _) = local_blocks(node, 64, 7).await;
+    let remotes = RemoteDescList::new(
+        vec![old.handle.clone()],
+        Descs::strided(0, 0, BLOCK, BLOCK, 64),
+    )
+    .unwrap();
+    let prepared = node.prepare_remote(remotes, DEADLINE).await.unwrap();
+    let xfer = node
+        .make_xfer(OpKind::Write, &locals, 0..64, &prepared, 0..64)
+        .unwrap();
+    peer.kill().await;
+    let mut again = PeerProcess::spawn_with_env(env).await;
+    let new = again.alloc(len, Access::ReadWrite, 8).await;
+    assert_eq!(new.handle.owner().endpoint, old.handle.owner().endpoint);
+    for _ in 0..2 {
+        xfer.post(DEADLINE).unwrap();
+        match xfer.wait().await {
+            Err(XferError::Submit(SubmitError::Op {
+                error: OpError::UnknownNode { expected, .. },
+                ..
+            })) => assert_eq!(expected, old.handle.owner().id),
+            other => panic!("expected UnknownNode, got {other:?}"),
+        }
+    }
+    assert_eq!(again.digest(&new).await, digest(&new.original()));
+}
