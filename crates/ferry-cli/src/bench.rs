@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use clap::{Args, ValueEnum};
 use ferry::prelude::*;
+use ferry::{Descs, LocalDescList, PreparedRemote, RemoteDescList};
 use serde::Serialize;
 
 use crate::discovery::EtcdArgs;
@@ -109,6 +110,23 @@ pub struct BenchArgs {
     /// the region).
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Transfer requests on prepared descriptor lists instead of submits:
+    /// one list of --block descriptors over each side's region, prepared
+    /// once per block size; each unit of work makes a request of --descs
+    /// of them (`make_xfer`), posts it and waits, as KV-cache connectors do.
+    #[arg(long)]
+    pub prepared: bool,
+    /// Descriptors per request with --prepared (the same as --batch).
+    #[arg(long, requires = "prepared", conflicts_with = "batch")]
+    pub descs: Option<usize>,
+    /// With --prepared: both lists in the strided form (four numbers each),
+    /// not one entry per descriptor.
+    #[arg(long, requires = "prepared")]
+    pub strided: bool,
+    /// Connect to the target (`Node::connect`) before the first transfer,
+    /// so that the first unit of work (`first_us`) pays no set-up.
+    #[arg(long)]
+    pub connect: bool,
     /// Concurrent workers, each submitting over its own share of the region.
     #[arg(long, default_value_t = 1)]
     pub workers: usize,
@@ -187,6 +205,19 @@ pub struct Row {
     pub lat_p99_us: f64,
     /// Whether every byte was checked.
     pub verified: bool,
+    /// Transfer requests on prepared lists (`--prepared`), not submits.
+    pub prepared: bool,
+    /// The first unit of work of this block size (the first warm-up), in
+    /// microseconds: on the first row, with whatever set-up the first
+    /// transfer to the target pays (none after `--connect`).
+    pub first_us: f64,
+    /// With --prepared: the node's estimate for one request, made after
+    /// the warm-up, in microseconds, to hold against `lat_p50_us`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub est_us: Option<f64>,
+    /// How the estimate was made: "measured" or "configured".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub est_method: Option<&'static str>,
     /// Peak resident memory of this process so far (VmHWM), and the bytes it
     /// has registered: their difference is what the transfer cost in memory.
     pub peak_rss: u64,
@@ -272,12 +303,20 @@ pub(crate) struct Share {
     /// What an RPC or message run sends: --block bytes (else empty).
     pub payload: Bytes,
     block: u64,
+    /// With --prepared: each side's list of every block, prepared once.
+    pub prepared: Option<(LocalDescList, PreparedRemote)>,
 }
 
 impl Share {
     /// The target's bytes this share covers.
     pub fn range(&self) -> std::ops::Range<u64> {
         self.first..self.first + self.batch as u64 * self.block
+    }
+
+    /// The descriptors of the prepared lists this share's requests use.
+    pub fn descs(&self) -> std::ops::Range<usize> {
+        let first = (self.first / self.block) as usize;
+        first..first + self.batch
     }
 
     pub fn ops(&self, kind: Op) -> Result<Vec<RdmaOp>, Failure> {
@@ -314,17 +353,22 @@ async fn work(
     until: Until,
     start: std::sync::Arc<tokio::sync::Barrier>,
     progress: indicatif::ProgressBar,
-) -> Result<Vec<f64>, Failure> {
+) -> Result<(f64, Vec<f64>), Failure> {
     let warm = async {
-        for _ in 0..warmup {
+        let mut first = 0.0;
+        for i in 0..warmup.max(1) {
+            let t = Instant::now();
             submitter.run(&share, op).await?;
+            if i == 0 {
+                first = t.elapsed().as_secs_f64() * 1e6;
+            }
         }
-        Ok::<_, Failure>(())
+        Ok::<_, Failure>(first)
     }
     .await;
     // Every worker reaches the start, failed or not, so none waits forever.
     start.wait().await;
-    warm?;
+    let first = warm?;
     let started = Instant::now();
     let mut latencies = Vec::new();
     loop {
@@ -337,7 +381,7 @@ async fn work(
             Until::Time(limit) => started.elapsed() >= limit,
         };
         if done {
-            return Ok(latencies);
+            return Ok((first, latencies));
         }
     }
 }
@@ -356,6 +400,11 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, BenchError> {
         submitter,
     } = setup(&args).await?;
     let workers = args.workers.max(1);
+    if args.connect {
+        node.connect(remote.owner(), SUBMIT_TIMEOUT)
+            .await
+            .map_err(|e| BenchError::Setup(format!("cannot connect to the target: {e}")))?;
+    }
 
     let progress = progress_bar(&args);
     let mut rows = Vec::new();
@@ -371,7 +420,11 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, BenchError> {
         }
         // A call or a message is one unit of work.
         let batch = match transfers {
-            true => args.batch.unwrap_or(per_worker).clamp(1, per_worker),
+            true => args
+                .batch
+                .or(args.descs)
+                .unwrap_or(per_worker)
+                .clamp(1, per_worker),
             false => 1,
         };
         let seed = block as u8;
@@ -390,6 +443,14 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, BenchError> {
             Op::Rpc | Op::Message => Bytes::from(vec![seed; block as usize]),
             Op::Write | Op::Read => Bytes::new(),
         };
+        let prepared = match args.prepared && transfers {
+            true => Some(
+                prepare_lists(&node, &local, &remote, block, args.strided)
+                    .await
+                    .map_err(|Failure(e)| BenchError::Setup(e))?,
+            ),
+            false => None,
+        };
         let shares: Vec<Share> = (0..workers)
             .map(|w| Share {
                 local: local.clone(),
@@ -398,6 +459,7 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, BenchError> {
                 batch,
                 payload: payload.clone(),
                 block,
+                prepared: prepared.clone(),
             })
             .collect();
         for share in &shares {
@@ -437,10 +499,25 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, BenchError> {
             )));
         }
         let started = Instant::now();
+        // What the node expects one request to take, now that the warm-up
+        // taught it.
+        let estimate = match &shares[0].prepared {
+            Some((l, r)) => {
+                let xfer = node
+                    .make_xfer(OpKind::Write, l, shares[0].descs(), r, shares[0].descs())
+                    .map_err(|e| run_failed(e.to_string()))?;
+                Some(node.estimate(&xfer))
+            }
+            None => None,
+        };
         let mut latencies = Vec::new();
+        let mut first_us = 0.0;
         for task in tasks {
             match task.await {
-                Ok(Ok(measured)) => latencies.extend(measured),
+                Ok(Ok((first, measured))) => {
+                    first_us = f64::max(first_us, first);
+                    latencies.extend(measured)
+                }
                 Ok(Err(Failure(e))) => return Err(run_failed(e)),
                 Err(e) => return Err(run_failed(e.to_string())),
             }
@@ -479,6 +556,13 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, BenchError> {
             lat_p50_us: percentile(&latencies, 0.5),
             lat_p99_us: percentile(&latencies, 0.99),
             verified,
+            prepared: prepared.is_some(),
+            first_us,
+            est_us: estimate.map(|e| e.duration.as_secs_f64() * 1e6),
+            est_method: estimate.map(|e| match e.method {
+                ferry::EstimateMethod::Measured { .. } => "measured",
+                ferry::EstimateMethod::Configured => "configured",
+            }),
             peak_rss: peak_rss(),
             // The local region, plus the piece-sized read-back region of a
             // verified write.
@@ -493,6 +577,33 @@ pub async fn bench(args: BenchArgs) -> Result<Vec<Row>, BenchError> {
     }
     progress.finish_and_clear();
     Ok(rows)
+}
+
+/// Each side's list of every `block`-sized block of its region, the remote
+/// one prepared: strided (four numbers) or one entry per block.
+async fn prepare_lists(
+    node: &Node,
+    local: &Region,
+    remote: &RemoteBuffer,
+    block: u64,
+    strided: bool,
+) -> Result<(LocalDescList, PreparedRemote), Failure> {
+    let count = u32::try_from(remote.len() / block)
+        .map_err(|_| Failure(format!("over {} blocks of {block} B", u32::MAX)))?;
+    let descs = || match strided {
+        true => Descs::strided(0, 0, block, block, count),
+        false => {
+            let mut descs = Descs::with_capacity(count as usize);
+            for i in 0..u64::from(count) {
+                descs.push(0, i * block, block);
+            }
+            descs
+        }
+    };
+    let locals = LocalDescList::new(vec![local.clone()], descs())?;
+    let remotes = RemoteDescList::new(vec![remote.clone()], descs())?;
+    let prepared = node.prepare_remote(remotes, SUBMIT_TIMEOUT).await?;
+    Ok((locals, prepared))
 }
 
 /// A bar over all measured submits, for a person at a terminal only: never
@@ -519,7 +630,7 @@ fn progress_bar(args: &BenchArgs) -> indicatif::ProgressBar {
 /// Prints rows as a table.
 pub fn print_table(rows: &[Row]) {
     println!(
-        "{:<6} {:<9} {:<5} {:>7} {:>10} {:>6} {:>9} {:>9} {:>10} {:>10} {:>10}",
+        "{:<6} {:<9} {:<5} {:>7} {:>10} {:>6} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10}",
         "op",
         "transport",
         "via",
@@ -530,7 +641,9 @@ pub fn print_table(rows: &[Row]) {
         "Mops/s",
         "lat avg",
         "p50 us",
-        "p99 us"
+        "p99 us",
+        "first us",
+        "est us"
     );
     for r in rows {
         let via = match r.via {
@@ -538,8 +651,13 @@ pub fn print_table(rows: &[Row]) {
             Via::Actor => "actor",
             Via::Echo => "echo",
         };
+        let est = match (r.est_us, r.est_method) {
+            (Some(us), Some("configured")) => format!("{us:.1}*"),
+            (Some(us), _) => format!("{us:.1}"),
+            _ => "-".into(),
+        };
         println!(
-            "{:<6} {:<9} {:<5} {:>7} {:>10} {:>6} {:>9.3} {:>9.4} {:>10.1} {:>10.1} {:>10.1}{}",
+            "{:<6} {:<9} {:<5} {:>7} {:>10} {:>6} {:>9.3} {:>9.4} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10}{}{}",
             r.op.name(),
             r.transport,
             via,
@@ -551,6 +669,9 @@ pub fn print_table(rows: &[Row]) {
             r.lat_avg_us,
             r.lat_p50_us,
             r.lat_p99_us,
+            r.first_us,
+            est,
+            if r.prepared { "  prepared" } else { "" },
             if r.verified { "  verified" } else { "" }
         );
     }

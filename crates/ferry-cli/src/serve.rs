@@ -104,6 +104,14 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
     let builder = args.etcd.apply(builder, Some(lease_ttl))?;
     let node = builder.spawn().await?;
     let region = node.alloc(args.size, Access::ReadWrite).await?;
+    // Every page touched now, as NIXL's and Mooncake's benchmarks populate
+    // theirs: a client's first transfer then measures the transport, not
+    // the kernel's first touch of each page.
+    let zeros = vec![0u8; 1 << 20];
+    for at in (0..args.size).step_by(zeros.len()) {
+        let n = (args.size - at).min(zeros.len() as u64) as usize;
+        region.write_at(at, &zeros[..n])?;
+    }
     if let Some(name) = &args.publish {
         node.publish(name.clone(), &region)?;
     }

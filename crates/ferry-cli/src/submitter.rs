@@ -4,7 +4,9 @@
 
 use bytes::Bytes;
 use ferry::prelude::*;
-use ferry::{Call, SendMessage, SubmitWithNotification};
+use ferry::{
+    Call, DescIndices, LocalDescList, MakeXfer, PreparedRemote, SendMessage, SubmitWithNotification,
+};
 use kameo::actor::ActorRef;
 
 use crate::Failure;
@@ -41,6 +43,9 @@ impl Submitter {
     /// One measured unit of work of `op` over `share`.
     pub async fn run(&self, share: &Share, op: Op) -> Result<(), Failure> {
         let peer = share.remote.owner();
+        if let (Some(lists), Op::Write | Op::Read) = (&share.prepared, op) {
+            return self.request(share, lists, op).await;
+        }
         match (op, self) {
             (_, Submitter::Echo(echo)) => Ok(echo.ask(Ping).await?),
             (Op::Rpc, Submitter::Node(node, _)) => {
@@ -91,6 +96,45 @@ impl Submitter {
                 Ok(actor.ask(submit).await?)
             }
         }
+    }
+}
+
+impl Submitter {
+    /// One transfer request on the prepared lists: made (as vLLM makes one
+    /// per request), posted, awaited.
+    async fn request(
+        &self,
+        share: &Share,
+        (local, remote): &(LocalDescList, PreparedRemote),
+        op: Op,
+    ) -> Result<(), Failure> {
+        let kind = match op {
+            Op::Read => OpKind::Read,
+            _ => OpKind::Write,
+        };
+        let xfer = match self {
+            Submitter::Node(node, notification) => {
+                let xfer = node.make_xfer(kind, local, share.descs(), remote, share.descs())?;
+                match notification {
+                    Some(body) => xfer.with_notification(body.clone()),
+                    None => xfer,
+                }
+            }
+            Submitter::Actor(actor, notification) => {
+                let make = MakeXfer {
+                    kind,
+                    local: local.clone(),
+                    local_idx: DescIndices::to_indices(&share.descs()),
+                    remote: remote.clone(),
+                    remote_idx: DescIndices::to_indices(&share.descs()),
+                    notification: notification.clone(),
+                };
+                actor.ask(make).await?
+            }
+            Submitter::Echo(echo) => return Ok(echo.ask(Ping).await?),
+        };
+        xfer.post(SUBMIT_TIMEOUT)?;
+        Ok(xfer.wait().await?)
     }
 }
 
