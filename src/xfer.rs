@@ -394,8 +394,32 @@ impl Job {
     }
 }
 
+/// A post's status to settle: by its driver, or, if the driver never
+/// finished (its runtime shut down and dropped the task), on drop, so that
+/// nothing stays in progress forever. Settling disarms it: a later post may
+/// already be in progress when the driver's frame goes.
+struct Settle(Option<Arc<State>>);
+
+impl Settle {
+    fn settle(mut self, status: XferStatus) {
+        if let Some(state) = self.0.take() {
+            state.status.send_replace(status);
+        }
+    }
+}
+
+impl Drop for Settle {
+    fn drop(&mut self) {
+        if let Some(state) = self.0.take() {
+            let stopped = XferError::Submit(SubmitError::BackendStopped);
+            state.status.send_replace(XferStatus::Failed(stopped));
+        }
+    }
+}
+
 /// Runs one post and settles its status.
 async fn drive(job: Arc<Job>, state: Arc<State>, cancel: CancellationToken, timeout: Duration) {
+    let settle = Settle(Some(state.clone()));
     let started = Instant::now();
     let result = run(&job, &state, &cancel, started + timeout, timeout).await;
     if let Ok(levels) = &result
@@ -405,7 +429,7 @@ async fn drive(job: Arc<Job>, state: Arc<State>, cancel: CancellationToken, time
         let took = started.elapsed();
         (job.router.estimates).record(peer, level, job.count, job.bytes, took);
     }
-    state.status.send_replace(match result {
+    settle.settle(match result {
         Ok(_) => XferStatus::Done,
         Err(e) => XferStatus::Failed(e),
     });

@@ -7,6 +7,8 @@
 #[path = "../tcp/common.rs"]
 mod common;
 mod counters;
+#[path = "../shared/descs.rs"]
+mod descs;
 mod node_actor;
 #[path = "../shared/notified_batches.rs"]
 mod notified_batches;
@@ -14,6 +16,8 @@ mod notify;
 mod slots;
 #[path = "../shared/workers.rs"]
 mod workers;
+#[path = "../shared/xfers.rs"]
+mod xfers;
 
 use std::time::{Duration, Instant};
 
@@ -554,4 +558,25 @@ async fn a_write_posted_through_the_raw_handles_lands() {
     )
     .await
     .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn a_request_of_10_000_descriptors_over_rdma_is_verified_byte_for_byte() {
+    let node = rdma_node().await;
+    let mut peer = PeerProcess::spawn().await;
+    descs::descriptors_round_trip(&node, &mut peer, RdmaTransportLevel::Nic, 10_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn a_request_over_rdma_lives_posts_again_and_refuses_bad_input() {
+    let node = rdma_node().await;
+    let mut peer = PeerProcess::spawn().await;
+    xfers::a_request_lives_posts_again_and_refuses_bad_input(
+        &node,
+        &mut peer,
+        RdmaTransportLevel::Nic,
+    )
+    .await;
 }

@@ -459,5 +459,5 @@ mod descs;
 async fn a_request_of_100_000_descriptors_same_host_is_verified_byte_for_byte() {
     let node = node().await;
     let mut peer = sharing_peer().await;
-    descs::hundred_thousand_descriptors(&node, &mut peer, RdmaTransportLevel::Memory).await;
+    descs::descriptors_round_trip(&node, &mut peer, RdmaTransportLevel::Memory, 100_000).await;
 }

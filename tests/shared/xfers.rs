@@ -138,6 +138,7 @@ pub async fn a_request_lives_posts_again_and_refuses_bad_input(
 /// (counted in the owner's memory: the blocks that hold the new bytes),
 /// and exactly the ops it reports completed; one dropped right after its
 /// post keeps its memory (`from_raw` here) until its last byte landed.
+#[allow(dead_code)] // tests/ibverbs runs only the first
 pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mut PeerProcess) {
     let blocks = 32 * 1024u32;
     let len = BLOCK as usize * blocks as usize;
@@ -229,12 +230,14 @@ pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mu
     peer.drop_region(&target).await;
 }
 
+#[allow(dead_code)] // tests/ibverbs runs only the first
 fn block(bytes: &[u8], i: usize) -> &[u8] {
     &bytes[i * BLOCK as usize..(i + 1) * BLOCK as usize]
 }
 
 /// A peer restarted (same address, new node id) between prepare and post:
 /// the post fails typed, and the new process's memory is untouched.
+#[allow(dead_code)] // tests/ibverbs runs only the first
 pub async fn a_peer_restarted_after_prepare_is_refused_typed(node: &Node, env: &[(&str, &str)]) {
     let mut peer = PeerProcess::spawn_with_env(env).await;
     let len = 64 * BLOCK as usize;

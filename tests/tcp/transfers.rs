@@ -103,5 +103,5 @@ mod descs;
 async fn a_request_of_100_000_descriptors_over_tcp_is_verified_byte_for_byte() {
     let node = Node::builder().ibverbs(false).spawn().await.unwrap();
     let mut peer = PeerProcess::spawn().await;
-    descs::hundred_thousand_descriptors(&node, &mut peer, RdmaTransportLevel::Tcp).await;
+    descs::descriptors_round_trip(&node, &mut peer, RdmaTransportLevel::Tcp, 100_000).await;
 }
