@@ -207,8 +207,8 @@ pub struct Row {
     pub verified: bool,
     /// Transfer requests on prepared lists (`--prepared`), not submits.
     pub prepared: bool,
-    /// The first unit of work of this block size (the first warm-up), in
-    /// microseconds: on the first row, with whatever set-up the first
+    /// The first unit of work of this block size (the first warm-up, or
+    /// the first measured one without), in microseconds: on the first row, with whatever set-up the first
     /// transfer to the target pays (none after `--connect`).
     pub first_us: f64,
     /// With --prepared: the node's estimate for one request, made after
@@ -355,19 +355,18 @@ async fn work(
     progress: indicatif::ProgressBar,
 ) -> Result<(f64, Vec<f64>), Failure> {
     let warm = async {
-        let mut first = 0.0;
-        for i in 0..warmup.max(1) {
+        let mut first = None;
+        for _ in 0..warmup {
             let t = Instant::now();
             submitter.run(&share, op).await?;
-            if i == 0 {
-                first = t.elapsed().as_secs_f64() * 1e6;
-            }
+            first.get_or_insert(t.elapsed().as_secs_f64() * 1e6);
         }
         Ok::<_, Failure>(first)
     }
     .await;
     // Every worker reaches the start, failed or not, so none waits forever.
     start.wait().await;
+    // Without a warm-up, the first measured unit is the first.
     let first = warm?;
     let started = Instant::now();
     let mut latencies = Vec::new();
@@ -381,7 +380,7 @@ async fn work(
             Until::Time(limit) => started.elapsed() >= limit,
         };
         if done {
-            return Ok((first, latencies));
+            return Ok((first.unwrap_or(latencies[0]), latencies));
         }
     }
 }
