@@ -7,6 +7,8 @@
 mod bench;
 mod discovery;
 mod loopback;
+mod register;
+mod rows;
 mod serve;
 mod submitter;
 mod target;

@@ -63,6 +63,7 @@ impl Submitter {
                 };
                 check_echo(&actor.ask(call).await?, &share.payload)
             }
+            (Op::Register, _) => Err(Failure("a registration is not submitted".into())),
             (Op::Message, Submitter::Node(node, _)) => Ok(node
                 .send_message(peer, share.payload.clone(), SUBMIT_TIMEOUT)
                 .await?),

@@ -72,6 +72,8 @@ pub(crate) async fn setup(args: &BenchArgs) -> Result<Target, Failure> {
         // Calls and messages go over the control session, whatever the data
         // transports are.
         Op::Rpc | Op::Message => "control",
+        // Every transport the node runs registers.
+        Op::Register => "all",
         Op::Write | Op::Read => level.backend(),
     };
     let transfers = matches!(args.op, Op::Write | Op::Read);

@@ -323,6 +323,70 @@ fn bench_calls_and_messages_go_over_the_control_session() {
     }
 }
 
+/// `--prepared` runs transfer requests (verified, with the node's estimate
+/// learned from the warm-up); `--op register` registers and drops memory.
+#[test]
+fn bench_runs_prepared_requests_and_registrations() {
+    let rows = bench_rows(
+        "write",
+        &[
+            "--loopback",
+            "--transport",
+            "tcp",
+            "--prepared",
+            "--strided",
+            "--descs",
+            "64",
+            "--block",
+            "4K,64K",
+            "--size",
+            "4M",
+            "--warmup",
+            "3",
+            "--iters",
+            "20",
+            "--verify",
+            "--json",
+        ],
+    );
+    assert_eq!(rows.len(), 2);
+    for row in rows {
+        assert_eq!(
+            (row["prepared"].as_bool(), row["verified"].as_bool()),
+            (Some(true), Some(true))
+        );
+        assert_eq!(row["batch"].as_u64(), Some(64), "{row}");
+        assert_eq!(row["est_method"], "measured", "{row}");
+        assert!(row["est_us"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    let rows = bench_rows(
+        "register",
+        &[
+            "--loopback",
+            "--transport",
+            "tcp",
+            "--op",
+            "register",
+            "--block",
+            "4K,1M",
+            "--size",
+            "4M",
+            "--iters",
+            "10",
+            "--json",
+        ],
+    );
+    assert_eq!(rows.len(), 2);
+    for (row, block) in rows.iter().zip([4096u64, 1 << 20]) {
+        assert_eq!(
+            (row["op"].as_str(), row["transport"].as_str()),
+            (Some("register"), Some("tcp"))
+        );
+        assert_eq!(row["submits"].as_u64(), Some(10));
+        assert_eq!(row["bytes"].as_u64(), Some(10 * block));
+    }
+}
+
 #[test]
 fn bench_errors_are_one_line_and_non_zero() {
     let dir = std::env::temp_dir().join(format!("ferry-cli-bad-{}", std::process::id()));
