@@ -11,10 +11,12 @@
 //! would serve the large ones and miss the small ones by multiples). The
 //! per-op term is what NIXL's estimate gets wrong for small blocks (it sums
 //! whole microseconds per descriptor, and 4 KiB blocks estimate 0 µs).
-//! Before any request completed, the configured defaults answer, and the
-//! estimate says so.
+//! Before any request completed (the first to a peer over a transport is
+//! not counted: it pays one-time costs), the configured defaults answer,
+//! and the estimate says so.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -53,6 +55,9 @@ const N: usize = 3;
 /// count, so that a path that changed is followed within a few dozen
 /// requests.
 const FORGET: f64 = 0.95;
+/// How far (as a factor of the estimate) one sample may pull the model
+/// once it has a footing.
+const OUTLIER: f64 = 2.0;
 /// The smallest margin reported, as a fraction: timing noise.
 const MIN_MARGIN: f64 = 0.05;
 
@@ -105,7 +110,14 @@ impl Model {
         // it (not by its own value, which would weigh the faster samples of
         // a path that slowed down more than the recent ones).
         let scale = before.max(1.0).max(y / 4.0).min(y * 4.0);
-        let (x, y): ([f64; N], f64) = (std::array::from_fn(|i| x[i] / scale), y / scale);
+        let (x, mut y): ([f64; N], f64) = (std::array::from_fn(|i| x[i] / scale), y / scale);
+        // Once the model has a footing, one outlier (a request that met a
+        // page fault storm, a retransmit) moves it by at most a factor of
+        // `OUTLIER` in one step: a path that really changed gets there in
+        // a few requests, a one-off hardly counts.
+        if self.samples >= 2 {
+            y = y.clamp(1.0 / OUTLIER, OUTLIER);
+        }
         let px: [f64; N] = std::array::from_fn(|i| (0..N).map(|j| self.p[i][j] * x[j]).sum());
         let denominator = FORGET + (0..N).map(|i| x[i] * px[i]).sum::<f64>();
         let gain: [f64; N] = std::array::from_fn(|i| px[i] / denominator);
@@ -146,10 +158,15 @@ impl Estimator {
     ) {
         let y = (took.as_secs_f64() * 1e6).max(1.0);
         let mut models = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        models
-            .entry((peer, level))
-            .or_insert_with(|| Model::configured(level))
-            .update(features(ops, bytes), y);
+        match models.entry((peer, level)) {
+            // The first request to a peer over a transport pays what later
+            // ones do not (the first mapping, the connections' first use,
+            // first touches of pages): it is not a sample of the path.
+            Entry::Vacant(first) => {
+                first.insert(Model::configured(level));
+            }
+            Entry::Occupied(mut model) => model.get_mut().update(features(ops, bytes), y),
+        }
     }
 
     /// What a request of `ops` ops and `bytes` bytes to `peer` over `level`
@@ -221,11 +238,34 @@ mod tests {
                 off < 0.05,
                 "{ops} ops of {bytes} B: {estimate:?} against {truth} s"
             );
-            assert_eq!(estimate.method, EstimateMethod::Measured { samples: 30 });
+            assert_eq!(estimate.method, EstimateMethod::Measured { samples: 29 });
         }
         // Other peers and transports keep their own models.
         let other = estimator.estimate(peer(), RdmaTransportLevel::Memory, 16, 64 << 10);
         assert_eq!(other.method, EstimateMethod::Configured);
+    }
+
+    /// The first request (one-time costs) is not learned from, and a
+    /// later one-off outlier hardly moves a settled model.
+    #[test]
+    fn the_first_request_and_outliers_hardly_count() {
+        let estimator = Estimator::default();
+        let (ops, bytes) = (256, 1u64 << 20);
+        let record = |micros| {
+            let took = Duration::from_micros(micros);
+            estimator.record(peer(), RdmaTransportLevel::Memory, ops, bytes, took)
+        };
+        record(5000);
+        let first = estimator.estimate(peer(), RdmaTransportLevel::Memory, ops, bytes);
+        assert_eq!(first.method, EstimateMethod::Configured);
+        for _ in 0..10 {
+            record(500);
+        }
+        record(20_000);
+        record(500);
+        let estimate = estimator.estimate(peer(), RdmaTransportLevel::Memory, ops, bytes);
+        let off = (estimate.duration.as_secs_f64() - 500e-6).abs() / 500e-6;
+        assert!(off < 0.15, "{estimate:?}");
     }
 
     /// A path that slows down is followed: the old samples fade.
