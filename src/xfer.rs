@@ -241,6 +241,9 @@ impl Xfer {
     /// the runtime), and the status says when it is done. A request that is
     /// done or failed may be posted again, and moves its bytes again.
     pub fn post(&self, timeout: Duration) -> Result<(), PostError> {
+        // Under the cancellation's lock: a `cancel` from another thread
+        // reaches either the post before this one or this one, whole.
+        let mut current = self.state.cancel.lock().unwrap_or_else(|e| e.into_inner());
         let mut refused = false;
         self.state.status.send_if_modified(|status| {
             refused = *status == XferStatus::InProgress;
@@ -253,7 +256,8 @@ impl Xfer {
             return Err(PostError::InProgress);
         }
         let cancel = CancellationToken::new();
-        *self.state.cancel.lock().unwrap_or_else(|e| e.into_inner()) = cancel.clone();
+        *current = cancel.clone();
+        drop(current);
         self.state.completed.store(0, Ordering::Relaxed);
         let (job, state) = (self.job.clone(), self.state.clone());
         self.job
