@@ -13,6 +13,7 @@ mod node_actor;
 #[path = "../shared/notified_batches.rs"]
 mod notified_batches;
 mod notify;
+mod registrations;
 mod slots;
 #[path = "../shared/workers.rs"]
 mod workers;

@@ -24,6 +24,7 @@ use crate::batch::Shared;
 pub use crate::connection::FOREIGN_WR_ID_BIT;
 use crate::device::{Device, IbvConfig};
 use crate::info::{IbvRegionKeys, IbvTransportInfo};
+use crate::mr_cache::MrCache;
 use crate::passive::{self, PassiveQps};
 use crate::peers::Peers;
 use crate::verbs::{MemoryRegion, VerbsError};
@@ -50,7 +51,9 @@ impl Registry {
 pub struct IbvRegistration {
     registry: Arc<Registry>,
     key: (RegionId, Generation),
-    _mr: MemoryRegion,
+    /// Its own MR, or the one of a registered region it lies in (shared:
+    /// deregistered with the last region using it).
+    _mr: Arc<MemoryRegion>,
 }
 
 impl Drop for IbvRegistration {
@@ -125,8 +128,23 @@ impl Message<RegisterRegion> for IbvManagerActor {
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
         let key = (msg.id, msg.generation);
-        let mr = MemoryRegion::register(&self.shared.device.pd, msg.memory, msg.access)
-            .map_err(|e| RegisterError::Backend(e.to_string()))?;
+        let shared = &self.shared;
+        let (addr, len) = (msg.memory.addr(), msg.memory.len());
+        let mr = match shared
+            .device
+            .share_registrations
+            .then(|| shared.mrs.covering(addr, len, msg.access))
+            .flatten()
+        {
+            Some(mr) => mr,
+            None => {
+                let mr = MemoryRegion::register(&shared.device.pd, msg.memory, msg.access)
+                    .map_err(|e| RegisterError::Backend(e.to_string()))?;
+                let mr = Arc::new(mr);
+                shared.mrs.insert(&mr, msg.access);
+                mr
+            }
+        };
         let mut map = self.shared.registry.lock();
         if map.contains_key(&key) {
             return Err(RegisterError::IdInUse(msg.id));
@@ -256,6 +274,7 @@ impl IbvBackend {
             endpoint: endpoint.clone(),
             peers: Peers::default(),
             registry: Arc::default(),
+            mrs: MrCache::default(),
             passive,
         });
         // Weak: the endpoint holds its handlers, and `Shared` the endpoint.
@@ -328,6 +347,13 @@ impl IbvBackend {
     /// The device's name, e.g. `rxe0`.
     pub fn device(&self) -> &str {
         &self.device
+    }
+
+    /// Memory regions registered with the device for this node's regions
+    /// now: one per region, except regions inside another that share its
+    /// ([`IbvConfig::share_registrations`]).
+    pub fn memory_regions(&self) -> usize {
+        self.shared.mrs.live()
     }
 
     /// Stops the manager; queue pairs are destroyed once drained.

@@ -17,6 +17,7 @@ use tracing::{Instrument, debug, debug_span};
 use crate::backend::Registry;
 use crate::connection::{Piece, Pin};
 use crate::device::Device;
+use crate::mr_cache::MrCache;
 use crate::notify::{PendingNotification, attach_notification};
 use crate::passive::PassiveQps;
 use crate::peers::Peers;
@@ -35,6 +36,8 @@ pub(crate) struct Shared {
     pub(crate) endpoint: Endpoint,
     pub(crate) peers: Peers,
     pub(crate) registry: Arc<Registry>,
+    /// Live MRs, for regions registered inside registered ones.
+    pub(crate) mrs: MrCache,
     /// Queue pairs this node keeps for initiators.
     pub(crate) passive: Arc<PassiveQps>,
 }

@@ -30,6 +30,11 @@ pub struct IbvConfig {
     pub notify_slot_len: u32,
     /// How queue pairs retransmit (see [`QpTiming`] for the defaults).
     pub qp_timing: QpTiming,
+    /// Whether a region registered inside a registered one, with the same
+    /// access, shares its memory region instead of registering its pages
+    /// again (on by default; see the `mr_cache` module docs for what a peer
+    /// holding the inner region's handle can then reach).
+    pub share_registrations: bool,
 }
 
 impl Default for IbvConfig {
@@ -42,6 +47,7 @@ impl Default for IbvConfig {
             max_wr_bytes: None,
             notify_slots: 32,
             notify_slot_len: 4096,
+            share_registrations: true,
             qp_timing: QpTiming::default(),
         }
     }
@@ -63,6 +69,8 @@ pub(crate) struct Device {
     pub notify_slots: u16,
     pub notify_slot_len: u32,
     pub qp_timing: QpTiming,
+    /// See [`IbvConfig::share_registrations`].
+    pub share_registrations: bool,
 }
 
 impl Device {
@@ -117,6 +125,7 @@ impl Device {
                 .notify_slots
                 .min(limits.max_qp_wr.min(u32::from(u16::MAX)) as u16),
             notify_slot_len: config.notify_slot_len,
+            share_registrations: config.share_registrations,
             qp_timing: config.qp_timing,
             context,
         })

@@ -22,6 +22,7 @@ mod connection;
 mod device;
 mod exchange;
 mod info;
+mod mr_cache;
 mod notify;
 mod passive;
 mod peers;
