@@ -131,6 +131,11 @@ pub struct BenchArgs {
     /// not one entry per descriptor.
     #[arg(long, requires = "prepared")]
     pub strided: bool,
+    /// With --op register: register the whole --size buffer first, so that
+    /// every measured registration is a view inside a registered region (a
+    /// KV pool and its blocks), which ibverbs serves from the outer MR.
+    #[arg(long)]
+    pub within: bool,
     /// Connect to the target (`Node::connect`) before the first transfer,
     /// so that the first unit of work (`first_us`) pays no set-up.
     #[arg(long)]

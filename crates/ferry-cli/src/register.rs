@@ -4,7 +4,9 @@
 //! latency, its deregistration (the region dropped) included. The memory
 //! is this process's, touched once beforehand, so the figures are the
 //! transports' (an ibverbs registration pins and maps every page), not
-//! the allocator's or the kernel's first touch.
+//! the allocator's or the kernel's first touch. `--within` registers the
+//! whole buffer first, so every measured registration is a view inside a
+//! registered region.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -23,6 +25,15 @@ pub(crate) async fn rows(args: &BenchArgs, node: &Node) -> Result<Vec<Row>, Benc
     let transport = running(node);
     // One buffer, every page written: each registration takes a block of it.
     let buffer = Arc::new(Buffer::new(args.size as usize));
+    // With --within, every block lies inside this registered region.
+    let _outer = match args.within {
+        true => Some(
+            register(node, &buffer, 0, args.size)
+                .await
+                .map_err(|Failure(e)| BenchError::Setup(e))?,
+        ),
+        false => None,
+    };
     let mut rows = Vec::new();
     for &block in &args.block {
         let failed = |error: Failure| BenchError::Run {
