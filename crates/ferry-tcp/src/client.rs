@@ -167,18 +167,10 @@ impl Peers {
     pub async fn connect(&self, addr: NodeAddr, deadline: Instant) -> Result<usize, OpError> {
         let peer = self.peer(addr);
         let mut failed = None;
-        for slot in &peer.slots {
-            let opening = async {
-                let mut guard = slot.lock().await;
-                if guard.as_ref().is_some_and(|c| !c.closed.is_cancelled()) {
-                    return Ok(());
-                }
-                let release = (peer.table.clone(), peer.addr);
-                *guard = Some(connect(peer.addr, self.config, release).await?);
-                Ok(())
-            };
+        for slot in 0..peer.slots.len() {
+            let opening = peer.open(slot, self.config);
             match tokio::time::timeout_at(deadline, opening).await {
-                Ok(Ok(())) => {}
+                Ok(Ok(_)) => {}
                 Ok(Err(e)) => failed = Some(e),
                 Err(_) => {
                     failed = Some(OpError::PeerUnreachable {
@@ -490,17 +482,20 @@ impl Peer {
         match failed {
             Some(e) => Err(e),
             // None left to carry on over: grow after all.
-            None => {
-                let mut guard = self.slots[slot].lock().await;
-                if let Some(conn) = guard.as_ref().filter(|c| !c.closed.is_cancelled()) {
-                    return Ok(conn.clone());
-                }
-                let release = (self.table.clone(), self.addr);
-                Ok(guard
-                    .insert(connect(self.addr, config, release).await?)
-                    .clone())
-            }
+            None => self.open(slot, config).await,
         }
+    }
+
+    /// Slot `slot`'s connection: the live one, or a new one put there.
+    async fn open(&self, slot: usize, config: ClientConfig) -> Result<Conn, OpError> {
+        let mut guard = self.slots[slot].lock().await;
+        if let Some(conn) = guard.as_ref().filter(|c| !c.closed.is_cancelled()) {
+            return Ok(conn.clone());
+        }
+        let release = (self.table.clone(), self.addr);
+        Ok(guard
+            .insert(connect(self.addr, config, release).await?)
+            .clone())
     }
 
     /// A live connection of the pool in a slot other than `slot`, the next
