@@ -3,7 +3,7 @@
 use ferry::DISABLE_MEMORY_ENV;
 use ferry::prelude::*;
 
-use crate::common::{LISTEN_ENV, PeerProcess};
+use crate::common::PeerProcess;
 
 #[path = "../shared/xfers.rs"]
 mod shared;
@@ -38,13 +38,8 @@ async fn a_cancelled_same_host_request_moves_at_most_one_window() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_same_host_peer_restarted_after_prepare_is_refused() {
     let node = node().await;
-    let listen = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .to_string();
-    let env = [(DISABLE_MEMORY_ENV, "0"), (LISTEN_ENV, listen.as_str())];
-    shared::a_peer_restarted_after_prepare_is_refused_typed(&node, &env).await;
+    shared::a_peer_restarted_after_prepare_is_refused_typed(&node, &[(DISABLE_MEMORY_ENV, "0")])
+        .await;
 }
 
 /// `connect` to a same-host peer opens the link and the lane, not TCP.

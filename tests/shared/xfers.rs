@@ -10,11 +10,11 @@ use std::time::Duration;
 
 use ferry::prelude::*;
 use ferry::{
-    DescError, Descs, LocalDescList, MemoryBlock, PostError, RemoteDescList, SLICE_OPS,
-    SLICES_IN_FLIGHT, XferError, XferStatus,
+    DescError, Descs, LocalDescList, MemoryBlock, PostError, PreparedRemote, RemoteDescList,
+    SLICE_OPS, SLICES_IN_FLIGHT, XferError, XferStatus,
 };
 
-use crate::common::{PeerProcess, digest, pattern};
+use crate::common::{LISTEN_ENV, PeerProcess, digest, pattern};
 
 const BLOCK: u64 = 4096;
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -34,6 +34,13 @@ async fn local_blocks(node: &Node, blocks: u32, seed: u8) -> (Region, LocalDescL
     (region, list, data)
 }
 
+/// A prepared list of `blocks` blocks over the peer's region `handle`.
+async fn remote_blocks(node: &Node, handle: &RemoteBuffer, blocks: u32) -> PreparedRemote {
+    let descs = Descs::strided(0, 0, BLOCK, BLOCK, blocks);
+    let list = RemoteDescList::new(vec![handle.clone()], descs).unwrap();
+    node.prepare_remote(list, DEADLINE).await.unwrap()
+}
+
 /// Status moves Ready → InProgress → Done and never back, a post while in
 /// progress is refused, a re-post moves new bytes, and bad descriptors and
 /// indices are refused with their positions while nothing moves.
@@ -47,12 +54,7 @@ pub async fn a_request_lives_posts_again_and_refuses_bad_input(
         .alloc((BLOCK * blocks) as usize, Access::ReadWrite, 1)
         .await;
     let (local, locals, data) = local_blocks(node, blocks as u32, 2).await;
-    let remotes = RemoteDescList::new(
-        vec![target.handle.clone()],
-        Descs::strided(0, 0, BLOCK, BLOCK, blocks as u32),
-    )
-    .unwrap();
-    let prepared = node.prepare_remote(remotes, DEADLINE).await.unwrap();
+    let prepared = remote_blocks(node, &target.handle, blocks as u32).await;
     assert_eq!(prepared.levels(), [route]);
 
     // Bad input: nothing moves.
@@ -145,12 +147,7 @@ pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mu
     let len = BLOCK as usize * blocks as usize;
     let target = peer.alloc(len, Access::ReadWrite, 4).await;
     let (_, locals, data) = local_blocks(node, blocks, 5).await;
-    let remotes = RemoteDescList::new(
-        vec![target.handle.clone()],
-        Descs::strided(0, 0, BLOCK, BLOCK, blocks),
-    )
-    .unwrap();
-    let prepared = node.prepare_remote(remotes, DEADLINE).await.unwrap();
+    let prepared = remote_blocks(node, &target.handle, blocks).await;
     let xfer = node
         .make_xfer(
             OpKind::Write,
@@ -237,19 +234,22 @@ fn block(bytes: &[u8], i: usize) -> &[u8] {
 }
 
 /// A peer restarted (same address, new node id) between prepare and post:
-/// the post fails typed, and the new process's memory is untouched.
+/// the post fails typed, and the new process's memory is untouched. Both
+/// incarnations listen on one free port, with `env` besides.
 #[allow(dead_code)] // tests/ibverbs runs only the first
 pub async fn a_peer_restarted_after_prepare_is_refused_typed(node: &Node, env: &[(&str, &str)]) {
+    let listen = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let env = [env, &[(LISTEN_ENV, listen.as_str())]].concat();
+    let env = env.as_slice();
     let mut peer = PeerProcess::spawn_with_env(env).await;
     let len = 64 * BLOCK as usize;
     let old = peer.alloc(len, Access::ReadWrite, 6).await;
     let (_, locals, _) = local_blocks(node, 64, 7).await;
-    let remotes = RemoteDescList::new(
-        vec![old.handle.clone()],
-        Descs::strided(0, 0, BLOCK, BLOCK, 64),
-    )
-    .unwrap();
-    let prepared = node.prepare_remote(remotes, DEADLINE).await.unwrap();
+    let prepared = remote_blocks(node, &old.handle, 64).await;
     let xfer = node
         .make_xfer(OpKind::Write, &locals, 0..64, &prepared, 0..64)
         .unwrap();

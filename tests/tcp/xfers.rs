@@ -2,7 +2,7 @@
 
 use ferry::prelude::*;
 
-use crate::common::{LISTEN_ENV, PeerProcess};
+use crate::common::PeerProcess;
 
 #[path = "../shared/xfers.rs"]
 mod shared;
@@ -33,12 +33,7 @@ async fn a_cancelled_request_over_tcp_moves_at_most_one_window() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_restarted_after_prepare_is_refused_over_tcp() {
     let node = node().await;
-    let listen = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .to_string();
-    shared::a_peer_restarted_after_prepare_is_refused_typed(&node, &[(LISTEN_ENV, &listen)]).await;
+    shared::a_peer_restarted_after_prepare_is_refused_typed(&node, &[]).await;
 }
 
 /// `connect` opens the TCP data connections ahead of the first transfer.
