@@ -39,6 +39,10 @@ scripts/check-deploy.sh
 # The examples a newcomer runs first exit non-zero when anything is wrong.
 cargo run --locked -q --example workers >/dev/null
 cargo run --locked -q --example kv_handoff >/dev/null
+# The Python package: its extension built into a virtual environment (tools
+# from PyPI), type-checked, and its pytest suite, which runs the Python
+# kv_handoff example and talks to the `ferry serve` built here.
+scripts/python-tests.sh
 
 # Real RDMA: the ibverbs tests inside a soft-RoCE VM (no NIC or KVM needed;
 # downloads Debian's kernel, QEMU and rdma-core into ~/.cache/ferry-rxe once).

@@ -128,6 +128,27 @@ impl Node {
             .await
     }
 
+    /// Sends `body` to `peer` as a notification on its own (NIXL's
+    /// `send_notif`): the peer's inbox gets it as a
+    /// [`DeliveryKind::Notification`](crate::DeliveryKind::Notification),
+    /// as if a batch of no ops announced it. Otherwise as
+    /// [`Node::send_message`], with which it is not ordered.
+    pub async fn notify(
+        &self,
+        peer: NodeAddr,
+        body: impl IntoBody,
+        timeout: Duration,
+    ) -> Result<(), MessageError> {
+        let router = &self.0.router;
+        if router.is_shut_down() {
+            return Err(MessageError::ShutDown);
+        }
+        router
+            .messages
+            .notify(peer, body.into_body(), timeout)
+            .await
+    }
+
     /// The node's inbox, for a task that pulls deliveries (a stream); give
     /// it back with [`Node::return_inbox`] for another consumer. Fails
     /// while another consumer (or a subscribed actor) has it.

@@ -221,3 +221,28 @@ async fn a_timed_out_same_host_batch_notifies_nobody() {
     let (owner, initiator) = (same_host_node().await, same_host_node().await);
     notify::a_timed_out_notified_batch_notifies_nobody(&owner, &initiator).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standalone_notification_arrives_as_one_and_a_shut_node_sends_none() {
+    let (owner, sender) = (tcp_node().await, tcp_node().await);
+    let mut inbox = owner.inbox().unwrap();
+    sender
+        .notify(owner.addr(), b"blocks 3,4 freed", DEADLINE)
+        .await
+        .unwrap();
+    let delivery = tokio::time::timeout(DEADLINE, inbox.recv())
+        .await
+        .expect("the notification within the deadline")
+        .expect("the node runs");
+    assert_eq!(delivery.kind, DeliveryKind::Notification);
+    assert_eq!(delivery.from, sender.addr());
+    assert_eq!(&delivery.body[..], b"blocks 3,4 freed");
+
+    sender.shutdown().await;
+    let refused = sender.notify(owner.addr(), b"late", DEADLINE).await;
+    assert_eq!(refused, Err(MessageError::ShutDown));
+    assert!(
+        inbox.try_recv().is_none(),
+        "nothing arrives from a shut node"
+    );
+}

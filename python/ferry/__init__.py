@@ -1,0 +1,39 @@
+"""ferry: one-sided READ/WRITE transfers between processes, over same-host
+shared memory, RDMA or TCP, with notifications, messages and RPC.
+
+>>> import ferry, numpy
+>>> with ferry.Node() as node:
+...     blocks = numpy.zeros((64, 4096), dtype=numpy.uint8)
+...     region = node.register(blocks)
+...     handle = region.remote().to_bytes()   # give it to a peer
+
+A peer turns ``handle`` back into a :class:`RemoteRegion` and reads or
+writes it (:meth:`Node.read`, :meth:`Node.write`, :meth:`Node.submit`), or
+prepares descriptor lists once and posts transfer requests over them
+(:meth:`Node.prepare_remote`, :meth:`Node.make_xfer`), as KV-cache
+connectors do. Every error is a :class:`FerryError`.
+"""
+
+from ._addr import NodeAddr
+from ._errors import *  # noqa: F401,F403
+from ._errors import __all__ as _errors_all
+from ._node import Delivery, Node, Op
+from ._region import Region, RemoteRegion
+from ._xfer import Estimate, LocalDescs, PreparedRemote, RemoteDescs, Strided, Xfer, XferStatus
+
+__all__ = [
+    "Node",
+    "NodeAddr",
+    "Region",
+    "RemoteRegion",
+    "Op",
+    "Delivery",
+    "Strided",
+    "LocalDescs",
+    "RemoteDescs",
+    "PreparedRemote",
+    "Xfer",
+    "XferStatus",
+    "Estimate",
+    *_errors_all,
+]

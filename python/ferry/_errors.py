@@ -1,0 +1,168 @@
+"""ferry's exceptions: one class per typed error of the Rust API.
+
+Every error ferry raises is a :class:`FerryError`. The classes also derive
+from the built-in exception a Python programmer would catch for that kind of
+failure: a timeout is a :class:`TimeoutError`, a peer that cannot be reached
+is a :class:`ConnectionError`, a range outside a region is an
+:class:`IndexError`, and so on.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "FerryError",
+    "Timeout",
+    "PeerUnreachable",
+    "ConnectionLost",
+    "PeerBusy",
+    "UnknownNode",
+    "AccessDenied",
+    "ReadOnly",
+    "OutOfBounds",
+    "InvalidArgument",
+    "InvalidRange",
+    "LengthMismatch",
+    "RegionGone",
+    "StaleRegion",
+    "NoSharedTransport",
+    "ProtocolError",
+    "ShutDown",
+    "BackendStopped",
+    "TooLarge",
+    "OutOfMemory",
+    "NoSuchHandler",
+    "RemoteError",
+    "Cancelled",
+    "InProgress",
+    "NotFound",
+    "MetadataError",
+    "DiscoveryError",
+]
+
+
+class FerryError(Exception):
+    """Base class of every error ferry raises.
+
+    ``op_index`` is the position of the failing op (in a ``submit``'s list)
+    or of the failing descriptor (in a transfer request's index arrays, or a
+    descriptor list) when the error is about one; ``None`` otherwise.
+    """
+
+    op_index: Optional[int]
+
+    def __init__(self, message: str, op_index: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.op_index = op_index
+
+
+class Timeout(FerryError, TimeoutError):
+    """The deadline passed first. Memory the unfinished ops touch stays
+    registered until no transport can write to it any more."""
+
+
+class PeerUnreachable(FerryError, ConnectionError):
+    """No connection to the peer could be made."""
+
+
+class ConnectionLost(FerryError, ConnectionError):
+    """The connection to the peer closed before the operation completed."""
+
+
+class PeerBusy(FerryError, ConnectionError):
+    """The peer is at its connection limit."""
+
+
+class UnknownNode(FerryError, ConnectionError):
+    """The node at the handle's address is not its owner: the owner
+    restarted (a new node at that address), or the handle is wrong."""
+
+
+class AccessDenied(FerryError, PermissionError):
+    """The owner refused the handle's credentials (a forged or altered
+    handle)."""
+
+
+class ReadOnly(AccessDenied):
+    """A write to a region whose handle allows reads only."""
+
+
+class OutOfBounds(FerryError, IndexError):
+    """A range outside its region, or an index outside its list."""
+
+
+class InvalidArgument(FerryError, ValueError):
+    """An argument ferry cannot use: a zero length, a buffer that is not
+    writable or not contiguous, two index arrays of different lengths, a
+    malformed address."""
+
+
+class InvalidRange(InvalidArgument):
+    """A malformed range: inverted, negative, or past the address space."""
+
+
+class LengthMismatch(FerryError, ValueError):
+    """The two sides of an op differ in length."""
+
+
+class RegionGone(FerryError):
+    """The remote region does not exist (any more)."""
+
+
+class StaleRegion(RegionGone):
+    """The handle names an earlier region in a slot now reused: the region
+    it was made for was deregistered."""
+
+
+class NoSharedTransport(FerryError):
+    """This node and the remote side share no transport."""
+
+
+class ProtocolError(FerryError):
+    """The peer broke the wire protocol."""
+
+
+class ShutDown(FerryError):
+    """The node was closed: it initiates and serves nothing any more."""
+
+
+class BackendStopped(FerryError):
+    """A transport's backend stopped while the operation ran."""
+
+
+class TooLarge(FerryError, ValueError):
+    """A message, notification, RPC argument or region over its limit."""
+
+
+class OutOfMemory(FerryError, MemoryError):
+    """The host could not allocate the memory asked for."""
+
+
+class NoSuchHandler(FerryError, LookupError):
+    """The peer serves no RPC handler by that name."""
+
+
+class RemoteError(FerryError):
+    """The peer's RPC handler failed (raised): the message is its text."""
+
+
+class Cancelled(FerryError):
+    """The transfer request was cancelled (``cancel()``, a drop, or a
+    KeyboardInterrupt during ``wait``)."""
+
+
+class InProgress(FerryError):
+    """The request is in progress: post it again once it is done."""
+
+
+class NotFound(FerryError, LookupError):
+    """A peer or region name that is not known."""
+
+
+class MetadataError(FerryError, ValueError):
+    """A metadata blob this node cannot use."""
+
+
+class DiscoveryError(FerryError):
+    """etcd could not be asked (unreachable, or it refused)."""
