@@ -259,7 +259,9 @@ class Node:
     async def submit_async(
         self, ops: Sequence[Op], timeout: float = 5.0, *, notification: Optional[Body] = None
     ) -> None:
-        """:meth:`submit` on the running event loop."""
+        """:meth:`submit` on the running event loop. Cancelling the
+        awaiting task stops waiting, not the ops: they end by the
+        deadline."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         body = None if notification is None else bytes(notification)
@@ -364,18 +366,18 @@ class Node:
 
     async def incoming(self) -> AsyncIterator[Delivery]:
         """Every delivery, as it arrives, on the running event loop; ends
-        when the node closes."""
-        from ._errors import ShutDown
-
+        when the node closes. Each is taken from the inbox only when the
+        loop asks for it: leaving the loop early loses nothing."""
         loop = asyncio.get_running_loop()
         while True:
+            taken = self._node().drain_deliveries(1)
+            if taken:
+                yield _delivery(taken[0])
+                continue
             future = loop.create_future()
-            self._node().next_delivery_then(_settler(loop, future))
-            try:
-                raw = await future
-            except ShutDown:
+            self._node().when_delivery_waits(_settler(loop, future))
+            if not await future:
                 return
-            yield _delivery(raw)
 
     # -- RPC ---------------------------------------------------------------
 

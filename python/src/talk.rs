@@ -86,6 +86,23 @@ impl Deliveries {
         taken
     }
 
+    /// Once a delivery waits: `true`; `false` once the node has stopped
+    /// and none waits.
+    async fn waiting(&self) -> bool {
+        loop {
+            let arrived = self.arrived.notified();
+            let mut arrived = std::pin::pin!(arrived);
+            arrived.as_mut().enable();
+            if !self.queue.lock().expect("never poisoned").is_empty() {
+                return true;
+            }
+            if self.closed.load(Ordering::Acquire) {
+                return false;
+            }
+            arrived.await;
+        }
+    }
+
     /// The next delivery; `None` once the node has stopped.
     async fn next(&self) -> Option<Delivery> {
         loop {
@@ -141,24 +158,18 @@ impl NativeNode {
         }
     }
 
-    /// As `next_delivery` without a deadline and without waiting:
-    /// `callback(delivery_or_exception)` is called from a runtime thread.
-    fn next_delivery_then(&self, callback: Py<PyAny>) {
+    /// Calls `callback(True)` from a runtime thread once a delivery is
+    /// waiting (at once if one is), or `callback(False)` once the node has
+    /// stopped; takes nothing, so an abandoned wait loses no delivery.
+    fn when_delivery_waits(&self, callback: Py<PyAny>) {
         let deliveries = self.deliveries.clone();
         runtime().spawn(async move {
-            let next = deliveries.next().await;
+            let waiting = deliveries.waiting().await;
             if !crate::python_alive() {
                 return;
             }
             Python::attach(|py| {
-                let argument = match next {
-                    Some(delivery) => delivery_tuple(py, delivery)
-                        .into_pyobject(py)
-                        .map(|t| t.into_any().unbind())
-                        .unwrap_or_else(|e| e.into_value(py).into_any()),
-                    None => Raise::new("ShutDown", "the node was closed").into_value(py),
-                };
-                if let Err(error) = callback.call1(py, (argument,)) {
+                if let Err(error) = callback.call1(py, (waiting,)) {
                     error.write_unraisable(py, None);
                 }
             });
