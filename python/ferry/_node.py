@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import inspect
-import os
 import weakref
 from typing import (
     Any,
@@ -22,6 +21,7 @@ from typing import (
 from . import _ferry
 from ._addr import NodeAddr
 from ._errors import FerryError, InvalidArgument
+from ._fork import forked, refuse_in_child
 from ._region import Region, RemoteRegion, _from_alloc, _from_buffer
 from ._xfer import (
     IndicesLike,
@@ -115,24 +115,20 @@ def _delivery(raw: _ferry.DeliveryTuple) -> Delivery:
 # Nodes still open, closed at interpreter exit (then no ferry thread calls
 # into Python any more), and the fork guard.
 _OPEN: "weakref.WeakSet[Node]" = weakref.WeakSet()
-_FORKED = False
-
-
-def _after_fork_in_child() -> None:
-    global _FORKED
-    _FORKED = True
 
 
 def _close_all_at_exit() -> None:
-    for node in list(_OPEN):
-        try:
-            node.close()
-        except FerryError:
-            pass
+    # In a forked child the nodes' threads are gone: closing would wait
+    # for them forever.
+    if not forked():
+        for node in list(_OPEN):
+            try:
+                node.close()
+            except FerryError:
+                pass
     _ferry.at_exit()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(_close_all_at_exit)
 
 
@@ -167,17 +163,15 @@ class Node:
         etcd: Optional[str] = None,
         cluster: str = "default",
     ) -> None:
-        if _FORKED:
+        if forked():
             raise FerryError("ferry cannot start a node in a process forked from one that ran it")
         self._native = _ferry.NativeNode(
             name, listen, advertise, memory, ibverbs, tcp_connections, etcd, cluster
         )
-        self._loop_for_rpc: Optional[asyncio.AbstractEventLoop] = None
         _OPEN.add(self)
 
     def _node(self) -> _ferry.NativeNode:
-        if _FORKED:
-            raise FerryError("this node belongs to the parent process (fork): start a new one")
+        refuse_in_child("this node")
         return self._native
 
     # -- the node ----------------------------------------------------------
@@ -190,14 +184,15 @@ class Node:
     def transports(self) -> List[str]:
         """The transports running, fastest first (``"memory"``,
         ``"ibverbs"``, ``"tcp"``)."""
-        return self._native.transports()
+        return self._node().transports()
 
     def close(self) -> None:
         """Shuts the node down: transfers in flight fail, peers can no
         longer reach its regions, and every later call raises
-        :class:`ShutDown`. Closing twice does nothing."""
+        :class:`ShutDown`. Closing twice does nothing; in a forked child it
+        does nothing either (the node is the parent's)."""
         _OPEN.discard(self)
-        if not self._native.closed:
+        if not forked() and not self._native.closed:
             self._native.close()
 
     @property
@@ -426,8 +421,10 @@ class Node:
     # -- names -------------------------------------------------------------
 
     def publish(self, name: str, region: Region) -> None:
-        """Publishes ``region`` under ``name`` in this node's metadata."""
+        """Publishes ``region`` under ``name`` in this node's metadata
+        (withdrawn when the region closes)."""
         self._node().publish(name, region._native)
+        region._publications.append((self, name))
 
     def unpublish(self, name: str) -> bool:
         """Withdraws ``name``; returns whether it was published."""

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Dict, Tuple, Type
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple, Type
 
 from . import _ferry
 from ._addr import NodeAddr
+from ._fork import refuse_in_child
 
 __all__ = ["Region", "RemoteRegion"]
 
@@ -27,9 +28,17 @@ class Region:
     views) is gone.
     """
 
-    # Set on every instance by `_make`.
+    # Set on every instance by `_from_alloc` or `_from_buffer`.
     _native: _ferry.NativeRegion
     _held: Any
+    #: (node, name) pairs it is published under, withdrawn by `close`.
+    _publications: List[Tuple[Any, str]]
+
+    if TYPE_CHECKING:
+        # At run time the ctypes base class provides both (see below).
+        def __buffer__(self, flags: int) -> memoryview: ...
+
+        def __len__(self) -> int: ...
 
     def remote(self) -> RemoteRegion:
         """A handle to the whole region: serializable (``to_bytes``),
@@ -60,7 +69,16 @@ class Region:
         """Deregisters the region, then waits up to ``timeout`` seconds
         until no transfer can touch its memory. Returns whether that
         moment came (if not, it comes by itself). Closing twice does
-        nothing."""
+        nothing.
+
+        Names it is published under are withdrawn first. Descriptor
+        lists (:class:`LocalDescs`) and requests over it hold it too: it
+        stays registered until they are gone, and ``close`` waits for
+        that."""
+        refuse_in_child("this region")
+        for node, name in self._publications:
+            node.unpublish(name)
+        self._publications.clear()
         return self._native.close(timeout)
 
     def __enter__(self) -> "Region":
@@ -96,6 +114,7 @@ def _from_alloc(native: _ferry.NativeRegion) -> Region:
     region: Region = _class_for(native.len).from_address(native.addr)
     region._native = native
     region._held = None
+    region._publications = []
     return region
 
 
@@ -105,13 +124,15 @@ def _from_buffer(flat: memoryview) -> Tuple[Region, int]:
     memory cannot move or be freed while the region lives."""
     region: Region = _class_for(flat.nbytes).from_buffer(flat)
     region._held = flat
+    region._publications = []
     return region, ctypes.addressof(region)  # type: ignore[arg-type]
 
 
 class RemoteRegion:
     """A handle to a region of some node (this one included): what a peer
     needs to read or write it. Serializes with :meth:`to_bytes`; a handle
-    forged or altered on the wire is refused by the owner."""
+    whose credentials or bounds were altered on the wire is refused by the
+    owner."""
 
     __slots__ = ("_native",)
 
@@ -147,7 +168,11 @@ class RemoteRegion:
         return RemoteRegion(self._native.slice(start, stop))
 
     def read_only(self) -> "RemoteRegion":
-        """The same bytes, for reads only."""
+        """The same bytes, for reads only: ferry refuses writes through
+        it. Not a capability: its holder has the region's credentials, and
+        the owner enforces the region's own access (``Node.alloc``'s and
+        ``Node.register``'s ``access``), not the handle's. To give a peer
+        read access only, register the memory with ``access="r"``."""
         return RemoteRegion(self._native.read_only())
 
     def __len__(self) -> int:

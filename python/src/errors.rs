@@ -211,7 +211,7 @@ pub fn rpc(error: &RpcError) -> Raise {
         RpcError::Busy { .. } => "PeerBusy",
         RpcError::TooLarge { .. } | RpcError::AnswerTooLarge { .. } => "TooLarge",
         RpcError::BadName(_) => "InvalidArgument",
-        RpcError::NameTaken(_) => "FerryError",
+        RpcError::NameTaken(_) => "InvalidArgument",
         RpcError::ShutDown => "ShutDown",
         RpcError::Protocol { .. } => "ProtocolError",
     };

@@ -298,7 +298,7 @@ impl NativeNode {
     fn publish(&self, name: &str, region: &NativeRegion) -> PyResult<()> {
         self.node
             .publish(name, &region.region()?)
-            .map_err(|e| Raise::new("FerryError", e).into())
+            .map_err(|e| Raise::new("InvalidArgument", e).into())
     }
 
     /// Withdraws `name`; returns whether it was published.
