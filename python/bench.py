@@ -11,8 +11,8 @@ Rows are JSON lines with `ferry bench --json`'s fields, plus ``system`` and
   one-shot submits (``--mode submit``, `ferry bench`) or transfer requests
   on prepared strided lists (``--mode prepared``, `ferry bench --prepared
   --strided`, NIXL's prepped requests);
-- ``descs``: a request of 1,024 x 4 KiB descriptors whose indices numpy
-  computes per request (a block table), made, posted and waited;
+- ``descs``: a request of 1,024 x 4 KiB descriptors whose index array numpy
+  computes per request, made, posted and waited;
 - ``lat``: one 8-byte write per request;
 - ``idle``: the CPU an idle node (connected to its peer) uses, in % of a core.
 
@@ -106,7 +106,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=3.0, help="seconds per measurement")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--idle-seconds", type=float, default=10.0)
-    p.add_argument("--shuffle", action="store_true", help="descs: a shuffled block table")
+    p.add_argument("--shuffle", action="store_true", help="descs: random blocks per request")
     args = p.parse_args()
     if args.role == "target":
         return target()
@@ -170,27 +170,32 @@ def run_workload(workload: str, args: argparse.Namespace, node: ferry.Node, loca
         ldescs = ferry.LocalDescs([local], strided=ferry.Strided(0, 0, block, block, n))
         prepared = node.prepare_remote(
             ferry.RemoteDescs([handle], strided=ferry.Strided(0, 0, block, block, n)))
-        # The block table: in order, so that the bytes touched are the
-        # ones `ferry bench --prepared` touches and the difference is
-        # Python's; --shuffle makes it a random permutation.
-        table = np.arange(n, dtype=np.uint32)
-        if args.shuffle:
-            table = np.random.default_rng(7).permutation(n).astype(np.uint32)
+        # The blocks of a request: the same 1,024 every time unless
+        # --shuffle, as `ferry bench --prepared` moves its share's blocks,
+        # so that the bytes touched (and the caches) are the same and the
+        # difference is Python's; numpy computes the index array anew per
+        # request, as a connector computes its block table.
+        rng = np.random.default_rng(7)
         for op in ops:
             kind = op.upper()
-            start = [0]
+            # What the caller's thread spends per request before it goes
+            # back to its own work (index array, make_xfer, post), as a
+            # connector that polls status() once per step sees it.
+            posting: List[int] = []
 
             def run() -> None:
-                # A request's blocks: the next 1,024 entries of the
-                # table, as a numpy array, as a connector computes them.
-                s = start[0]
-                start[0] = (s + batch) % (n - batch)
-                idx = table[s:s + batch]
+                t0 = time.perf_counter_ns()
+                if args.shuffle:
+                    idx = rng.choice(n, batch, replace=False).astype(np.uint32)
+                else:
+                    idx = np.arange(batch, dtype=np.uint32)
                 xfer = node.make_xfer(kind, ldescs, idx, prepared, idx)
                 xfer.post(30.0)
+                posting.append(time.perf_counter_ns() - t0)
                 xfer.wait()
             lat, secs, first = timed(run, args.duration, args.warmup)
-            rows.append(row(t, "descs", op, block, batch, True, lat, secs, first))
+            post_us = sorted(posting)[len(posting) // 2] / 1000
+            rows.append(row(t, "descs", op, block, batch, True, lat, secs, first, post_us=post_us))
     elif workload == "lat":
         one = [ferry.Op.write(local, handle, length=8)]
 

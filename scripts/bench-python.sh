@@ -100,6 +100,8 @@ for t in ("memory", "tcp"):
         r, p = med("ferry-rust", t, "descs", "lat_p50_us", op), med("ferry-python", t, "descs", "lat_p50_us", op)
         n, m = med("nixl", t, "bw", "lat_p50_us", op, 4096), med("mooncake", t, "bw", "lat_p50_us", op, 4096)
         print(f"{t:<8} {'4K x1024 ' + op + ' p50 µs':<26} {r:>10.1f} {p:>10.1f} {'+%.1f µs (<=20)' % (p - r):>22}   {n:>10.1f} {m:>10.1f}")
+        post = med("ferry-python", t, "descs", "post_us", op)
+        print(f"{t:<8} {'  of which make+post µs':<26} {'':>10} {post:>10.1f}")
     r, p = med("ferry-rust", t, "lat", "lat_p50_us"), med("ferry-python", t, "lat", "lat_p50_us")
     n, m = med("nixl", t, "lat", "lat_p50_us"), med("mooncake", t, "lat", "lat_p50_us")
     print(f"{t:<8} {'8 B write p50 µs':<26} {r:>10.2f} {p:>10.2f} {'+%.2f µs (<=5)' % (p - r):>22}   {n:>10.2f} {m:>10.2f}")
