@@ -16,6 +16,7 @@ the test.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -37,6 +38,10 @@ def expect(line: str) -> None:
 
 
 def main() -> int:
+    # What an interactive `python` has. A process started in the background
+    # by a non-interactive shell (as a CI runner may start the suite)
+    # inherits SIGINT ignored, and Python then installs no handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     mode = sys.argv[1]
     node = ferry.Node()
     if mode == "notification":
