@@ -18,8 +18,8 @@ class Region:
     :meth:`remote`.
 
     A region exposes the buffer protocol, so ``numpy.frombuffer(region,
-    dtype=...)`` and ``memoryview(region)`` are zero-copy views of its
-    bytes; each view keeps the region's memory alive. ``len(region)`` is its
+    dtype=...)``, ``memoryview(region)`` and :meth:`view` are zero-copy
+    views of its bytes; each view keeps the region's memory alive. ``len(region)`` is its
     length in bytes.
 
     :meth:`close` deregisters it: peers can no longer reach it, and a
@@ -39,6 +39,12 @@ class Region:
         def __buffer__(self, flags: int) -> memoryview: ...
 
         def __len__(self) -> int: ...
+
+    def view(self) -> memoryview:
+        """A flat, writable ``memoryview`` of the bytes (format ``"B"``).
+        ``memoryview(region)`` works too, but its format is ctypes'
+        ``"<B"``, which slice assignment from ``bytes`` refuses."""
+        return memoryview(self).cast("B")
 
     def remote(self) -> RemoteRegion:
         """A handle to the whole region: serializable (``to_bytes``),

@@ -122,3 +122,18 @@ def test_region_basics(node: ferry.Node) -> None:
         r.close()
         del r
     assert ferry.NodeAddr.parse(str(node.addr)) == node.addr
+
+
+def test_a_region_view_takes_bytes_and_keeps_the_memory() -> None:
+    """``region.view()`` is a flat ``"B"`` memoryview: ``bytes`` can be
+    assigned into it, it reads back through numpy, and it outlives the
+    region object it came from."""
+    with ferry.Node() as node:
+        region = node.alloc(4096)
+        view = region.view()
+        assert (view.format, view.nbytes, view.readonly) == ("B", 4096, False)
+        view[:5] = b"hello"
+        assert bytes(np.frombuffer(region, dtype=np.uint8)[:5]) == b"hello"
+        del region
+        gc.collect()
+        assert bytes(view[:5]) == b"hello"
