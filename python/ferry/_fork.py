@@ -1,6 +1,8 @@
-"""The fork guard: a node's threads do not survive ``fork()``, so in a
-forked child every call on a node or region made before the fork is
-refused, and nothing at exit waits on them."""
+"""The fork guard: a node's threads (the runtime every node shares) do not
+survive ``fork()``, so in a child forked after a node started every call on
+a node or region is refused, and nothing at exit waits on them. A process
+that only imported ferry forks freely (``multiprocessing``'s default on
+Linux)."""
 
 from __future__ import annotations
 
@@ -8,19 +10,26 @@ import os
 
 from ._errors import FerryError
 
+_started = False
 _forked = False
+
+
+def node_started() -> None:
+    """Called once a node (and so the runtime) runs in this process."""
+    global _started
+    _started = True
 
 
 def _after_fork_in_child() -> None:
     global _forked
-    _forked = True
+    _forked = _started
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def forked() -> bool:
-    """Whether this process was forked from one that imported ferry."""
+    """Whether this process was forked from one that ran a node."""
     return _forked
 
 

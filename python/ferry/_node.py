@@ -21,7 +21,7 @@ from typing import (
 from . import _ferry
 from ._addr import NodeAddr
 from ._errors import FerryError, InvalidArgument
-from ._fork import forked, refuse_in_child
+from ._fork import forked, node_started, refuse_in_child
 from ._region import Region, RemoteRegion, _from_alloc, _from_buffer
 from ._xfer import (
     IndicesLike,
@@ -140,7 +140,9 @@ class Node:
     Use it as a context manager, or call :meth:`close`. Every blocking call
     releases the GIL and takes a ``timeout`` in seconds; Ctrl-C interrupts
     it. A node does not survive ``fork()``: use it in the process that made
-    it (a forked child gets :class:`FerryError` from every call).
+    it (a child forked after a node started gets :class:`FerryError` from
+    every call, and cannot start nodes of its own; one forked before any
+    node started can).
 
     With ``etcd`` (a client URL such as ``"http://127.0.0.1:2379"``) a
     named node publishes itself and its published regions under
@@ -168,6 +170,7 @@ class Node:
         self._native = _ferry.NativeNode(
             name, listen, advertise, memory, ibverbs, tcp_connections, etcd, cluster
         )
+        node_started()
         _OPEN.add(self)
 
     def _node(self) -> _ferry.NativeNode:

@@ -22,7 +22,9 @@ class Region:
     views of its bytes; each view keeps the region's memory alive. ``len(region)`` is its
     length in bytes.
 
-    :meth:`close` deregisters it: peers can no longer reach it, and a
+    It stays registered while this object lives: a handle alone does not
+    keep it, and dropping the last reference deregisters it.
+    :meth:`close` deregisters it at once: peers can no longer reach it, and a
     region made by :meth:`Node.register` lets go of the object it
     registered once no transfer can touch it and the region (with its
     views) is gone.

@@ -127,3 +127,33 @@ def test_mypy_strict_region_is_a_buffer(
         env=env_for("memory"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+FORK_BEFORE_ANY_NODE = '''
+import os, sys
+import ferry
+pid = os.fork()
+if pid == 0:
+    with ferry.Node() as a, ferry.Node() as b:
+        src, dst = a.alloc(4096), bytearray(4096)
+        src.view()[:6] = b"forked"
+        held = b.register(dst)
+        a.write(src, held.remote())
+        os._exit(0 if bytes(dst[:6]) == b"forked" else 3)
+_, status = os.waitpid(pid, 0)
+with ferry.Node() as node:
+    print("parent", node.transports())
+sys.exit(os.waitstatus_to_exitcode(status))
+'''
+
+
+def test_a_child_forked_before_any_node_started_runs_its_own() -> None:
+    """Importing ferry does not stop a process from forking workers
+    (multiprocessing's default on Linux): only a child forked after a node
+    started is refused."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_BEFORE_ANY_NODE],
+        capture_output=True, text=True, timeout=60, env=env_for("memory"),
+    )
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert "parent" in done.stdout
