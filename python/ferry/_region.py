@@ -19,15 +19,14 @@ class Region:
 
     A region exposes the buffer protocol, so ``numpy.frombuffer(region,
     dtype=...)``, ``memoryview(region)`` and :meth:`view` are zero-copy
-    views of its bytes; each view keeps the region's memory alive. ``len(region)`` is its
-    length in bytes.
+    views of its bytes; each view keeps the region's memory alive.
+    ``len(region)`` is its length in bytes.
 
     It stays registered while this object lives: a handle alone does not
-    keep it, and dropping the last reference deregisters it.
-    :meth:`close` deregisters it at once: peers can no longer reach it, and a
-    region made by :meth:`Node.register` lets go of the object it
-    registered once no transfer can touch it and the region (with its
-    views) is gone.
+    keep it, and dropping the last reference deregisters it. :meth:`close`
+    deregisters it at once: peers can no longer reach it, and a region made
+    by :meth:`Node.register` lets go of the object it registered once no
+    transfer can touch it and the region (with its views) is gone.
     """
 
     # Set on every instance by `_from_alloc` or `_from_buffer`.
