@@ -122,6 +122,10 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
         export_metrics(addr)?;
         tokio::spawn(table_gauges(node.clone()));
     }
+    // Listening before the handle goes out: a parent that stops this
+    // process as soon as it has the handle gets a clean exit, not death by
+    // the signal's default action.
+    let stop = Stop::listen(args.stdin)?;
     let handle = serde_json::to_string(&region.remote())?;
     // Ready before the handle goes out: a client may call or send at once.
     // `bench --op rpc` calls this.
@@ -167,7 +171,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
             ""
         },
     );
-    stopped(args.stdin).await?;
+    stop.wait().await;
     // Withdraws the etcd key, so peers stop finding the node at once.
     node.shutdown().await;
     drop(region);
@@ -190,26 +194,55 @@ async fn table_gauges(node: Node) {
     }
 }
 
-/// Waits for SIGTERM, SIGINT, or (with `stdin`) the end of stdin (how
-/// `bench --loopback` stops its child).
-async fn stopped(stdin: bool) -> Result<(), Failure> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let closed = async {
-        if !stdin {
-            return std::future::pending().await;
-        }
-        let _ = tokio::task::spawn_blocking(|| {
-            let mut sink = Vec::new();
-            let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+/// What stops `serve`: SIGTERM, SIGINT, or (with `--stdin`) the end of
+/// stdin (how `bench --loopback` stops its child).
+struct Stop {
+    term: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+    stdin_closed: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl Stop {
+    /// Starts listening: a signal that arrives from now on is one to stop
+    /// on, not one that kills the process.
+    fn listen(stdin: bool) -> Result<Self, Failure> {
+        use tokio::signal::unix::{SignalKind, signal};
+        let term = signal(SignalKind::terminate())?;
+        let interrupt = signal(SignalKind::interrupt())?;
+        let stdin_closed = stdin.then(|| {
+            let (closed, stdin_closed) = tokio::sync::oneshot::channel();
+            // A thread of its own, not `spawn_blocking`: the runtime's
+            // shutdown waits for its blocking tasks, and a read of a stdin
+            // that stays open never returns, so a signal could not stop
+            // the process. This one goes with the process.
+            std::thread::spawn(move || {
+                let mut sink = Vec::new();
+                let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+                let _ = closed.send(());
+            });
+            stdin_closed
+        });
+        Ok(Stop {
+            term,
+            interrupt,
+            stdin_closed,
         })
-        .await;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = interrupt.recv() => {}
-        () = closed => {}
     }
-    Ok(())
+
+    /// Until one of them happens.
+    async fn wait(mut self) {
+        let closed = async {
+            match self.stdin_closed {
+                Some(closed) => {
+                    let _ = closed.await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.interrupt.recv() => {}
+            () = closed => {}
+        }
+    }
 }

@@ -246,6 +246,34 @@ fn serve_and_bench_over_a_handle_file() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// SIGTERM stops `serve` cleanly from the moment its handle is out, and
+/// while its stdin (`--stdin`) is still open: the stdin reader never holds
+/// the exit up.
+#[test]
+fn serve_exits_cleanly_on_sigterm_sent_as_soon_as_its_handle_is_out() {
+    let dir = std::env::temp_dir().join(format!("ferry-cli-term-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let handle = dir.join("handle.json");
+    let mut server = spawn_serve(&["--size", "64K"], &handle);
+    let pid = server.id().to_string();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(sent.success(), "kill -TERM {pid}");
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = server.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > std::time::Duration::from_secs(20) {
+            let _ = server.kill();
+            panic!("serve still runs 20 s after SIGTERM (its stdin still open)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(status.success(), "serve ends with {status:?} on SIGTERM");
+    drop(server.stdin.take());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `bench --notify` attaches a notification to every submit; the serving
 /// process takes each from its inbox exactly once and logs it (count and
 /// size), and bench reports the notification's size in its rows.
