@@ -64,9 +64,7 @@ class Op(NamedTuple):
     ) -> "Op":
         """Copy remote bytes into ``local``. ``length`` defaults to the
         rest of the local region from ``local_offset``."""
-        if length is None:
-            length = local.nbytes - local_offset
-        return cls(False, local, remote, local_offset, remote_offset, length)
+        return cls._between(False, local, remote, local_offset, remote_offset, length)
 
     @classmethod
     def write(
@@ -80,9 +78,21 @@ class Op(NamedTuple):
     ) -> "Op":
         """Copy bytes of ``local`` into the remote region. ``length``
         defaults to the rest of the local region from ``local_offset``."""
+        return cls._between(True, local, remote, local_offset, remote_offset, length)
+
+    @classmethod
+    def _between(
+        cls,
+        is_write: bool,
+        local: Region,
+        remote: RemoteRegion,
+        local_offset: int,
+        remote_offset: int,
+        length: Optional[int],
+    ) -> "Op":
         if length is None:
             length = local.nbytes - local_offset
-        return cls(True, local, remote, local_offset, remote_offset, length)
+        return cls(is_write, local, remote, local_offset, remote_offset, length)
 
 
 class Delivery(NamedTuple):

@@ -30,6 +30,13 @@ impl Raise {
         }
     }
 
+    /// The same class, with the text of the error that wraps it (which
+    /// names the op, the owner, ...).
+    fn saying(mut self, outer: &impl ToString) -> Self {
+        self.message = outer.to_string();
+        self
+    }
+
     /// The same, about op or descriptor `index`.
     pub fn at(mut self, index: usize) -> Self {
         self.index = Some(index);
@@ -93,11 +100,7 @@ pub fn submit(error: &SubmitError) -> Raise {
         SubmitError::Op {
             index,
             error: op_error,
-        } => Raise {
-            message: error.to_string(),
-            ..op(op_error)
-        }
-        .at(*index),
+        } => op(op_error).saying(error).at(*index),
         SubmitError::Timeout { .. } => Raise::new("Timeout", error),
         SubmitError::BackendStopped => Raise::new("BackendStopped", error),
         SubmitError::ShutDown => Raise::new("ShutDown", error),
@@ -109,10 +112,7 @@ pub fn notify(error: &NotifyError) -> Raise {
     match error {
         NotifyError::Submit(inner) => submit(inner),
         NotifyError::TooLarge { .. } => Raise::new("TooLarge", error),
-        NotifyError::Notification { error: inner, .. } => Raise {
-            message: error.to_string(),
-            ..message(inner)
-        },
+        NotifyError::Notification { error: inner, .. } => message(inner).saying(error),
     }
 }
 
@@ -136,19 +136,11 @@ pub fn desc(error: &DescError) -> Raise {
         DescError::Descriptor {
             index,
             error: op_error,
-        } => Raise {
-            message: error.to_string(),
-            ..op(op_error)
-        }
-        .at(*index),
+        } => op(op_error).saying(error).at(*index),
         DescError::Region {
             region,
             error: op_error,
-        } => Raise {
-            message: error.to_string(),
-            ..op(op_error)
-        }
-        .at(*region),
+        } => op(op_error).saying(error).at(*region),
         DescError::IndexOutOfRange { position, .. } => {
             Raise::new("OutOfBounds", error).at(*position)
         }
@@ -162,10 +154,7 @@ pub fn prepare(error: &PrepareError) -> Raise {
         PrepareError::Desc(inner) => desc(inner),
         PrepareError::Connect {
             error: op_error, ..
-        } => Raise {
-            message: error.to_string(),
-            ..op(op_error)
-        },
+        } => op(op_error).saying(error),
         PrepareError::ShutDown => Raise::new("ShutDown", error),
     }
 }

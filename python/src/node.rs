@@ -254,14 +254,20 @@ impl NativeNode {
 
 /// Calls `callback(None)` or `callback(exception)` with the GIL.
 pub fn settle(callback: Py<PyAny>, result: Result<(), Raise>) {
+    call_back(callback, |py| match result {
+        Ok(()) => py.None(),
+        Err(raise) => raise.into_value(py),
+    });
+}
+
+/// Calls `callback(argument(py))` from a runtime thread, with the GIL;
+/// nothing once the interpreter exits.
+pub fn call_back(callback: Py<PyAny>, argument: impl FnOnce(Python<'_>) -> Py<PyAny>) {
     if !crate::python_alive() {
         return;
     }
     Python::attach(|py| {
-        let argument = match result {
-            Ok(()) => py.None(),
-            Err(raise) => raise.into_value(py),
-        };
+        let argument = argument(py);
         if let Err(error) = callback.call1(py, (argument,)) {
             // The callback is the Python layer's own: it settles a future.
             // An error there has nowhere else to go.

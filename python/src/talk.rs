@@ -6,12 +6,12 @@ use std::sync::{Arc, Mutex};
 
 use ferry::{Bytes, Delivery, DeliveryKind, Node, RpcRequest};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBool, PyBytes};
 use tokio::sync::Notify;
 
 use crate::errors::{self, Raise};
 use crate::memory::{NativeRegion, NativeRemote};
-use crate::node::{AddrTuple, NativeNode, addr_tuple, node_addr};
+use crate::node::{AddrTuple, NativeNode, addr_tuple, call_back, node_addr};
 use crate::{block_on, runtime, seconds};
 
 /// Deliveries the node's inbox handed over, waiting for Python to take
@@ -105,18 +105,13 @@ impl Deliveries {
 
     /// The next delivery; `None` once the node has stopped.
     async fn next(&self) -> Option<Delivery> {
-        loop {
-            let arrived = self.arrived.notified();
-            let mut arrived = std::pin::pin!(arrived);
-            arrived.as_mut().enable();
+        while self.waiting().await {
+            // Another waiter may have taken it first: wait again.
             if let Some(delivery) = self.drain(1).pop() {
                 return Some(delivery);
             }
-            if self.closed.load(Ordering::Acquire) {
-                return None;
-            }
-            arrived.await;
         }
+        None
     }
 }
 
@@ -165,13 +160,8 @@ impl NativeNode {
         let deliveries = self.deliveries.clone();
         runtime().spawn(async move {
             let waiting = deliveries.waiting().await;
-            if !crate::python_alive() {
-                return;
-            }
-            Python::attach(|py| {
-                if let Err(error) = callback.call1(py, (waiting,)) {
-                    error.write_unraisable(py, None);
-                }
+            call_back(callback, |py| {
+                PyBool::new(py, waiting).to_owned().into_any().unbind()
             });
         });
     }
@@ -268,17 +258,9 @@ impl NativeNode {
         let node = self.node.clone();
         runtime().spawn(async move {
             let answer = node.call(peer, &name, body, timeout).await;
-            if !crate::python_alive() {
-                return;
-            }
-            Python::attach(|py| {
-                let argument = match answer {
-                    Ok(answer) => PyBytes::new(py, &answer).into_any().unbind(),
-                    Err(error) => errors::rpc(&error).into_value(py),
-                };
-                if let Err(error) = callback.call1(py, (argument,)) {
-                    error.write_unraisable(py, None);
-                }
+            call_back(callback, |py| match answer {
+                Ok(answer) => PyBytes::new(py, &answer).into_any().unbind(),
+                Err(error) => errors::rpc(&error).into_value(py),
             });
         });
         Ok(())

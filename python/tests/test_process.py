@@ -67,11 +67,10 @@ def test_kv_handoff_example(args: list) -> None:
     assert f"over {transport}" in done.stdout, done.stdout
 
 
-def test_mypy_strict_examples() -> None:
-    """The examples type-check with ``mypy --strict`` against the package's
-    annotations and stubs."""
+def mypy_strict(*args: str) -> None:
+    """``mypy --strict`` on ``args`` (from python/), which must pass."""
     proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--cache-dir=/dev/null", "examples/"],
+        [sys.executable, "-m", "mypy", "--strict", "--cache-dir=/dev/null", *args],
         cwd=str(PYTHON_DIR),
         capture_output=True,
         text=True,
@@ -79,6 +78,12 @@ def test_mypy_strict_examples() -> None:
         env=env_for("memory"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_mypy_strict_examples() -> None:
+    """The examples type-check with ``mypy --strict`` against the package's
+    annotations and stubs."""
+    mypy_strict("examples/")
 
 
 TYPED_USAGE = '''
@@ -118,15 +123,7 @@ def test_mypy_strict_region_is_a_buffer(
     with open(source, "w") as f:
         f.write(usage)
     flags = [] if version is None else ["--python-version", version]
-    proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--cache-dir=/dev/null", *flags, source],
-        cwd=str(PYTHON_DIR),
-        capture_output=True,
-        text=True,
-        timeout=170,
-        env=env_for("memory"),
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    mypy_strict(*flags, source)
 
 
 FORK_BEFORE_ANY_NODE = '''

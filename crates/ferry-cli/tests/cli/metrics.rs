@@ -24,16 +24,21 @@ pub fn metric(page: &str, prefix: &str) -> u64 {
         .map_or(0, |v| v.parse::<f64>().unwrap() as u64)
 }
 
-/// The serve side's counters grow by exactly the bytes the bench moved. Over
-/// TCP, since over RDMA the owner's CPU never sees one-sided transfers.
-#[test]
-fn serve_metrics_count_exactly_the_bytes_bench_moved() {
+/// A loopback address no one listens on, for a metrics endpoint.
+fn free_loopback_addr() -> String {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let metrics = format!("127.0.0.1:{port}");
+    format!("127.0.0.1:{port}")
+}
+
+/// The serve side's counters grow by exactly the bytes the bench moved. Over
+/// TCP, since over RDMA the owner's CPU never sees one-sided transfers.
+#[test]
+fn serve_metrics_count_exactly_the_bytes_bench_moved() {
+    let metrics = free_loopback_addr();
     let dir = std::env::temp_dir().join(format!("ferry-cli-metrics-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let handle = dir.join("handle.json");
@@ -119,12 +124,7 @@ fn poll_tables(metrics: &str, tables: &[&str], done: impl Fn(&[u64]) -> bool) ->
 /// messages; once it has exited, none of them.
 #[test]
 fn serve_per_peer_table_gauges_return_to_zero_after_a_client_leaves() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let metrics = format!("127.0.0.1:{port}");
+    let metrics = free_loopback_addr();
     let dir = std::env::temp_dir().join(format!("ferry-cli-tables-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let handle = dir.join("handle.json");
@@ -159,12 +159,7 @@ fn serve_per_peer_table_gauges_return_to_zero_after_a_client_leaves() {
 /// the submit latency histogram.
 #[test]
 fn bench_metrics_expose_initiator_counters_while_it_runs() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let metrics = format!("127.0.0.1:{port}");
+    let metrics = free_loopback_addr();
     let bin = ferry_bin();
     let mut bench = Command::new(&bin)
         .args([
