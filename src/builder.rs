@@ -169,6 +169,15 @@ impl NodeBuilder {
         self
     }
 
+    /// How long a TCP data connection waiting for bytes polls its socket
+    /// before its task sleeps (default [`ferry_tcp::DEFAULT_BUSY_POLL`],
+    /// 20 µs; zero turns it off). An answer that comes within it pays no
+    /// thread wake-up; see [`TcpConfig::busy_poll`] for the trade.
+    pub fn tcp_busy_poll(mut self, window: std::time::Duration) -> Self {
+        self.tcp.busy_poll = window;
+        self
+    }
+
     /// Largest request the TCP backend sends as one chunk, in bytes
     /// (default 1 MiB; capped at the protocol's 64 MiB).
     pub fn tcp_chunk_size(mut self, bytes: u64) -> Self {

@@ -157,6 +157,11 @@ pub struct BenchArgs {
     /// TCP bytes in flight per connection (K, M suffixes; default 8M).
     #[arg(long, value_parser = parse_size)]
     pub window: Option<u64>,
+    /// Microseconds each TCP data connection polls for answers before its
+    /// task sleeps (0: never poll; default 20); `--loopback` gives its
+    /// server the same.
+    #[arg(long)]
+    pub busy_poll_us: Option<u64>,
     /// Measured submits per block size and worker.
     #[arg(long, default_value_t = 20)]
     pub iters: usize,

@@ -49,6 +49,9 @@ pub(crate) fn start_server(args: &BenchArgs) -> Result<(Server, RemoteBuffer), F
     if matches!(args.transport, Transport::Tcp | Transport::Memory) {
         command.arg("--no-ibverbs");
     }
+    if let Some(us) = args.busy_poll_us {
+        command.arg(format!("--busy-poll-us={us}"));
+    }
     let mut child = command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

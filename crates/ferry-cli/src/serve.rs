@@ -67,6 +67,10 @@ pub struct ServeArgs {
     /// Also stop when stdin closes (for a parent process that pipes it).
     #[arg(long)]
     pub stdin: bool,
+    /// Microseconds each TCP data connection polls for the next request
+    /// before its task sleeps (0: never poll; default 20).
+    #[arg(long)]
+    pub busy_poll_us: Option<u64>,
 }
 
 fn parse_advertise(text: &str) -> Result<std::net::SocketAddr, String> {
@@ -99,6 +103,9 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
     }
     if let Some(name) = &args.name {
         builder = builder.name(name.clone());
+    }
+    if let Some(us) = args.busy_poll_us {
+        builder = builder.tcp_busy_poll(std::time::Duration::from_micros(us));
     }
     let lease_ttl = std::time::Duration::from_secs(args.lease_ttl);
     let builder = args.etcd.apply(builder, Some(lease_ttl))?;

@@ -35,6 +35,9 @@ pub(crate) async fn setup(args: &BenchArgs) -> Result<Target, Failure> {
     if let Some(window) = args.window {
         builder = builder.tcp_window(u32::try_from(window).unwrap_or(u32::MAX));
     }
+    if let Some(us) = args.busy_poll_us {
+        builder = builder.tcp_busy_poll(std::time::Duration::from_micros(us));
+    }
     let builder = args.etcd.apply(builder, None)?;
     let node = builder
         .tcp_connections(args.streams)

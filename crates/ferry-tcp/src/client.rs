@@ -29,6 +29,8 @@ pub(crate) struct ClientConfig {
     pub queue_depth: usize,
     /// Bytes one connection may have requested and not yet had answered.
     pub window: u32,
+    /// How long each connection polls for answers before it sleeps.
+    pub busy_poll: Duration,
 }
 
 /// What one owner did with a batch's notification, or why it was not asked.

@@ -171,7 +171,7 @@ pub(crate) async fn connect(
     let endpoint = addr.endpoint;
     let (tx, rx) = mpsc::channel(config.queue_depth.max(1));
     let closed = CancellationToken::new();
-    let run = run_connection(stream, rx, closed.clone(), endpoint, config.window.max(1));
+    let run = run_connection(stream, rx, closed.clone(), endpoint, config);
     tokio::spawn(async move {
         run.await;
         // Closed by now (both loops mark it): the pool may be empty.
@@ -192,11 +192,12 @@ async fn run_connection(
     mut rx: mpsc::Receiver<Chunk>,
     closed: CancellationToken,
     endpoint: SocketAddr,
-    window: u32,
+    config: ClientConfig,
 ) {
+    let window = config.window.max(1);
     let pending = Mutex::new(HashMap::<u64, Chunk>::new());
     let room = Semaphore::new(window as usize);
-    let mut reader = FrameReader::default();
+    let mut reader = FrameReader::new(config.busy_poll);
     let writing = async {
         let r = write_loop(&stream, &mut rx, &pending, &closed, (&room, window)).await;
         closed.cancel();

@@ -26,8 +26,8 @@ mod server;
 mod table;
 
 pub use actor::{
-    DeregisterRegion, RegisteredRegions, TcpBackend, TcpConfig, TcpManagerActor, TcpRegistered,
-    TcpTransportInfo,
+    DEFAULT_BUSY_POLL, DeregisterRegion, RegisteredRegions, TcpBackend, TcpConfig, TcpManagerActor,
+    TcpRegistered, TcpTransportInfo,
 };
 pub use client::{NotificationResult, Notified};
 /// The messages all managers share, re-exported where users look for them.

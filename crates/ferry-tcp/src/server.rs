@@ -5,6 +5,7 @@
 use std::collections::HashSet;
 use std::io;
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use ferry_control::{Connection, ConnectionPermit, IdleClose, Messages, OfferError};
 use ferry_core::MemoryHolder;
@@ -32,11 +33,13 @@ const MAX_FAILED_TAGS: usize = 1 << 16;
 /// or breaks the protocol, or the endpoint closes it for being idle: for its
 /// idle timeout, or to make room for a new connection at a bound. It is idle
 /// while it waits for a request with every response sent. Notifications go
-/// to `inbox`, if the node has one.
+/// to `inbox`, if the node has one. Each wait for a request polls the socket
+/// for `busy_poll` before it sleeps (see `TcpConfig::busy_poll`).
 pub(crate) async fn serve_connection(
     connection: Connection,
     table: Arc<RegionTable>,
     inbox: Weak<Messages>,
+    busy_poll: Duration,
 ) {
     let Connection {
         stream,
@@ -48,7 +51,8 @@ pub(crate) async fn serve_connection(
     // Chunks this connection serves hold their region's memory in the
     // peer's name (see `table::Grant`).
     let peer = MemoryHolder::TcpPeer { node, remote };
-    match serve(&stream, &table, &inbox, &permit, &peer).await {
+    let reader = FrameReader::new(busy_poll);
+    match serve(&stream, reader, &table, &inbox, &permit, &peer).await {
         Ok(None) => {}
         Ok(Some(idle)) => debug!(%remote, "data connection closed: {idle}"),
         Err(e) => debug!(%remote, error = %e, "data connection closed with an error"),
@@ -58,12 +62,12 @@ pub(crate) async fn serve_connection(
 /// `Some` when the connection was closed for being idle.
 async fn serve(
     stream: &TcpStream,
+    mut reader: FrameReader,
     table: &RegionTable,
     inbox: &Weak<Messages>,
     permit: &ConnectionPermit,
     peer: &MemoryHolder,
 ) -> io::Result<Option<IdleClose>> {
-    let mut reader = FrameReader::default();
     let mut failed_tags = HashSet::new();
     let mut out = Outgoing::default();
     loop {
