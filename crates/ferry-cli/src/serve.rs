@@ -140,13 +140,17 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
         Ok(request.body)
     })?;
     // Take what arrives, so that senders (e.g. `bench --notify`) are never
-    // held back by a full inbox, and log each (count and size).
+    // held back by a full inbox, and log each (count and size) at debug
+    // level under `ferry::inbox`: a line per notification would cost the
+    // owner more CPU than receiving it (RUST_LOG=ferry::inbox=debug shows
+    // them).
     let mut inbox = node.inbox().map_err(|e| Failure(format!("inbox: {e}")))?;
     tokio::spawn(async move {
         let mut count = 0u64;
         while let Some(delivery) = inbox.recv().await {
             count += 1;
-            tracing::info!(
+            tracing::debug!(
+                target: "ferry::inbox",
                 count,
                 bytes = delivery.body.len(),
                 kind = ?delivery.kind,
