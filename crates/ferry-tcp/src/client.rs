@@ -48,6 +48,10 @@ struct Notification {
     outcomes: Vec<Arc<OnceLock<NotificationResult>>>,
 }
 
+/// Bytes of consecutive chunks one connection takes before the next chunk
+/// goes to the next connection of the pool (see `Peers::run`).
+const RUN_BYTES: u64 = 64 << 10;
+
 /// How long a pool that could not open a connection carries on over the
 /// ones it has before it tries to grow again: an owner at its connection
 /// limit is not asked again for every chunk.
@@ -319,6 +323,12 @@ impl Peers {
             // not retried for every chunk.
             let mut pinned: HashMap<NodeAddr, Result<Conn, OpError>> = HashMap::new();
             let mut unreachable: HashMap<NodeAddr, OpError> = HashMap::new();
+            // The connection small chunks go to, and the bytes sent to it
+            // since it was picked: a new one is picked once [`RUN_BYTES`]
+            // have gone, so a run of small chunks leaves in one `sendmsg`
+            // instead of one each across the pool, and large ones still
+            // spread over it.
+            let mut current: Option<(NodeAddr, Conn, u64)> = None;
             for (index, op) in ops.into_iter().enumerate() {
                 let peer = self.peer(op.remote.owner());
                 let tcp = op.remote.transports().tcp.expect("checked above");
@@ -367,13 +377,22 @@ impl Peers {
                         chunk.finish(Err(e.clone()));
                         continue;
                     }
-                    match peer.connection(self.config).await {
-                        Ok(conn) => conn.queue(chunk).await,
-                        Err(e) => {
-                            chunk.finish(Err(e.clone()));
-                            unreachable.insert(peer.addr, e);
+                    let reuse = current.as_ref().is_some_and(|(addr, conn, sent)| {
+                        *addr == peer.addr && *sent < RUN_BYTES && !conn.closed.is_cancelled()
+                    });
+                    if !reuse {
+                        match peer.connection(self.config).await {
+                            Ok(conn) => current = Some((peer.addr, conn, 0)),
+                            Err(e) => {
+                                chunk.finish(Err(e.clone()));
+                                unreachable.insert(peer.addr, e);
+                                continue;
+                            }
                         }
                     }
+                    let (_, conn, sent) = current.as_mut().expect("picked above");
+                    *sent += len;
+                    conn.queue(chunk).await;
                 }
             }
             let Some(notification) = &notification else {
