@@ -49,6 +49,34 @@ fn bench_rows(what: &str, args: &[&str]) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// A directory of this test process's own, `ferry-cli-NAME-PID` under the
+/// system's temporary directory: empty when made, and removed with what is
+/// in it when dropped, by a failing test too.
+struct ScratchDir(std::path::PathBuf);
+
+impl ScratchDir {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("ferry-cli-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        ScratchDir(dir)
+    }
+}
+
+impl std::ops::Deref for ScratchDir {
+    type Target = std::path::Path;
+
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 fn in_rxe_vm() -> bool {
     std::env::var_os("FERRY_RXE").is_some()
 }
@@ -203,8 +231,7 @@ fn bad_arguments_fail_cleanly() {
 /// another: every byte verified, one JSON row per block size.
 #[test]
 fn serve_and_bench_over_a_handle_file() {
-    let dir = std::env::temp_dir().join(format!("ferry-cli-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ScratchDir::new("test");
     let handle = dir.join("handle.json");
     let mut server = spawn_serve(&["--size", "4M"], &handle);
     for op in ["write", "read"] {
@@ -248,7 +275,6 @@ fn serve_and_bench_over_a_handle_file() {
         server.wait().unwrap().success(),
         "serve exits when its stdin closes"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// SIGTERM stops `serve` cleanly from the moment its handle is out, and
@@ -256,8 +282,7 @@ fn serve_and_bench_over_a_handle_file() {
 /// the exit up.
 #[test]
 fn serve_exits_cleanly_on_sigterm_sent_as_soon_as_its_handle_is_out() {
-    let dir = std::env::temp_dir().join(format!("ferry-cli-term-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ScratchDir::new("term");
     let handle = dir.join("handle.json");
     let mut server = spawn_serve(&["--size", "64K"], &handle);
     let pid = server.id().to_string();
@@ -276,7 +301,6 @@ fn serve_exits_cleanly_on_sigterm_sent_as_soon_as_its_handle_is_out() {
     };
     assert!(status.success(), "serve ends with {status:?} on SIGTERM");
     drop(server.stdin.take());
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `bench --notify` attaches a notification to every submit; the serving
@@ -284,8 +308,7 @@ fn serve_exits_cleanly_on_sigterm_sent_as_soon_as_its_handle_is_out() {
 /// size), and bench reports the notification's size in its rows.
 #[test]
 fn bench_notifications_reach_serve_once_each() {
-    let dir = std::env::temp_dir().join(format!("ferry-cli-notify-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ScratchDir::new("notify");
     let handle = dir.join("handle.json");
     let log = dir.join("serve.log");
     let mut server = spawn_serve_logging(
@@ -324,7 +347,6 @@ fn bench_notifications_reach_serve_once_each() {
         "{log}"
     );
     assert!(taken[51].contains("count=52"), "{log}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `bench --op rpc` calls serve's echo handler (every answer compared);
@@ -427,8 +449,7 @@ fn bench_runs_prepared_requests_and_registrations() {
 
 #[test]
 fn bench_errors_are_one_line_and_non_zero() {
-    let dir = std::env::temp_dir().join(format!("ferry-cli-bad-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ScratchDir::new("bad");
     // A handle to a node that is gone: take one from a server, stop it.
     let stale = dir.join("stale.json");
     let mut server = spawn_serve(&["--size", "64K"], &stale);
@@ -472,5 +493,4 @@ fn bench_errors_are_one_line_and_non_zero() {
             );
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use super::{bench_rows, ferry_bin, spawn_serve};
+use super::{ScratchDir, bench_rows, ferry_bin, spawn_serve};
 
 /// GETs a page from a local HTTP endpoint (no client library needed).
 pub fn http_get(addr: &str, path: &str) -> String {
@@ -39,8 +39,7 @@ fn free_loopback_addr() -> String {
 #[test]
 fn serve_metrics_count_exactly_the_bytes_bench_moved() {
     let metrics = free_loopback_addr();
-    let dir = std::env::temp_dir().join(format!("ferry-cli-metrics-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ScratchDir::new("metrics");
     let handle = dir.join("handle.json");
     let mut server = spawn_serve(&["--size", "1M", "--metrics", &metrics], &handle);
     let served = |page: &str, op: &str| {
@@ -87,7 +86,6 @@ fn serve_metrics_count_exactly_the_bytes_bench_moved() {
     assert!(moved[0] > 0 && moved[1] > 0);
     drop(server.stdin.take());
     assert!(server.wait().unwrap().success());
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The value of the gauge line that starts with `prefix`; panics if the
@@ -125,8 +123,7 @@ fn poll_tables(metrics: &str, tables: &[&str], done: impl Fn(&[u64]) -> bool) ->
 #[test]
 fn serve_per_peer_table_gauges_return_to_zero_after_a_client_leaves() {
     let metrics = free_loopback_addr();
-    let dir = std::env::temp_dir().join(format!("ferry-cli-tables-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = ScratchDir::new("tables");
     let handle = dir.join("handle.json");
     let mut server = spawn_serve(&["--size", "1M", "--metrics", &metrics], &handle);
     let tables = ["accepted_connections", "live_sessions", "message_lines"];
@@ -152,7 +149,6 @@ fn serve_per_peer_table_gauges_return_to_zero_after_a_client_leaves() {
     assert_eq!(after, [0, 0, 0], "{tables:?} after the bench left");
     drop(server.stdin.take());
     assert!(server.wait().unwrap().success());
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// While a bench runs, its own endpoint shows the initiator's counters and

@@ -6,7 +6,6 @@
 
 use std::io::ErrorKind;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -18,23 +17,22 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::runtime::Runtime;
 
-use super::{ferry_bin, http_get, metric};
+use super::{ScratchDir, ferry_bin, http_get, metric};
 
 /// A `ferry serve` process, optionally under a soft descriptor limit, with
 /// its stderr in a file the test reads while it runs. Dropping it kills the
 /// process if the test did not stop it.
 pub(crate) struct Served {
     child: Child,
-    dir: PathBuf,
+    /// Dropped after the child is killed: removed once serve is gone.
+    dir: ScratchDir,
 }
 
 impl Served {
     /// Starts serve with `args` and returns it with its region's handle,
     /// once serve has written it (within a deadline).
     pub(crate) fn start(name: &str, nofile: Option<u32>, args: &[&str]) -> (Served, RemoteBuffer) {
-        let dir = std::env::temp_dir().join(format!("ferry-cli-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = ScratchDir::new(name);
         let handle = dir.join("handle.json");
         let bin = ferry_bin();
         // `ulimit` in a shell that then becomes serve: no prlimit needed,
@@ -119,7 +117,6 @@ impl Drop for Served {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

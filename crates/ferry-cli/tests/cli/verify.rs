@@ -8,23 +8,22 @@ use std::time::{Duration, Instant};
 
 use ferry::prelude::*;
 
-use super::{bench_rows, ferry, spawn_serve};
+use super::{ScratchDir, bench_rows, ferry, spawn_serve};
 
 /// A scratch directory and a `ferry serve` of `size` bytes in it; the
 /// handle file's path.
-fn served(name: &str, size: &str) -> (std::path::PathBuf, std::process::Child, String) {
-    let dir = std::env::temp_dir().join(format!("ferry-cli-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+fn served(name: &str, size: &str) -> (ScratchDir, std::process::Child, String) {
+    let dir = ScratchDir::new(name);
     let handle = dir.join("handle.json");
     let server = spawn_serve(&["--size", size], &handle);
     let path = handle.to_str().unwrap().to_string();
     (dir, server, path)
 }
 
-fn stop(dir: std::path::PathBuf, mut server: std::process::Child) {
+fn stop(dir: ScratchDir, mut server: std::process::Child) {
     drop(server.stdin.take());
     assert!(server.wait().unwrap().success());
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
 }
 
 /// `bench`'s stderr, after checking that it failed.
