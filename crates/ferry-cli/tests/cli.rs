@@ -88,8 +88,8 @@ fn spawn_serve(args: &[&str], handle: &std::path::Path) -> std::process::Child {
     spawn_serve_logging(args, handle, std::process::Stdio::null())
 }
 
-/// `spawn_serve`, with its log (stderr) going to `log`: its default log,
-/// and a line per delivery its inbox takes.
+/// `spawn_serve`, with its log (stderr) going to `log`: warnings, and a
+/// line per delivery its inbox takes.
 fn spawn_serve_logging(
     args: &[&str],
     handle: &std::path::Path,
@@ -102,10 +102,7 @@ fn spawn_serve_logging(
         .arg("--stdin")
         // About the network transports: nothing shared through memory.
         .env("FERRY_DISABLE_MEMORY", "1")
-        .env(
-            "RUST_LOG",
-            "warn,ferry=info,ferry_control=info,ferry_tcp=info,ferry_ibverbs=info,ferry::inbox=debug",
-        )
+        .env("RUST_LOG", "warn,ferry::inbox=debug")
         .arg("--handle-file")
         .arg(handle)
         .stdin(std::process::Stdio::piped())
