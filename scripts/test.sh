@@ -10,6 +10,12 @@ source scripts/install-deps.sh
 # (each test its own, with a temporary data directory). g++: libFuzzer,
 # which the fuzz targets link, is C++.
 ferry_install_deps etcd-server g++
+# A CI run builds everything once from nothing: incremental compilation's
+# caches (about half of the target directory, 6 GB) would only be written,
+# never read, and a CI machine ran out of disk writing them.
+if [ "${CI:-}" = true ]; then
+    export CARGO_INCREMENTAL=0
+fi
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
