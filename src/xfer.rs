@@ -360,14 +360,21 @@ impl Job {
         levels: &[RdmaTransportLevel],
     ) -> (Vec<RdmaOp>, Vec<RdmaTransportLevel>) {
         let remote = self.remote.list();
-        (start..end)
-            .map(|k| {
-                let r = self.remote_idx.at(k);
-                let region = remote.descs().get(r as usize).map_or(0, |d| d.region);
-                let op = op_at(self.kind, &self.local, self.local_idx.at(k), remote, r);
-                (op, levels[region as usize])
-            })
-            .unzip()
+        let mut ops = Vec::with_capacity(end - start);
+        let mut op_levels = Vec::with_capacity(end - start);
+        for k in start..end {
+            let r = self.remote_idx.at(k);
+            let region = remote.descs().get(r as usize).map_or(0, |d| d.region);
+            ops.push(op_at(
+                self.kind,
+                &self.local,
+                self.local_idx.at(k),
+                remote,
+                r,
+            ));
+            op_levels.push(levels[region as usize]);
+        }
+        (ops, op_levels)
     }
 
     /// Each region's transport for this post, routed once per post and

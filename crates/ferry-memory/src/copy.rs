@@ -32,10 +32,22 @@ pub(crate) enum Located {
 pub(crate) struct Planned {
     /// Its index in the batch.
     pub index: usize,
-    /// The op: keeps its local region alive while a thread copies (a
-    /// timed-out submit may drop its own copy first).
-    pub op: RdmaOp,
     pub at: Located,
+}
+
+/// A batch's ops and the ones of them to copy. Shared with the copy
+/// threads: its ops keep their local regions alive while a thread copies
+/// (a timed-out submit may drop its own reference first).
+pub(crate) struct Batch {
+    pub ops: Vec<RdmaOp>,
+    pub planned: Vec<Planned>,
+}
+
+impl Batch {
+    /// The op `planned` copies.
+    pub fn op(&self, planned: &Planned) -> &RdmaOp {
+        &self.ops[planned.index]
+    }
 }
 
 /// A byte range of one planned op, for one thread.
@@ -45,22 +57,23 @@ struct Piece {
     len: usize,
 }
 
-// SAFETY: the raw pointers point into mappings (kept by `mapping`; a
-// grant's address is only handed to the kernel) and regions (kept by `op`) that live as long as the Planned does, and are
-// only used for copies, like DMA.
-unsafe impl Send for Planned {}
-// SAFETY: as for Send; Planned is only read.
-unsafe impl Sync for Planned {}
+// SAFETY: the pointer points into the mapping that `mapping` keeps (a
+// grant's address is only handed to the kernel), and is only used for
+// copies, like DMA.
+unsafe impl Send for Located {}
+// SAFETY: as for Send; a Located is only read.
+unsafe impl Sync for Located {}
 
 /// Copies `len` bytes at `offset` of the op; `Err(Fail::Dead)` if its
 /// region was not alive throughout.
-fn copy(planned: &Planned, offset: usize, len: usize) -> Result<(), Fail> {
+fn copy(batch: &Batch, planned: &Planned, offset: usize, len: usize) -> Result<(), Fail> {
+    let op = batch.op(planned);
     let (mapping, remote) = match &planned.at {
         Located::Mapped { mapping, remote } => (mapping, *remote),
         Located::ProcessVm { grant, remote } => {
             // In range: offset + len <= the op's length.
-            let local = planned.op.local.as_ptr().wrapping_add(offset);
-            return grant.copy(planned.op.kind, local, remote + offset as u64, len);
+            let local = op.local.as_ptr().wrapping_add(offset);
+            return grant.copy(op.kind, local, remote + offset as u64, len);
         }
     };
     if !mapping.is_alive() {
@@ -73,9 +86,9 @@ fn copy(planned: &Planned, offset: usize, len: usize) -> Result<(), Fail> {
     // other addresses: `copy` keeps that sound, and the bytes where source
     // and destination overlap are unspecified, as for overlapping ops.
     unsafe {
-        let local = planned.op.local.as_ptr().add(offset);
+        let local = op.local.as_ptr().add(offset);
         let remote = remote.add(offset);
-        match planned.op.kind {
+        match op.kind {
             OpKind::Write => std::ptr::copy(local, remote, len),
             OpKind::Read => std::ptr::copy(remote, local, len),
         }
@@ -93,12 +106,11 @@ fn copy(planned: &Planned, offset: usize, len: usize) -> Result<(), Fail> {
 
 /// Runs every copy; returns, for each planned op in order, how it went
 /// (for a dead region, the owner is asked why).
-pub(crate) async fn run(planned: Vec<Planned>) -> Vec<Result<(), Fail>> {
-    let total: u64 = planned.iter().map(|p| p.op.len()).sum();
+pub(crate) async fn run(batch: Arc<Batch>) -> Vec<Result<(), Fail>> {
+    let total: u64 = batch.planned.iter().map(|p| batch.op(p).len()).sum();
     if total < INLINE {
-        return planned
-            .iter()
-            .map(|p| copy(p, 0, p.op.len() as usize))
+        return (batch.planned.iter())
+            .map(|p| copy(&batch, p, 0, batch.op(p).len() as usize))
             .collect();
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -107,9 +119,9 @@ pub(crate) async fn run(planned: Vec<Planned>) -> Vec<Result<(), Fail>> {
     // Cut the batch into `threads` runs of about `share` bytes.
     let mut runs: Vec<Vec<Piece>> = vec![Vec::new()];
     let mut room = share;
-    for (i, p) in planned.iter().enumerate() {
+    for (i, p) in batch.planned.iter().enumerate() {
         let mut offset = 0;
-        let len = p.op.len() as usize;
+        let len = batch.op(p).len() as usize;
         while offset < len {
             if room == 0 {
                 runs.push(Vec::new());
@@ -125,19 +137,19 @@ pub(crate) async fn run(planned: Vec<Planned>) -> Vec<Result<(), Fail>> {
             room -= take;
         }
     }
-    let planned = Arc::new(planned);
     let tasks = runs.into_iter().map(|run| {
-        let planned = planned.clone();
+        let batch = batch.clone();
         tokio::task::spawn_blocking(move || {
             run.into_iter()
                 .map(|piece| {
-                    let result = copy(&planned[piece.planned], piece.offset, piece.len);
+                    let planned = &batch.planned[piece.planned];
+                    let result = copy(&batch, planned, piece.offset, piece.len);
                     (piece.planned, result)
                 })
                 .collect::<Vec<_>>()
         })
     });
-    let mut outcome = vec![Ok(()); planned.len()];
+    let mut outcome = vec![Ok(()); batch.planned.len()];
     for done in futures_join(tasks).await {
         match done {
             Ok(pieces) => {

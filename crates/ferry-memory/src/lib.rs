@@ -61,8 +61,8 @@ use std::time::Duration;
 
 use ferry_control::NotificationSink;
 use ferry_core::{
-    MemRemote, MemoryBlock, NodeAddr, NodeId, OpError, RdmaOp, RegisterError, RegisterRegion,
-    RemoteBuffer, SubmitError, random_u128,
+    Generation, MemRemote, MemoryBlock, NodeAddr, NodeId, OpError, OpKind, RdmaOp, RegionId,
+    RegisterError, RegisterRegion, RemoteBuffer, SubmitError, random_u128,
 };
 
 /// What [`MemoryBackend::notify`] did with a notification.
@@ -414,28 +414,25 @@ impl MemoryBackend {
             let mut failed: Vec<(usize, OpError)> = Vec::new();
             let mut planned = Vec::with_capacity(ops.len());
             let mut links = Vec::with_capacity(ops.len());
-            let mut seen = Vec::new();
+            let mut seen = Seen::default();
             for (index, op) in ops.iter().enumerate() {
                 match self.plan(op, &mut seen).await {
                     Ok(Some((link, at))) => {
                         links.push(link);
-                        planned.push(copy::Planned {
-                            index,
-                            op: op.clone(),
-                            at,
-                        });
+                        planned.push(copy::Planned { index, at });
                     }
                     Ok(None) => {}
                     Err(error) => failed.push((index, error)),
                 }
             }
-            let indices: Vec<usize> = planned.iter().map(|p| p.index).collect();
-            let outcome = copy::run(planned).await;
-            for ((index, outcome), link) in indices.into_iter().zip(outcome).zip(links) {
-                let endpoint = ops[index].remote.owner().endpoint;
+            let batch = Arc::new(copy::Batch { ops, planned });
+            let outcome = copy::run(batch.clone()).await;
+            for ((planned, outcome), link) in batch.planned.iter().zip(outcome).zip(links) {
+                let (index, op) = (planned.index, batch.op(planned));
+                let endpoint = op.remote.owner().endpoint;
                 let error = match outcome {
                     Ok(()) => continue,
-                    Err(pvm::Fail::Dead) => link.why_dead(&ops[index]).await,
+                    Err(pvm::Fail::Dead) => link.why_dead(op).await,
                     Err(pvm::Fail::ReadOnly) => OpError::ReadOnly,
                     // The probe said yes, and now the kernel says no (the
                     // owner changed its credentials): remembered, so the
@@ -472,27 +469,40 @@ impl MemoryBackend {
     }
 
     /// `op`'s link, and where its remote bytes are; `None` for an empty
-    /// op. `seen` holds the owners of this batch already looked at, so that
-    /// each is looked up and checked once per batch, not once per op.
-    #[allow(clippy::type_complexity)]
+    /// op. `seen` holds what this batch already looked up: each owner is
+    /// looked up and checked once per batch, and a run of ops on one
+    /// region (a prepared request's usual slice) takes its mapping without
+    /// the link's lock and table.
     async fn plan(
         &self,
         op: &RdmaOp,
-        seen: &mut Vec<(NodeId, Result<Arc<peer::Link>, OpError>)>,
+        seen: &mut Seen,
     ) -> Result<Option<(Arc<peer::Link>, copy::Located)>, OpError> {
         if op.is_empty() {
             return Ok(None);
         }
         let owner = op.remote.owner();
-        let link = match seen.iter().find(|(id, _)| *id == owner.id) {
+        let link = match seen.links.iter().find(|(id, _)| *id == owner.id) {
             Some((_, link)) => link.clone()?,
             None => {
                 let link = self.link_to(owner);
-                seen.push((owner.id, link.clone()));
+                seen.links.push((owner.id, link.clone()));
                 link?
             }
         };
-        let at = match link.mapping(op).await? {
+        let key = LastTarget::key_of(op);
+        let target = match &seen.last {
+            Some(last) if last.serves(&key, op) => last.target.clone(),
+            _ => {
+                let target = link.mapping(op).await?;
+                seen.last = Some(LastTarget {
+                    key,
+                    target: target.clone(),
+                });
+                target
+            }
+        };
+        let at = match target {
             peer::Target::Mapped(mapping) => {
                 let remote = mapping.locate(op)?;
                 copy::Located::Mapped { mapping, remote }
@@ -523,6 +533,45 @@ impl MemoryBackend {
             });
         }
         Ok(link)
+    }
+}
+
+/// What a batch's planning already looked up ([`MemoryBackend::plan`]).
+#[derive(Default)]
+struct Seen {
+    /// Each owner's link, or why there is none.
+    links: Vec<(NodeId, Result<Arc<peer::Link>, OpError>)>,
+    /// The last mapping or grant taken, for the ops after it on the same
+    /// region.
+    last: Option<LastTarget>,
+}
+
+/// A mapping or grant, and the handle fields it was granted for: an op
+/// whose handle has the same ones gets the same answer from the link's
+/// table (which checks generation, token and access), so it is not asked.
+struct LastTarget {
+    key: TargetKey,
+    target: peer::Target,
+}
+
+/// An op's owner, region, generation and memory token.
+type TargetKey = (NodeId, RegionId, Generation, u128);
+
+impl LastTarget {
+    fn key_of(op: &RdmaOp) -> TargetKey {
+        let remote = &op.remote;
+        let token = remote.transports().memory.map_or(0, |m| m.token);
+        (
+            remote.owner().id,
+            remote.region(),
+            remote.generation(),
+            token,
+        )
+    }
+
+    /// Whether `op`, whose key is `key`, may use this target.
+    fn serves(&self, key: &TargetKey, op: &RdmaOp) -> bool {
+        self.key == *key && (op.kind == OpKind::Read || self.target.writable())
     }
 }
 

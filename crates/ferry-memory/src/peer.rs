@@ -143,7 +143,7 @@ impl Target {
         }
     }
 
-    fn writable(&self) -> bool {
+    pub(crate) fn writable(&self) -> bool {
         match self {
             Target::Mapped(m) => m.writable,
             Target::ProcessVm(g) => g.writable,

@@ -329,8 +329,15 @@ impl Peers {
             // instead of one each across the pool, and large ones still
             // spread over it.
             let mut current: Option<(NodeAddr, Conn, u64)> = None;
+            // The pool of the last op's owner: a batch's ops mostly share
+            // one, which is then looked up (and released) once, not per op.
+            let mut peer: Option<PeerRef> = None;
             for (index, op) in ops.into_iter().enumerate() {
-                let peer = self.peer(op.remote.owner());
+                let owner = op.remote.owner();
+                if peer.as_ref().is_none_or(|p| p.addr != owner) {
+                    peer = Some(self.peer(owner));
+                }
+                let peer = peer.as_ref().expect("set above");
                 let tcp = op.remote.transports().tcp.expect("checked above");
                 let kind = match op.kind {
                     OpKind::Read => RequestKind::Read,

@@ -3,6 +3,7 @@
 //! window and applies the owner's responses.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -18,6 +19,37 @@ use tracing::debug;
 use crate::client::{ClientConfig, NotificationResult, PeerTable, release};
 use crate::frame::{ClientFrame, RESPONSE_LEN, RequestKind, Response};
 use crate::io::{FrameReader, IoVecs};
+
+/// Chunks sent and not yet answered, by request id.
+type Pending = HashMap<u64, Chunk, BuildHasherDefault<IdHasher>>;
+
+/// Hashes a request id with one multiplication. Ids are this connection's
+/// own counter, inserted only here (a peer's answer can only look one up),
+/// so the table needs no defence against chosen keys, and SipHash, the
+/// default, cost more than the rest of a small chunk's bookkeeping.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(FIBONACCI);
+        }
+    }
+
+    fn write_u64(&mut self, id: u64) {
+        self.0 = id.wrapping_mul(FIBONACCI);
+    }
+}
+
+/// 2^64 / the golden ratio, odd: multiplying by it keeps consecutive ids
+/// apart in the low bits (the table's bucket) and mixes them into the high
+/// ones (its tag).
+const FIBONACCI: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// Most chunks one connection writes with a single `sendmsg`.
 const MAX_CHUNKS_PER_SEND: usize = 128;
@@ -195,7 +227,7 @@ async fn run_connection(
     config: ClientConfig,
 ) {
     let window = config.window.max(1);
-    let pending = Mutex::new(HashMap::<u64, Chunk>::new());
+    let pending = Mutex::new(Pending::default());
     let room = Semaphore::new(window as usize);
     let mut reader = FrameReader::new(config.busy_poll);
     let writing = async {
@@ -233,7 +265,7 @@ async fn run_connection(
 async fn write_loop(
     stream: &TcpStream,
     rx: &mut mpsc::Receiver<Chunk>,
-    pending: &Mutex<HashMap<u64, Chunk>>,
+    pending: &Mutex<Pending>,
     closed: &CancellationToken,
     (room, window): (&Semaphore, u32),
 ) -> io::Result<()> {
@@ -334,7 +366,7 @@ async fn write_loop(
 async fn read_loop(
     stream: &TcpStream,
     reader: &mut FrameReader,
-    pending: &Mutex<HashMap<u64, Chunk>>,
+    pending: &Mutex<Pending>,
     closed: &CancellationToken,
     (room, window): (&Semaphore, u32),
 ) -> io::Result<()> {
