@@ -371,10 +371,13 @@ async fn read_loop(
     (room, window): (&Semaphore, u32),
 ) -> io::Result<()> {
     let protocol = |msg: &str| io::Error::new(io::ErrorKind::InvalidData, msg.to_string());
+    // Made once, not per response: registering a new waiter on the token
+    // for every frame cost as much as decoding it.
+    let mut cancelled = std::pin::pin!(closed.cancelled());
     loop {
         let header = tokio::select! {
             biased;
-            _ = closed.cancelled() => return Ok(()),
+            _ = &mut cancelled => return Ok(()),
             header = reader.header::<RESPONSE_LEN>(stream) => header?,
         };
         let Some(header) = header else {
@@ -401,7 +404,7 @@ async fn read_loop(
                 // registered until after this call.
                 let received = tokio::select! {
                     biased;
-                    _ = closed.cancelled() => return Ok(()),
+                    _ = &mut cancelled => return Ok(()),
                     r = unsafe { reader.payload(stream, dst, len as usize) } => r,
                 };
                 received?;
