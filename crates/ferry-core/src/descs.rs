@@ -180,6 +180,36 @@ impl Descs {
         }
     }
 
+    /// For each of `regions` regions, the byte range its descriptors span
+    /// (from the lowest offset to the highest end), or `None` if none
+    /// names it. One pass; O(1) for a strided list.
+    pub fn spans(&self, regions: usize) -> Vec<Option<Range<u64>>> {
+        let mut spans: Vec<Option<Range<u64>>> = vec![None; regions];
+        let mut widen = |desc: Desc| {
+            let Some(span) = spans.get_mut(desc.region as usize) else {
+                return;
+            };
+            let end = desc.offset.saturating_add(desc.len);
+            match span {
+                Some(span) => {
+                    span.start = span.start.min(desc.offset);
+                    span.end = span.end.max(end);
+                }
+                None => *span = Some(desc.offset..end),
+            }
+        };
+        match &self.0 {
+            Layout::Strided { count: 0, .. } => {}
+            &Layout::Strided { count, .. } => {
+                // The first and the last block bound every other one.
+                widen(self.get(0).expect("count > 0"));
+                widen(self.get(count as usize - 1).expect("last < count"));
+            }
+            Layout::Explicit { .. } => self.iter().for_each(widen),
+        }
+        spans
+    }
+
     /// Every descriptor, in order.
     pub fn iter(&self) -> impl ExactSizeIterator<Item = Desc> + '_ {
         (0..self.len()).map(|i| self.get(i).expect("i < len"))

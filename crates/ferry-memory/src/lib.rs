@@ -56,6 +56,7 @@ mod socket;
 #[doc(hidden)]
 pub mod wire;
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -278,6 +279,40 @@ impl MemoryBackend {
         };
         remote.check_address_range()?;
         link.mapping_for(remote, write).await.map(drop)
+    }
+
+    /// Fills in this process's page tables for the bytes at `span` of
+    /// `remote` (those a prepared list names), in its mapping made by
+    /// [`prepare`](Self::prepare), so that the first transfer through
+    /// them takes no page fault per 4 KiB (on these VMs 2 µs each: a
+    /// first 1 MiB request took 540 µs against 28 µs warm). Best effort,
+    /// on a blocking thread, waited for until `deadline`: past it, the
+    /// pages go on being filled in beside the first transfers, which is
+    /// as safe as faulting them in. Does nothing for a region reached
+    /// through `process_vm` (nothing is mapped here).
+    pub async fn populate(
+        &self,
+        remote: &RemoteBuffer,
+        write: bool,
+        span: Range<u64>,
+        deadline: tokio::time::Instant,
+    ) {
+        if !self.routes(remote) || span.is_empty() {
+            return;
+        }
+        let Some(link) = self.0.links.get(remote.owner()) else {
+            return;
+        };
+        let populating = async {
+            // Cached by `prepare`: no round trip.
+            let Ok(peer::Target::Mapped(mapping)) = link.mapping_for(remote, write).await else {
+                return;
+            };
+            let at = |offset: u64| remote.addr().saturating_add(offset.min(remote.len()));
+            let range = at(span.start)..at(span.end);
+            _ = tokio::task::spawn_blocking(move || mapping.populate(range)).await;
+        };
+        _ = tokio::time::timeout_at(deadline, populating).await;
     }
 
     /// Forgets the owners of `remotes` that closed their sockets; see

@@ -34,6 +34,12 @@ use crate::shared::{alive, map_sealed};
 use crate::socket::Packets;
 use crate::wire::{Answer, Reply, Request};
 
+/// The most bytes of one region [`Mapping::populate`] fills in: a bound
+/// on the time (0.19 s per GiB here, a third of what faulting the pages
+/// in costs) and page tables (2 MiB per GiB) that preparing a list over a
+/// huge region takes; pages past it fault in on first use.
+pub(crate) const POPULATE_MAX: u64 = 4 << 30;
+
 /// A peer's region mapped into this process.
 pub(crate) struct Mapping {
     base: *mut u8,
@@ -84,6 +90,40 @@ impl Mapping {
             generation,
             writable,
         })
+    }
+
+    /// Fills in this process's page tables for the region's bytes at
+    /// owner addresses `range` (clamped to the region, at most
+    /// [`POPULATE_MAX`] bytes), so that the first copies through them do
+    /// not take a page fault per 4 KiB. Best effort: a kernel without
+    /// `MADV_POPULATE_*` (before 5.14) leaves the pages to fault in on
+    /// first use. Blocks for as long as the kernel takes.
+    pub fn populate(&self, range: std::ops::Range<u64>) {
+        let start = range.start.saturating_sub(self.owner_base).min(self.len);
+        let end = range.end.saturating_sub(self.owner_base).min(self.len);
+        let page = PAGE_SIZE as u64;
+        let start = start / page * page;
+        let end = end.div_ceil(page) * page;
+        let len = end.saturating_sub(start).min(POPULATE_MAX);
+        if len == 0 {
+            return;
+        }
+        let advice = if self.writable {
+            libc::MADV_POPULATE_WRITE
+        } else {
+            libc::MADV_POPULATE_READ
+        };
+        // SAFETY: `start..start + len` is page aligned and lies within the
+        // mapping (`end <= len` rounded up to a page <= data_len, as
+        // data_len is page aligned and holds the region); populating only
+        // fills page tables, as touching each page would.
+        let failed =
+            unsafe { libc::madvise(self.base.add(start as usize).cast(), len as usize, advice) }
+                != 0;
+        if failed {
+            let error = std::io::Error::last_os_error();
+            tracing::debug!(%error, "memory transport: populating a mapping failed; pages fault in on first use");
+        }
     }
 
     fn liveness(&self) -> &AtomicU64 {

@@ -31,6 +31,27 @@ fn a_strided_list_is_its_four_numbers_and_reads_like_the_explicit_one() {
 }
 
 #[test]
+fn spans_bound_each_regions_descriptors_in_both_forms() {
+    let strided = Descs::strided(1, 64, 4096, 1024, 100_000);
+    let explicit = Descs::from_triples(&[[1, 64, 1024], [1, 64 + 99_999 * 4096, 1024]]).unwrap();
+    let want = vec![None, Some(64..64 + 99_999 * 4096 + 1024), None];
+    assert_eq!(strided.spans(3), want);
+    assert_eq!(explicit.spans(3), want);
+    // Out of order, overlapping, two regions; a region past `regions` is
+    // left out (binding refuses such a list anyway).
+    let mixed = Descs::from_triples(&[
+        [0, 500, 10],
+        [2, 7, 1],
+        [0, 100, 50],
+        [0, 490, 5],
+        [9, 0, 1],
+    ])
+    .unwrap();
+    assert_eq!(mixed.spans(3), vec![Some(100..510), None, Some(7..8)]);
+    assert_eq!(Descs::strided(0, 0, 8, 8, 0).spans(1), vec![None]);
+}
+
+#[test]
 fn triples_become_descriptors_and_a_huge_region_index_is_refused() {
     let descs = Descs::from_triples(&[[0, 0, 16], [1, 32, 8]]).unwrap();
     assert_eq!(
