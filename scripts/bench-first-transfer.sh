@@ -10,7 +10,10 @@
 # writes, then 10 warm-up and 200 measured ones. Prints every run's
 # first_us and steady p50 (µs), then per mode the median of each, their
 # ratio, and how many runs had a first transfer within 2x their own p50.
-# Run it on an idle machine.
+# PREPARED=1 makes each request from prepared lists (--prepared): preparing
+# the remote list connects too, and on the same host maps the region and
+# fills in its page tables, so both modes then start prepared. Run it on an
+# idle machine.
 #
 #   scripts/bench-first-transfer.sh [RUNS [TRANSPORT]]   (default 12 tcp;
 #                                                        TRANSPORT: tcp or memory)
@@ -32,11 +35,13 @@ server=$!
 trap 'kill $server 2>/dev/null || true; rm -rf "$dir"' EXIT
 until [ -s "$dir/h" ]; do sleep 0.1; done
 
+request=(--batch 16)
+[ "${PREPARED:-0}" = 1 ] && request=(--prepared --descs 16)
 for run in $(seq "$runs"); do
     for mode in connect cold; do
         flag=()
         [ "$mode" = connect ] && flag=(--connect)
-        $ferry bench --handle "$dir/h" --transport "$transport" --block 64K --batch 16 \
+        $ferry bench --handle "$dir/h" --transport "$transport" --block 64K "${request[@]}" \
             "${flag[@]}" --warmup 10 --iters 200 --json 2>/dev/null | tail -n 1 |
             python3 -c '
 import json, sys
@@ -46,10 +51,12 @@ print(sys.argv[1], sys.argv[2], r["first_us"], r["lat_p50_us"])
     done
 done
 
-python3 - "$dir/rows" "$transport" <<'EOF'
+prepared=""
+[ "${PREPARED:-0}" = 1 ] && prepared=", prepared"
+python3 - "$dir/rows" "$transport" "$prepared" <<'EOF'
 import statistics, sys
 rows = [line.split() for line in open(sys.argv[1])]
-print(f"\n{sys.argv[2]}, 16 x 64 KiB writes, {len(rows) // 2} runs per mode")
+print(f"\n{sys.argv[2]}, 16 x 64 KiB writes{sys.argv[3]}, {len(rows) // 2} runs per mode")
 for mode in ("connect", "cold"):
     first = [float(r[2]) for r in rows if r[1] == mode]
     p50 = [float(r[3]) for r in rows if r[1] == mode]
