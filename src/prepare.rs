@@ -169,8 +169,8 @@ impl Router {
         }
         // Same-host regions are mapped (or granted) now: the owner checks
         // each handle's generation and token here, not at the first post,
-        // and the pages the descriptors name are mapped in now, not by the
-        // first post's page faults.
+        // and the pages the descriptors name start being filled in, so that
+        // the first posts take no page faults.
         if let Some(memory) = &self.memory {
             let spans = list.descs().spans(regions.len());
             for (index, (region, level)) in regions.iter().zip(levels.iter()).enumerate() {
@@ -246,12 +246,13 @@ impl Node {
     /// Prepares a peer's descriptor list for requests, within `timeout`:
     /// routes each region once, connects to each owner on the transports
     /// its regions take ([`Node::connect`]), and maps same-host regions,
-    /// whose owner then checks each handle's generation and token, filling
-    /// in the page tables for the bytes the list names (up to 4 GiB per
-    /// region; about 0.19 s per GiB here, which the first transfers would
-    /// otherwise pay three times over in page faults). Bounds were checked
-    /// when the list was made. A region that cannot be used is refused
-    /// with its index ([`DescError::Region`]).
+    /// whose owner then checks each handle's generation and token, and
+    /// starts filling in the page tables for the bytes the list names in
+    /// the background (up to 4 GiB per region; about 0.19 s per GiB here,
+    /// which the first transfers would otherwise pay three times over in
+    /// page faults). Bounds were checked when the list was made. A region
+    /// that cannot be used is refused with its index
+    /// ([`DescError::Region`]).
     pub async fn prepare_remote(
         &self,
         list: RemoteDescList,
