@@ -43,8 +43,11 @@ use crate::prepare::{PreparedRemote, route_regions};
 /// The most ops in one slice of a request.
 pub const SLICE_OPS: usize = 1024;
 /// The most bytes in one slice of a request (a slice holds at least one op,
-/// however long).
-pub const SLICE_BYTES: u64 = 4 << 20;
+/// however long). 16 MiB rather than 4: same-host requests of 64 KiB and
+/// 1 MiB blocks moved 15% more per second with the larger slices (fewer
+/// hand-offs to copy threads), TCP and the descriptor-bound rows did not
+/// change, and a cancelled request may still move two of them.
+pub const SLICE_BYTES: u64 = 16 << 20;
 /// Slices of one request in flight at once: its window. A cancelled
 /// request moves at most this many slices more.
 pub const SLICES_IN_FLIGHT: usize = 2;
