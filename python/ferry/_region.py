@@ -175,11 +175,12 @@ class RemoteRegion:
         return RemoteRegion(self._native.slice(start, stop))
 
     def read_only(self) -> "RemoteRegion":
-        """The same bytes, for reads only: ferry refuses writes through
-        it. Not a capability: its holder has the region's credentials, and
-        the owner enforces the region's own access (``Node.alloc``'s and
-        ``Node.register``'s ``access``), not the handle's. To give a peer
-        read access only, register the memory with ``access="r"``."""
+        """The same bytes, for reads only. Over TCP and the same host it
+        carries read-only tokens, derived one way from the region's, which
+        the owner accepts for reads only: editing the handle's access back
+        does not let it write. Over RDMA it still carries the region's
+        rkey, which the NIC accepts for writes too; to give a peer read
+        access there, register the memory with ``access="r"``."""
         return RemoteRegion(self._native.read_only())
 
     def __len__(self) -> int:

@@ -114,11 +114,6 @@ def test_forged_fields_are_refused(
     assert unchanged(peer, node, seed, 1)
 
 
-@pytest.mark.xfail(
-    reason="the owner checks a write against the region's access, not the handle's: a "
-    "read_only() handle edited back to ReadWrite (tokens intact) writes (ferry-core; see the report)",
-    strict=True,
-)
 def test_read_only_handle_cannot_be_upgraded(
     spawn_peer: PeerFactory, node: ferry.Node, transport: str, seed: int
 ) -> None:

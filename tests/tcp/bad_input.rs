@@ -213,8 +213,20 @@ async fn writes_through_read_only_handles_are_refused() {
         .await;
     assert_op_error(write, 0, |e| *e == OpError::ReadOnly);
     assert_untouched(&mut peer, &rw, &local).await;
+    // Nor does upgrading a narrowed one: its token opens reads only.
+    let upgraded = forge(&rw.handle.read_only(), |j| j["access"] = "ReadWrite".into());
+    let write = node
+        .submit(vec![RdmaOp::write(local.whole(), upgraded)], DEADLINE)
+        .await;
+    assert_op_error(write, 0, |e| *e == OpError::AccessDenied);
+    assert_untouched(&mut peer, &rw, &local).await;
 
-    // Reading through a read-only handle is allowed.
+    // Reading through a read-only handle is allowed, narrowed or not.
+    let narrowed = PeerRegion {
+        handle: rw.handle.read_only(),
+        ..rw
+    };
+    reads_back(&node, &local, &narrowed, DEADLINE).await;
     reads_back(&node, &local, &target, DEADLINE).await;
 }
 

@@ -204,10 +204,26 @@ impl RemoteBuffer {
         })
     }
 
-    /// The same view without write access.
+    /// The same view without write access: its TCP and same-host tokens
+    /// are replaced by read-only ones ([`crate::read_only_token`]), which
+    /// their owner accepts for reads only, so that editing the handle's
+    /// access back does not let it write. Over ibverbs the handle still
+    /// carries the region's rkey, which the NIC accepts for writes too.
+    /// A handle already without write access is returned as it is.
     pub fn read_only(&self) -> RemoteBuffer {
+        if !self.access.allows_write() {
+            return self.clone();
+        }
+        let mut transports = self.transports.clone();
+        if let Some(tcp) = &mut transports.tcp {
+            tcp.token = crate::read_only_token(tcp.token);
+        }
+        if let Some(memory) = &mut transports.memory {
+            memory.token = crate::read_only_token(memory.token);
+        }
         RemoteBuffer {
             access: Access::ReadOnly,
+            transports,
             ..self.clone()
         }
     }
@@ -252,6 +268,25 @@ mod tests {
         let reversed = s.slice(5..4);
         assert_eq!(reversed, Err(OpError::InvertedRange { start: 5, end: 4 }));
         assert_eq!(h.read_only().access(), Access::ReadOnly);
+    }
+
+    #[test]
+    fn a_read_only_handle_carries_read_only_tokens_once() {
+        let mut h = handle();
+        h.transports.memory = Some(MemRemote {
+            boot_id: 7,
+            token: 43,
+            process_vm: false,
+        });
+        let ro = h.read_only();
+        let tcp = ro.transports().tcp.unwrap().token;
+        let memory = ro.transports().memory.unwrap();
+        assert_eq!(tcp, crate::read_only_token(42));
+        assert_eq!(memory.token, crate::read_only_token(43));
+        assert_eq!(memory.boot_id, 7);
+        // Narrowing again changes nothing: the owner still accepts it.
+        assert_eq!(ro.read_only(), ro);
+        assert_eq!(ro.slice(0..10).unwrap().transports(), ro.transports());
     }
 
     #[test]

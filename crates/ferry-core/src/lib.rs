@@ -29,6 +29,7 @@ mod op;
 mod progress;
 mod region;
 mod release;
+mod token;
 
 pub use backend::{RdmaBackend, RdmaTransportLevel};
 pub use descs::{
@@ -46,3 +47,4 @@ pub use op::{LocalSlice, OpKind, RdmaOp};
 pub use progress::{Answer, BatchProgress};
 pub use region::{Region, RegionIds, RegionParts, RegionSlot};
 pub use release::{CloseError, Closing, MemoryHold, MemoryHolder};
+pub use token::{read_only_token, token_grants};

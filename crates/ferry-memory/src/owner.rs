@@ -26,7 +26,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ferry_core::{Access, Generation, MemoryBlock, RegionId, tokens_equal};
+use ferry_core::{Access, Generation, MemoryBlock, RegionId, token_grants};
 use tracing::{debug, warn};
 
 use crate::gate::{Gate, Gates, Pidfd};
@@ -175,7 +175,8 @@ impl Exports {
             };
             return (Reply::Refused(refusal), None);
         }
-        if !tokens_equal(export.token, request.token) {
+        // The region's token, or (for reads) its read-only one.
+        if !token_grants(export.token, request.token, request.write) {
             return (Reply::Refused(Refusal::AccessDenied), None);
         }
         let memory = match &export.how {

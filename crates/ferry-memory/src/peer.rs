@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use ferry_core::{
     Generation, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaOp, RegionId, RemoteBuffer,
-    tokens_equal,
+    read_only_token, token_grants, tokens_equal,
 };
 
 use crate::DataPathNotification;
@@ -399,7 +399,12 @@ impl Link {
             if granted.target.generation() != remote.generation() {
                 return None;
             }
-            if !tokens_equal(granted.token, token) {
+            // Granted for the token presented; or for the full token, which
+            // covers a read with its read-only one; or for the read-only
+            // one, which the full token covers.
+            let covered = token_grants(granted.token, token, write)
+                || tokens_equal(read_only_token(token), granted.token);
+            if !covered {
                 return Some(Err(OpError::AccessDenied));
             }
             (granted.target.writable() || !write).then(|| Ok(granted.target.clone()))

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock, Weak};
 
 use ferry_core::{
-    Access, Generation, MemoryBlock, MemoryHold, MemoryHolder, RegionId, tokens_equal,
+    Access, Generation, MemoryBlock, MemoryHold, MemoryHolder, RegionId, token_grants,
 };
 
 use crate::frame::{Refusal, Request, RequestKind};
@@ -101,7 +101,8 @@ impl RegionTable {
                 current: entry.generation,
             });
         }
-        if !tokens_equal(entry.token, req.token) {
+        // The region's token, or (for a read) its read-only one.
+        if !token_grants(entry.token, req.token, req.kind == RequestKind::Write) {
             return Err(Refusal::AccessDenied);
         }
         if req.kind == RequestKind::Write && !entry.access.allows_write() {
