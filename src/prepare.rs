@@ -171,21 +171,20 @@ impl Router {
         // each handle's generation and token here, not at the first post,
         // and the pages the descriptors name start being filled in, so that
         // the first posts take no page faults.
-        if let Some(memory) = &self.memory {
+        if let Some(memory) = &self.memory
+            && levels.contains(&RdmaTransportLevel::Memory)
+        {
             let spans = list.descs().spans(regions.len());
             for (index, (region, level)) in regions.iter().zip(levels.iter()).enumerate() {
                 if *level != RdmaTransportLevel::Memory {
                     continue;
                 }
                 let write = region.access().allows_write();
+                let span = spans[index].clone().unwrap_or(0..0);
                 let left = deadline.saturating_duration_since(Instant::now());
-                let mapped = tokio::time::timeout(left, memory.prepare(region, write)).await;
+                let mapped = tokio::time::timeout(left, memory.prepare(region, write, span)).await;
                 let error = match mapped {
-                    Ok(Ok(())) => {
-                        let span = spans[index].clone().unwrap_or(0..0);
-                        memory.populate(region, write, span, deadline).await;
-                        continue;
-                    }
+                    Ok(Ok(())) => continue,
                     Ok(Err(error)) => error,
                     Err(_) => OpError::PeerUnreachable {
                         endpoint: region.owner().endpoint,

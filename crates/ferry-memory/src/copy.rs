@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use ferry_core::{OpKind, RdmaOp};
 
-use crate::peer::Mapping;
+use crate::mapping::Mapping;
 use crate::pvm::{Fail, Grant};
 
 /// Batches shorter than this are copied on the calling task.

@@ -48,8 +48,10 @@ mod copy;
 mod drain;
 mod gate;
 mod lane;
+mod mapping;
 mod owner;
 mod peer;
+mod plan;
 mod pvm;
 mod shared;
 mod socket;
@@ -62,8 +64,8 @@ use std::time::Duration;
 
 use ferry_control::NotificationSink;
 use ferry_core::{
-    Generation, MemRemote, MemoryBlock, NodeAddr, NodeId, OpError, OpKind, RdmaOp, RegionId,
-    RegisterError, RegisterRegion, RemoteBuffer, SubmitError, random_u128,
+    MemRemote, MemoryBlock, NodeAddr, NodeId, OpError, RdmaOp, RegisterError, RegisterRegion,
+    RemoteBuffer, SubmitError, random_u128,
 };
 
 /// What [`MemoryBackend::notify`] did with a notification.
@@ -270,7 +272,23 @@ impl MemoryBackend {
     /// access (`write`: for writes) now, and the ops find the mapping
     /// cached. `Ok` also when this transport does not carry ops on
     /// `remote` (nothing to prepare).
-    pub async fn prepare(&self, remote: &RemoteBuffer, write: bool) -> Result<(), OpError> {
+    ///
+    /// Then starts filling in this process's page tables for the bytes at
+    /// `span` of the handle (those a prepared list names), so that the
+    /// first transfers through them take no page fault per 4 KiB (on these
+    /// VMs 2 µs each: a first 1 MiB request took 540 µs against 28 µs
+    /// warm). Best effort, on a blocking thread, not waited for: preparing
+    /// stays fast (a list of 100,000 blocks spans 400 MB, 75 ms of filling
+    /// in), the kernel fills from the lowest address up, and a transfer
+    /// that comes first faults its pages in as it would have. Nothing is
+    /// filled in for a region reached through `process_vm` (nothing is
+    /// mapped here).
+    pub async fn prepare(
+        &self,
+        remote: &RemoteBuffer,
+        write: bool,
+        span: Range<u64>,
+    ) -> Result<(), OpError> {
         if !self.routes(remote) {
             return Ok(());
         }
@@ -278,41 +296,14 @@ impl MemoryBackend {
             return Ok(());
         };
         remote.check_address_range()?;
-        link.mapping_for(remote, write).await.map(drop)
-    }
-
-    /// Starts filling in this process's page tables for the bytes at
-    /// `span` of `remote` (those a prepared list names), in its mapping
-    /// made by [`prepare`](Self::prepare), so that the first transfers
-    /// through them take no page fault per 4 KiB (on these VMs 2 µs each:
-    /// a first 1 MiB request took 540 µs against 28 µs warm). Best effort,
-    /// on a blocking thread, not waited for: preparing stays fast (a list
-    /// of 100,000 blocks spans 400 MB, 75 ms of filling in), the kernel
-    /// fills from the lowest address up, and a transfer that comes first
-    /// faults its pages in as it would have. Does nothing for a region
-    /// reached through `process_vm` (nothing is mapped here); waits for
-    /// nothing past `deadline`.
-    pub async fn populate(
-        &self,
-        remote: &RemoteBuffer,
-        write: bool,
-        span: Range<u64>,
-        deadline: tokio::time::Instant,
-    ) {
-        if !self.routes(remote) || span.is_empty() {
-            return;
+        if let peer::Target::Mapped(mapping) = link.mapping_for(remote, write).await?
+            && !span.is_empty()
+        {
+            let at = |offset: u64| remote.addr().saturating_add(offset.min(remote.len()));
+            let range = at(span.start)..at(span.end);
+            drop(tokio::task::spawn_blocking(move || mapping.populate(range)));
         }
-        let Some(link) = self.0.links.get(remote.owner()) else {
-            return;
-        };
-        // Cached by `prepare`: no round trip.
-        let mapped = tokio::time::timeout_at(deadline, link.mapping_for(remote, write)).await;
-        let Ok(Ok(peer::Target::Mapped(mapping))) = mapped else {
-            return;
-        };
-        let at = |offset: u64| remote.addr().saturating_add(offset.min(remote.len()));
-        let range = at(span.start)..at(span.end);
-        drop(tokio::task::spawn_blocking(move || mapping.populate(range)));
+        Ok(())
     }
 
     /// Forgets the owners of `remotes` that closed their sockets; see
@@ -449,7 +440,7 @@ impl MemoryBackend {
             let mut failed: Vec<(usize, OpError)> = Vec::new();
             let mut planned = Vec::with_capacity(ops.len());
             let mut links = Vec::with_capacity(ops.len());
-            let mut seen = Seen::default();
+            let mut seen = plan::Seen::default();
             for (index, op) in ops.iter().enumerate() {
                 match self.plan(op, &mut seen).await {
                     Ok(Some((link, at))) => {
@@ -501,112 +492,6 @@ impl MemoryBackend {
                 total,
             }),
         }
-    }
-
-    /// `op`'s link, and where its remote bytes are; `None` for an empty
-    /// op. `seen` holds what this batch already looked up: each owner is
-    /// looked up and checked once per batch, and a run of ops on one
-    /// region (a prepared request's usual slice) takes its mapping without
-    /// the link's lock and table.
-    async fn plan(
-        &self,
-        op: &RdmaOp,
-        seen: &mut Seen,
-    ) -> Result<Option<(Arc<peer::Link>, copy::Located)>, OpError> {
-        if op.is_empty() {
-            return Ok(None);
-        }
-        let owner = op.remote.owner();
-        let link = match seen.links.iter().find(|(id, _)| *id == owner.id) {
-            Some((_, link)) => link.clone()?,
-            None => {
-                let link = self.link_to(owner);
-                seen.links.push((owner.id, link.clone()));
-                link?
-            }
-        };
-        let key = LastTarget::key_of(op);
-        let target = match &seen.last {
-            Some(last) if last.serves(&key, op) => last.target.clone(),
-            _ => {
-                let target = link.mapping(op).await?;
-                seen.last = Some(LastTarget {
-                    key,
-                    target: target.clone(),
-                });
-                target
-            }
-        };
-        let at = match target {
-            peer::Target::Mapped(mapping) => {
-                let remote = mapping.locate(op)?;
-                copy::Located::Mapped { mapping, remote }
-            }
-            peer::Target::ProcessVm(grant) => {
-                let remote = grant.locate(op)?;
-                copy::Located::ProcessVm { grant, remote }
-            }
-        };
-        Ok(Some((link, at)))
-    }
-
-    /// The link to a live `owner`.
-    fn link_to(&self, owner: ferry_core::NodeAddr) -> Result<Arc<peer::Link>, OpError> {
-        let Some(link) = self.0.links.get(owner) else {
-            return Err(OpError::PeerUnreachable {
-                endpoint: owner.endpoint,
-                reason: "not reachable over the same-host socket".into(),
-            });
-        };
-        // The owner gone: its pages are still mapped here, but a copy into
-        // them would reach nobody. One peek, no round trip.
-        if !link.is_alive() {
-            self.0.links.drop_link(owner.id);
-            tracing::debug!(owner = %owner.endpoint, "memory transport: the owner closed its socket");
-            return Err(OpError::ConnectionLost {
-                endpoint: owner.endpoint,
-            });
-        }
-        Ok(link)
-    }
-}
-
-/// What a batch's planning already looked up ([`MemoryBackend::plan`]).
-#[derive(Default)]
-struct Seen {
-    /// Each owner's link, or why there is none.
-    links: Vec<(NodeId, Result<Arc<peer::Link>, OpError>)>,
-    /// The last mapping or grant taken, for the ops after it on the same
-    /// region.
-    last: Option<LastTarget>,
-}
-
-/// A mapping or grant, and the handle fields it was granted for: an op
-/// whose handle has the same ones gets the same answer from the link's
-/// table (which checks generation, token and access), so it is not asked.
-struct LastTarget {
-    key: TargetKey,
-    target: peer::Target,
-}
-
-/// An op's owner, region, generation and memory token.
-type TargetKey = (NodeId, RegionId, Generation, u128);
-
-impl LastTarget {
-    fn key_of(op: &RdmaOp) -> TargetKey {
-        let remote = &op.remote;
-        let token = remote.transports().memory.map_or(0, |m| m.token);
-        (
-            remote.owner().id,
-            remote.region(),
-            remote.generation(),
-            token,
-        )
-    }
-
-    /// Whether `op`, whose key is `key`, may use this target.
-    fn serves(&self, key: &TargetKey, op: &RdmaOp) -> bool {
-        self.key == *key && (op.kind == OpKind::Read || self.target.writable())
     }
 }
 

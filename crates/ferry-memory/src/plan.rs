@@ -1,0 +1,117 @@
+//! Planning a batch's copies: each op's link and where its remote bytes
+//! are, looked up once per owner and, for a run of ops on one region (a
+//! prepared request's usual slice), once per run.
+
+use std::sync::Arc;
+
+use ferry_core::{Generation, NodeId, OpError, OpKind, RdmaOp, RegionId};
+
+use crate::{MemoryBackend, copy, peer};
+
+impl MemoryBackend {
+    /// `op`'s link, and where its remote bytes are; `None` for an empty
+    /// op. `seen` holds what this batch already looked up: each owner is
+    /// looked up and checked once per batch, and a run of ops on one
+    /// region (a prepared request's usual slice) takes its mapping without
+    /// the link's lock and table.
+    pub(crate) async fn plan(
+        &self,
+        op: &RdmaOp,
+        seen: &mut Seen,
+    ) -> Result<Option<(Arc<peer::Link>, copy::Located)>, OpError> {
+        if op.is_empty() {
+            return Ok(None);
+        }
+        let owner = op.remote.owner();
+        let link = match seen.links.iter().find(|(id, _)| *id == owner.id) {
+            Some((_, link)) => link.clone()?,
+            None => {
+                let link = self.link_to(owner);
+                seen.links.push((owner.id, link.clone()));
+                link?
+            }
+        };
+        let key = LastTarget::key_of(op);
+        let target = match &seen.last {
+            Some(last) if last.serves(&key, op) => last.target.clone(),
+            _ => {
+                let target = link.mapping(op).await?;
+                seen.last = Some(LastTarget {
+                    key,
+                    target: target.clone(),
+                });
+                target
+            }
+        };
+        let at = match target {
+            peer::Target::Mapped(mapping) => {
+                let remote = mapping.locate(op)?;
+                copy::Located::Mapped { mapping, remote }
+            }
+            peer::Target::ProcessVm(grant) => {
+                let remote = grant.locate(op)?;
+                copy::Located::ProcessVm { grant, remote }
+            }
+        };
+        Ok(Some((link, at)))
+    }
+
+    /// The link to a live `owner`.
+    fn link_to(&self, owner: ferry_core::NodeAddr) -> Result<Arc<peer::Link>, OpError> {
+        let Some(link) = self.0.links.get(owner) else {
+            return Err(OpError::PeerUnreachable {
+                endpoint: owner.endpoint,
+                reason: "not reachable over the same-host socket".into(),
+            });
+        };
+        // The owner gone: its pages are still mapped here, but a copy into
+        // them would reach nobody. One peek, no round trip.
+        if !link.is_alive() {
+            self.0.links.drop_link(owner.id);
+            tracing::debug!(owner = %owner.endpoint, "memory transport: the owner closed its socket");
+            return Err(OpError::ConnectionLost {
+                endpoint: owner.endpoint,
+            });
+        }
+        Ok(link)
+    }
+}
+
+/// What a batch's planning already looked up ([`MemoryBackend::plan`]).
+#[derive(Default)]
+pub(crate) struct Seen {
+    /// Each owner's link, or why there is none.
+    links: Vec<(NodeId, Result<Arc<peer::Link>, OpError>)>,
+    /// The last mapping or grant taken, for the ops after it on the same
+    /// region.
+    last: Option<LastTarget>,
+}
+
+/// A mapping or grant, and the handle fields it was granted for: an op
+/// whose handle has the same ones gets the same answer from the link's
+/// table (which checks generation, token and access), so it is not asked.
+struct LastTarget {
+    key: TargetKey,
+    target: peer::Target,
+}
+
+/// An op's owner, region, generation and memory token.
+type TargetKey = (NodeId, RegionId, Generation, u128);
+
+impl LastTarget {
+    fn key_of(op: &RdmaOp) -> TargetKey {
+        let remote = &op.remote;
+        let token = remote.transports().memory.map_or(0, |m| m.token);
+        (
+            remote.owner().id,
+            remote.region(),
+            remote.generation(),
+            token,
+        )
+    }
+
+    /// Whether `op`, whose key is `key`, may use this target.
+    fn serves(&self, key: &TargetKey, op: &RdmaOp) -> bool {
+        self.key == *key && (op.kind == OpKind::Read || self.target.writable())
+    }
+}
