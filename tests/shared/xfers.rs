@@ -108,7 +108,11 @@ pub async fn a_request_lives_posts_again_and_refuses_bad_input(
             seen.push(now);
         }
     }
-    assert_eq!(seen, [XferStatus::InProgress, XferStatus::Done]);
+    // A same-host request of one slice may be done before the first poll
+    // (post returns once its first window is on its way, which here is all
+    // of it): then the poller sees Done alone, still never going back.
+    let sequence = [XferStatus::InProgress, XferStatus::Done];
+    assert!(sequence.ends_with(&seen), "{seen:?}");
     assert_eq!(xfer.status(), XferStatus::Done, "stays done");
     assert_eq!(xfer.completed(), blocks as usize);
     assert_eq!(peer.digest(&target).await, digest(&data));
