@@ -39,11 +39,14 @@ pub const TARGETS: &[(&str, Check)] = &[
 
 /// A data connection as the owner reads it (`ferry-tcp`'s server): request
 /// and notification headers, each followed by the payload its length
-/// announces. A header that does not parse ends the stream, as it ends the
-/// connection, and must still name the request id for the error response.
+/// announces; a ranges request by its table, which must add up to its
+/// header's length. A header or table that does not parse ends the stream,
+/// as it ends the connection, and a header must still name the request id
+/// for the error response.
 pub fn tcp_client_stream(data: &[u8]) -> usize {
     let mut rest = data;
     let mut decoded = 0;
+    let mut ranges = Vec::new();
     while let Some((header, tail)) = rest.split_first_chunk::<REQUEST_LEN>() {
         let id = u64::from_le_bytes(header[8..16].try_into().unwrap());
         match ClientFrame::decode(header) {
@@ -51,6 +54,15 @@ pub fn tcp_client_stream(data: &[u8]) -> usize {
                 assert_eq!(ClientFrame::decode(&frame.encode()), Ok(frame));
                 assert_eq!(frame.id(), id);
                 assert!(frame.bytes() <= MAX_CHUNK, "{frame:?} over MAX_CHUNK");
+                if let ClientFrame::Ranges(request) = frame {
+                    let table = &tail[..request.table_len().min(tail.len())];
+                    if request.decode_table(table, &mut ranges).is_err() {
+                        break;
+                    }
+                    assert_eq!(ranges.len(), request.count as usize);
+                    let total: u64 = ranges.iter().map(|r| r.len).sum();
+                    assert_eq!(total, request.len, "the table adds up");
+                }
                 let payload = usize::try_from(frame.payload_len()).unwrap();
                 rest = &tail[payload.min(tail.len())..];
                 decoded += 1;

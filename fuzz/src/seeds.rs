@@ -25,7 +25,7 @@ use ferry_core::{
 };
 use ferry_discovery::NodeMetadata;
 use ferry_tcp::frame::{
-    ClientFrame, Notify, NotifyOutcome, Refusal, Request, RequestKind, Response,
+    ClientFrame, Notify, NotifyOutcome, Range, Ranges, Refusal, Request, RequestKind, Response,
 };
 use tokio_util::codec::Encoder;
 
@@ -126,6 +126,32 @@ pub fn seeds() -> Vec<Seed> {
     stream.extend_from_slice(&ClientFrame::Notify(notify(me)).encode());
     stream.extend_from_slice(b"done");
     out.push(seed("tcp_client_stream", "write-read-notify", stream));
+    // Ranges: a write of two ranges with their payloads, a read of two.
+    let mut stream = Vec::new();
+    for kind in [RequestKind::Write, RequestKind::Read] {
+        let ranges = Ranges {
+            kind,
+            id: 4,
+            region: RegionId(0),
+            generation: Generation(1),
+            count: 2,
+            len: 12,
+            token: 0x1111,
+            tag: 0,
+        };
+        stream.extend_from_slice(&ClientFrame::Ranges(ranges).encode());
+        for (at, len) in [(0, 4), (64, 8)] {
+            let range = Range {
+                addr: handle.addr() + at,
+                len,
+            };
+            stream.extend_from_slice(&range.encode());
+        }
+        if kind == RequestKind::Write {
+            stream.extend_from_slice(b"fourandeight");
+        }
+    }
+    out.push(seed("tcp_client_stream", "ranges", stream));
     let mut v6 = ClientFrame::Notify(notify(me_v6)).encode().to_vec();
     v6.extend_from_slice(b"done");
     out.push(seed("tcp_client_stream", "notify-ipv6", v6));
@@ -134,6 +160,7 @@ pub fn seeds() -> Vec<Seed> {
         Response::WriteAck { id: 1 },
         Response::Refused {
             id: 2,
+            range: 0,
             refusal: Refusal::OutOfBounds {
                 offset: 4096,
                 bound: 4096,
@@ -142,6 +169,7 @@ pub fn seeds() -> Vec<Seed> {
         },
         Response::Refused {
             id: 3,
+            range: 0,
             refusal: Refusal::StaleGeneration {
                 current: Generation(2),
             },

@@ -403,6 +403,7 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
         response(&mut s).await,
         Response::Refused {
             id: 9,
+            range: 0,
             refusal: Refusal::Malformed,
             len: 0
         }
@@ -506,6 +507,7 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
             response(&mut s).await,
             Response::Refused {
                 id: 13,
+                range: 0,
                 refusal: Refusal::Malformed,
                 len: 0
             }

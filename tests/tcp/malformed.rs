@@ -16,8 +16,8 @@ use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
 use ferry::control::{Channel, HelloStatus};
 use ferry::prelude::*;
 use ferry::tcp::frame::{
-    MAX_CHUNK, Notify, NotifyOutcome, REQUEST_LEN, RESPONSE_LEN, Refusal, Request, RequestKind,
-    Response,
+    ClientFrame, MAX_CHUNK, MAX_RANGES, Notify, NotifyOutcome, REQUEST_LEN, RESPONSE_LEN, Range,
+    Ranges, Refusal, Request, RequestKind, Response,
 };
 use ferry::{NodeAddr, NodeId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -26,8 +26,10 @@ use tokio::net::TcpStream;
 use crate::common::{PeerProcess, PeerRegion};
 
 mod control;
+mod ranges;
 
 use control::{control_round, hello_round};
+use ranges::ranges_frame;
 
 /// Bound on any one wait for the node; it answers in milliseconds.
 const WAIT: Duration = Duration::from_secs(10);
@@ -193,6 +195,18 @@ async fn data_round(
     let mut failed_tag = false;
     for id in 0..rng.u64(1..=24) {
         let read_only = rng.u8(..4) == 0;
+        if rng.u8(..4) == 0 {
+            let target = if read_only { ro } else { &*rw };
+            let (frame, answer, writes) = ranges_frame(rng, id, target, read_only);
+            for (span, payload) in writes {
+                rw.shadow[span].copy_from_slice(&payload);
+                sent.legit_writes += 1;
+            }
+            wire.extend_from_slice(&frame);
+            expect.push(answer);
+            sent.data_frames += 1;
+            continue;
+        }
         let target = if read_only { ro } else { &*rw };
         let (handle, token) = (target.handle().clone(), target.token);
         let region_len = target.shadow.len() as u64;
@@ -256,7 +270,12 @@ async fn data_round(
         sent.data_frames += 1;
         let range = at as usize..(at + len) as usize;
         expect.push(match (kind, refusal) {
-            (_, Some(refusal)) => Expect::Exactly(Response::Refused { id, refusal, len }),
+            (_, Some(refusal)) => Expect::Exactly(Response::Refused {
+                id,
+                range: 0,
+                refusal,
+                len,
+            }),
             (RequestKind::Write, None) => {
                 rw.shadow[range].copy_from_slice(&bytes(rng, len as usize));
                 sent.legit_writes += 1;
@@ -317,6 +336,7 @@ fn fatal_data_frame(
     let id = rng.u64(..);
     let malformed = Expect::Exactly(Response::Refused {
         id,
+        range: 0,
         refusal: Refusal::Malformed,
         len: 0,
     });
@@ -331,8 +351,51 @@ fn fatal_data_frame(
         token: rw.token,
         tag: 0,
     };
-    match rng.u8(..6) {
+    match rng.u8(..8) {
         0 => {}
+        6 => {
+            // No ranges, or more than a request may carry.
+            let count = [0, MAX_RANGES + 1 + rng.u32(..1000)][rng.usize(..2)];
+            let ranges = Ranges {
+                kind: RequestKind::Write,
+                id,
+                region: handle.region(),
+                generation: handle.generation(),
+                count,
+                len: 0,
+                token: rw.token,
+                tag: 0,
+            };
+            wire.extend_from_slice(&ClientFrame::Ranges(ranges).encode());
+            expect.push(malformed);
+        }
+        7 => {
+            // A table that does not add up to the header's length (or holds
+            // an empty range): the payload can no longer be delimited.
+            let first = rng.u64(1..=64);
+            let (lens, claimed) = if rng.bool() {
+                let second = rng.u64(1..=64);
+                ([first, second], first + second + rng.u64(1..=100))
+            } else {
+                ([first, 0], first)
+            };
+            let ranges = Ranges {
+                kind: RequestKind::Write,
+                id,
+                region: handle.region(),
+                generation: handle.generation(),
+                count: 2,
+                len: claimed,
+                token: rw.token,
+                tag: 0,
+            };
+            wire.extend_from_slice(&ClientFrame::Ranges(ranges).encode());
+            for len in lens {
+                let addr = handle.addr();
+                wire.extend_from_slice(&Range { addr, len }.encode());
+            }
+            expect.push(malformed);
+        }
         1 => {
             let mut header: [u8; REQUEST_LEN] = bytes(rng, REQUEST_LEN).try_into().unwrap();
             header[0] = [0, rng.u8(4..)][rng.usize(..2)];

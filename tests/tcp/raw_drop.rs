@@ -121,6 +121,7 @@ async fn a_tcp_chunk_still_arriving_holds_a_dropped_region_in_its_peers_name() {
         response(&mut s).await,
         Response::Refused {
             id: 2,
+            range: 0,
             refusal: Refusal::UnknownRegion,
             len: len as u64
         }

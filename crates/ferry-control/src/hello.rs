@@ -25,7 +25,8 @@ use crate::wire::{u16_at, u32_at, u128_at};
 pub const MAGIC: u32 = u32::from_le_bytes(*b"FRY1");
 /// Version of the endpoint protocol: the hello, the control session and the
 /// channels behind it. Nodes of different versions refuse each other.
-pub const VERSION: u16 = 2;
+/// 3: the TCP data channel's ranges requests.
+pub const VERSION: u16 = 3;
 /// Length of a hello and of its reply.
 pub const HELLO_LEN: usize = 24;
 

@@ -76,14 +76,42 @@ impl BatchProgress {
     /// Records the outcome of one piece of op `op`.
     pub fn piece_done(&self, op: usize, result: Result<(), OpError>) {
         if let Err(e) = result {
-            let mut error = self.error.lock().unwrap_or_else(|e| e.into_inner());
-            if error.as_ref().is_none_or(|(index, _)| op < *index) {
-                *error = Some((op, e));
-            }
-            self.failed.store(true, Ordering::Release);
+            self.record_error(op, e);
         }
         self.op_pieces[op].fetch_sub(1, Ordering::AcqRel);
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+        self.pieces_finished(1);
+    }
+
+    /// Records the outcome of ops `first..first + count`, each one piece,
+    /// finished together (one request carried them all): every one done, or
+    /// `Err((k, e))`, op `first + k` failed with `e` and the request moved
+    /// none of them. Only op `first + k` is marked failed: it is the cause,
+    /// and a batch reports its lowest failure; the others are counted
+    /// finished, as they are, since the batch fails anyway.
+    pub fn ops_done(&self, first: usize, count: usize, result: Result<(), (usize, OpError)>) {
+        if count == 0 {
+            return;
+        }
+        if let Err((k, e)) = result {
+            self.record_error(first + k.min(count - 1), e);
+        }
+        for pieces in &self.op_pieces[first..first + count] {
+            pieces.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.pieces_finished(count);
+    }
+
+    fn record_error(&self, op: usize, e: OpError) {
+        let mut error = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if error.as_ref().is_none_or(|(index, _)| op < *index) {
+            *error = Some((op, e));
+        }
+        self.failed.store(true, Ordering::Release);
+    }
+
+    /// Counts `n` pieces finished; the last one answers the batch.
+    fn pieces_finished(&self, n: usize) {
+        if self.remaining.fetch_sub(n, Ordering::AcqRel) == n {
             self.done.notify_one();
             if let Some(answer) = self.take_answer() {
                 answer(self.outcome());
@@ -227,6 +255,25 @@ mod tests {
             total: 1,
         });
         assert_eq!(*seen.lock().unwrap(), vec![timeout]);
+    }
+
+    #[test]
+    fn ops_finished_together_name_the_failing_one() {
+        let p = BatchProgress::new([1, 1, 1, 1, 2]);
+        let (answer, seen) = recorder();
+        p.answer_when_done(answer);
+        p.ops_done(0, 2, Ok(()));
+        p.ops_done(2, 3, Err((1, OpError::ReadOnly)));
+        assert!(seen.lock().unwrap().is_empty(), "op 4 has a piece left");
+        assert_eq!(
+            p.timed_out(Duration::from_secs(1)),
+            SubmitError::Op {
+                index: 3,
+                error: OpError::ReadOnly
+            }
+        );
+        p.piece_done(4, Ok(()));
+        assert!(p.is_done());
     }
 
     #[test]

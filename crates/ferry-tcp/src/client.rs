@@ -5,8 +5,8 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -15,9 +15,12 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::{Instrument, debug, debug_span};
 
-use crate::connection::{Chunk, Conn, Local, connect};
+use crate::chunk::{Chunk, Local};
+use crate::connection::Conn;
 use crate::deadline::Deadlines;
 use crate::frame::{ClientFrame, Notify, NotifyOutcome, Request, RequestKind};
+use crate::gather::Gather;
+use crate::pool::{Peer, PeerRef, PeerTable};
 
 /// Initiator tuning; see `TcpConfig` for what each knob trades.
 #[derive(Clone, Copy, Debug)]
@@ -51,72 +54,6 @@ struct Notification {
 /// Bytes of consecutive chunks one connection takes before the next chunk
 /// goes to the next connection of the pool (see `Peers::run`).
 const RUN_BYTES: u64 = 64 << 10;
-
-/// How long a pool that could not open a connection carries on over the
-/// ones it has before it tries to grow again: an owner at its connection
-/// limit is not asked again for every chunk.
-const GROW_BACKOFF: Duration = Duration::from_millis(500);
-
-pub(crate) struct Peer {
-    addr: NodeAddr,
-    slots: Vec<tokio::sync::Mutex<Option<Conn>>>,
-    next: AtomicUsize,
-    /// Until when the pool does not try to grow, after a connection it
-    /// tried to open failed while it had others.
-    no_growth_until: Mutex<Option<Instant>>,
-    /// The table it is in, for its connections to release it as they end.
-    table: std::sync::Weak<PeerTable>,
-}
-
-/// A submit's use of a peer's pool; dropping it releases the pool's entry
-/// if nothing else holds it and no connection of it is open.
-struct PeerRef(Option<Arc<Peer>>);
-
-impl std::ops::Deref for PeerRef {
-    type Target = Peer;
-
-    fn deref(&self) -> &Peer {
-        self.0.as_ref().expect("taken only on drop")
-    }
-}
-
-impl Drop for PeerRef {
-    fn drop(&mut self) {
-        if let Some(peer) = self.0.take() {
-            let addr = peer.addr;
-            let table = peer.table.clone();
-            // Dropped under the table's lock (see `release`).
-            release(&table, addr, Some(peer));
-        }
-    }
-}
-
-/// Removes `addr`'s pool from `table` if no submit holds it (the table's
-/// reference is the only one once `holding`, the caller's, is dropped) and
-/// none of its connections is open. The caller's reference is dropped under
-/// the table's lock, so that of two users leaving at once the second sees
-/// the count the first left, and one of them removes the entry.
-pub(crate) fn release(
-    table: &std::sync::Weak<PeerTable>,
-    addr: NodeAddr,
-    holding: Option<Arc<Peer>>,
-) {
-    let Some(table) = table.upgrade() else { return };
-    let mut peers = table.lock().unwrap_or_else(|e| e.into_inner());
-    drop(holding);
-    if peers
-        .get(&addr)
-        .is_some_and(|p| Arc::strong_count(p) == 1 && p.idle())
-    {
-        peers.remove(&addr);
-    }
-}
-
-/// Pools by peer. An entry lives while a connection of its pool is open
-/// or a submit is using it: it is released when its last connection closes
-/// (the peer went away, or the connection broke) with no submit using it,
-/// or when the last submit using it ends with no connection open.
-pub(crate) type PeerTable = Mutex<HashMap<NodeAddr, Arc<Peer>>>;
 
 /// Connection pools to the peers this node talks to.
 pub(crate) struct Peers {
@@ -152,19 +89,9 @@ impl Peers {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         let peer = peers
             .entry(addr)
-            .or_insert_with(|| {
-                Arc::new(Peer {
-                    addr,
-                    slots: (0..self.config.connections.max(1))
-                        .map(|_| Default::default())
-                        .collect(),
-                    next: AtomicUsize::new(0),
-                    no_growth_until: Mutex::new(None),
-                    table: Arc::downgrade(&self.peers),
-                })
-            })
+            .or_insert_with(|| Arc::new(Peer::new(addr, self.config.connections, &self.peers)))
             .clone();
-        PeerRef(Some(peer))
+        PeerRef::new(peer)
     }
 
     /// Opens every data connection of `addr`'s pool that is not open yet,
@@ -173,7 +100,7 @@ impl Peers {
     pub async fn connect(&self, addr: NodeAddr, deadline: Instant) -> Result<usize, OpError> {
         let peer = self.peer(addr);
         let mut failed = None;
-        for slot in 0..peer.slots.len() {
+        for slot in 0..peer.size() {
             let opening = peer.open(slot, self.config);
             match tokio::time::timeout_at(deadline, opening).await {
                 Ok(Ok(_)) => {}
@@ -316,29 +243,36 @@ impl Peers {
         let enqueue = async {
             let ops_len = ops.len();
             let tag = notification.as_ref().map_or(0, |n| n.tag);
-            // Where each peer's chunks go: per chunk round robin, except
-            // that a notified batch keeps each owner's chunks, and its
-            // notification, on one connection, whose order the
-            // notification relies on. A peer that could not be reached is
-            // not retried for every chunk.
-            let mut pinned: HashMap<NodeAddr, Result<Conn, OpError>> = HashMap::new();
-            let mut unreachable: HashMap<NodeAddr, OpError> = HashMap::new();
-            // The connection small chunks go to, and the bytes sent to it
-            // since it was picked: a new one is picked once [`RUN_BYTES`]
-            // have gone, so a run of small chunks leaves in one `sendmsg`
-            // instead of one each across the pool, and large ones still
-            // spread over it.
-            let mut current: Option<(NodeAddr, Conn, u64)> = None;
+            let mut route = Route::new(self.config, notification.is_some());
+            // Consecutive small ops of one region, to go as one request.
+            let mut gather: Option<Gather> = None;
+            let gather_bytes = RUN_BYTES.min(chunk_size);
             // The pool of the last op's owner: a batch's ops mostly share
             // one, which is then looked up (and released) once, not per op.
             let mut peer: Option<PeerRef> = None;
             for (index, op) in ops.into_iter().enumerate() {
                 let owner = op.remote.owner();
+                let tcp = op.remote.transports().tcp.expect("checked above");
+                let small = (1..=gather_bytes).contains(&op.len());
+                let joins = |g: &Gather| small && g.takes(index, &op, tcp.token, gather_bytes);
+                if let Some(g) = gather.as_mut().filter(|g| joins(g)) {
+                    g.push(&op);
+                    continue;
+                }
+                if let Some(g) = gather.take() {
+                    // The gather's owner is the last op's: `peer`'s.
+                    let peer = peer.as_ref().expect("set for the gather's ops");
+                    let (chunk, len) = g.into_chunk(tag, &state, peer.addr.endpoint);
+                    route.send(peer, chunk, len).await;
+                }
                 if peer.as_ref().is_none_or(|p| p.addr != owner) {
                     peer = Some(self.peer(owner));
                 }
                 let peer = peer.as_ref().expect("set above");
-                let tcp = op.remote.transports().tcp.expect("checked above");
+                if small {
+                    gather = Some(Gather::start(index, &op, tcp.token));
+                    continue;
+                }
                 let kind = match op.kind {
                     OpKind::Read => RequestKind::Read,
                     OpKind::Write => RequestKind::Write,
@@ -370,37 +304,12 @@ impl Peers {
                         peer.addr.endpoint,
                     );
                     queued += len;
-                    if notification.is_some() {
-                        if let Entry::Vacant(slot) = pinned.entry(peer.addr) {
-                            slot.insert(peer.connection(self.config).await);
-                        }
-                        match &pinned[&peer.addr] {
-                            Ok(conn) => conn.queue(chunk).await,
-                            Err(e) => chunk.finish(Err(e.clone())),
-                        }
-                        continue;
-                    }
-                    if let Some(e) = unreachable.get(&peer.addr) {
-                        chunk.finish(Err(e.clone()));
-                        continue;
-                    }
-                    let reuse = current.as_ref().is_some_and(|(addr, conn, sent)| {
-                        *addr == peer.addr && *sent < RUN_BYTES && !conn.closed.is_cancelled()
-                    });
-                    if !reuse {
-                        match peer.connection(self.config).await {
-                            Ok(conn) => current = Some((peer.addr, conn, 0)),
-                            Err(e) => {
-                                chunk.finish(Err(e.clone()));
-                                unreachable.insert(peer.addr, e);
-                                continue;
-                            }
-                        }
-                    }
-                    let (_, conn, sent) = current.as_mut().expect("picked above");
-                    *sent += len;
-                    conn.queue(chunk).await;
+                    route.send(peer, chunk, len).await;
                 }
+            }
+            if let (Some(g), Some(peer)) = (gather, &peer) {
+                let (chunk, len) = g.into_chunk(tag, &state, peer.addr.endpoint);
+                route.send(peer, chunk, len).await;
             }
             let Some(notification) = &notification else {
                 return;
@@ -429,7 +338,7 @@ impl Peers {
                     &state,
                     owner.endpoint,
                 );
-                let conn = match pinned.remove(owner) {
+                let conn = match route.pinned.remove(owner) {
                     Some(conn) => conn,
                     // Only zero-length ops for this owner: nothing to follow.
                     None => self.peer(*owner).connection(self.config).await,
@@ -452,105 +361,71 @@ impl Peers {
     }
 }
 
-impl Drop for Peers {
-    fn drop(&mut self) {
-        self.deadlines.stop();
+/// Where a batch's chunks go: per chunk round robin over the owner's pool,
+/// except that a notified batch keeps each owner's chunks, and its
+/// notification, on one connection, whose order the notification relies
+/// on. A peer that could not be reached is not retried for every chunk.
+struct Route {
+    config: ClientConfig,
+    notified: bool,
+    /// A notified batch's connection per owner.
+    pinned: HashMap<NodeAddr, Result<Conn, OpError>>,
+    unreachable: HashMap<NodeAddr, OpError>,
+    /// The connection small chunks go to, and the bytes sent to it since
+    /// it was picked: a new one is picked once [`RUN_BYTES`] have gone, so
+    /// a run of small chunks leaves in one `sendmsg` instead of one each
+    /// across the pool, and large ones still spread over it.
+    current: Option<(NodeAddr, Conn, u64)>,
+}
+
+impl Route {
+    fn new(config: ClientConfig, notified: bool) -> Self {
+        Route {
+            config,
+            notified,
+            pinned: HashMap::new(),
+            unreachable: HashMap::new(),
+            current: None,
+        }
+    }
+
+    /// Queues `chunk`, of `len` bytes, on a connection of `peer`'s pool, or
+    /// finishes it with the error that keeps it from going.
+    async fn send(&mut self, peer: &Peer, chunk: Chunk, len: u64) {
+        if self.notified {
+            if let Entry::Vacant(slot) = self.pinned.entry(peer.addr) {
+                slot.insert(peer.connection(self.config).await);
+            }
+            match &self.pinned[&peer.addr] {
+                Ok(conn) => conn.queue(chunk).await,
+                Err(e) => chunk.finish(Err(e.clone())),
+            }
+            return;
+        }
+        if let Some(e) = self.unreachable.get(&peer.addr) {
+            return chunk.finish(Err(e.clone()));
+        }
+        let reuse = self.current.as_ref().is_some_and(|(addr, conn, sent)| {
+            *addr == peer.addr && *sent < RUN_BYTES && !conn.closed.is_cancelled()
+        });
+        if !reuse {
+            match peer.connection(self.config).await {
+                Ok(conn) => self.current = Some((peer.addr, conn, 0)),
+                Err(e) => {
+                    chunk.finish(Err(e.clone()));
+                    self.unreachable.insert(peer.addr, e);
+                    return;
+                }
+            }
+        }
+        let (_, conn, sent) = self.current.as_mut().expect("picked above");
+        *sent += len;
+        conn.queue(chunk).await;
     }
 }
 
-impl Peer {
-    /// Whether no connection of the pool is open (or being opened: a slot
-    /// locked by a connecting submit, who holds the pool too).
-    fn idle(&self) -> bool {
-        self.slots.iter().all(|s| {
-            s.try_lock()
-                .is_ok_and(|c| c.as_ref().is_none_or(|c| c.closed.is_cancelled()))
-        })
-    }
-
-    fn live_connections(&self) -> usize {
-        self.slots
-            .iter()
-            .filter(|s| {
-                s.try_lock()
-                    .is_ok_and(|c| c.as_ref().is_some_and(|c| !c.closed.is_cancelled()))
-            })
-            .count()
-    }
-
-    /// The next connection in turn, connected first if needed. A pool that
-    /// cannot grow (the owner at its connection limit, say) carries on over
-    /// the connections it has, and tries to grow again after
-    /// [`GROW_BACKOFF`]; only a pool with none fails.
-    async fn connection(&self, config: ClientConfig) -> Result<Conn, OpError> {
-        let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-        let failed = {
-            let mut guard = self.slots[slot].lock().await;
-            match &*guard {
-                Some(conn) if !conn.closed.is_cancelled() => return Ok(conn.clone()),
-                _ if self.growth_paused() => None,
-                _ => {
-                    let release = (self.table.clone(), self.addr);
-                    match connect(self.addr, config, release).await {
-                        Ok(conn) => return Ok(guard.insert(conn).clone()),
-                        Err(e) => Some(e),
-                    }
-                }
-            }
-        };
-        // Our slot's lock is released first: holding one slot while waiting
-        // for another could deadlock with a submit doing the reverse.
-        if let Some(conn) = self.other_live(slot).await {
-            if let Some(e) = &failed {
-                debug!(endpoint = %self.addr.endpoint, error = %e, "pool cannot grow; using the connections it has");
-                self.pause_growth();
-            }
-            return Ok(conn);
-        }
-        match failed {
-            Some(e) => Err(e),
-            // None left to carry on over: grow after all.
-            None => self.open(slot, config).await,
-        }
-    }
-
-    /// Slot `slot`'s connection: the live one, or a new one put there.
-    async fn open(&self, slot: usize, config: ClientConfig) -> Result<Conn, OpError> {
-        let mut guard = self.slots[slot].lock().await;
-        if let Some(conn) = guard.as_ref().filter(|c| !c.closed.is_cancelled()) {
-            return Ok(conn.clone());
-        }
-        let release = (self.table.clone(), self.addr);
-        Ok(guard
-            .insert(connect(self.addr, config, release).await?)
-            .clone())
-    }
-
-    /// A live connection of the pool in a slot other than `slot`, the next
-    /// ones first; each slot locked in turn, one at a time.
-    async fn other_live(&self, slot: usize) -> Option<Conn> {
-        let n = self.slots.len();
-        for k in 1..n {
-            let guard = self.slots[(slot + k) % n].lock().await;
-            if let Some(conn) = guard.as_ref().filter(|c| !c.closed.is_cancelled()) {
-                return Some(conn.clone());
-            }
-        }
-        None
-    }
-
-    fn growth_paused(&self) -> bool {
-        let until = self
-            .no_growth_until
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        until.is_some_and(|t| Instant::now() < t)
-    }
-
-    fn pause_growth(&self) {
-        *self
-            .no_growth_until
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + GROW_BACKOFF);
+impl Drop for Peers {
+    fn drop(&mut self) {
+        self.deadlines.stop();
     }
 }

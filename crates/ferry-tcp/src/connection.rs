@@ -6,19 +6,20 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Mutex;
 
-use bytes::Bytes;
 use ferry_control::Channel;
-use ferry_core::{BatchProgress, NodeAddr, OpError, Region};
+use ferry_core::{NodeAddr, OpError};
 use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::client::{ClientConfig, NotificationResult, PeerTable, release};
-use crate::frame::{ClientFrame, RESPONSE_LEN, RequestKind, Response};
-use crate::io::{FrameReader, IoVecs};
+use crate::chunk::{Chunk, Local};
+use crate::client::ClientConfig;
+use crate::frame::{ClientFrame, REQUEST_LEN, RESPONSE_LEN, Range, RequestKind, Response};
+use crate::io::{FrameReader, IoVecs, extend_from_raw};
+use crate::pool::{PeerTable, release};
 
 /// Chunks sent and not yet answered, by request id.
 type Pending = HashMap<u64, Chunk, BuildHasherDefault<IdHasher>>;
@@ -53,148 +54,6 @@ const FIBONACCI: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// Most chunks one connection writes with a single `sendmsg`.
 const MAX_CHUNKS_PER_SEND: usize = 128;
-
-/// What a chunk moves on the initiator's side.
-#[derive(Clone)]
-pub(crate) enum Local {
-    /// An op's local bytes, from `offset`: the region clone keeps them
-    /// registered and allocated.
-    Region { region: Region, offset: usize },
-    /// A notification's body, and where the owner's answer goes.
-    Notification {
-        body: Bytes,
-        outcome: Arc<OnceLock<NotificationResult>>,
-    },
-}
-
-/// A piece of one op, at most `chunk_size` bytes, or a batch's notification,
-/// travelling as one request.
-///
-/// It holds what it moves (see [`Local`]) for as long as it exists, whichever
-/// task holds it. Dropping a chunk without `finish` counts it as lost, so a
-/// submit can never wait on a chunk that no longer exists.
-///
-/// Boxed: a chunk is moved a dozen times between the batch that makes it
-/// and the response that finishes it (queue, send batch, pending table),
-/// and those moves of its 220 bytes cost more than the rest of a small
-/// chunk's bookkeeping (callgrind); a box moves as one pointer.
-pub(crate) struct Chunk(Box<Piece>);
-
-/// What a [`Chunk`] holds.
-pub(crate) struct Piece {
-    /// Index of its op in the batch's progress (a notification's comes
-    /// after the ops).
-    op: usize,
-    frame: ClientFrame,
-    local: Local,
-    /// The window bytes it takes while in flight; fixed at creation, so
-    /// that what is taken is what is given back.
-    cost: u64,
-    submit: Option<Arc<BatchProgress>>,
-    endpoint: SocketAddr,
-}
-
-impl std::ops::Deref for Chunk {
-    type Target = Piece;
-
-    fn deref(&self) -> &Piece {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Chunk {
-    fn deref_mut(&mut self) -> &mut Piece {
-        &mut self.0
-    }
-}
-
-impl Chunk {
-    pub(crate) fn new(
-        op: usize,
-        frame: ClientFrame,
-        local: Local,
-        submit: &Arc<BatchProgress>,
-        endpoint: SocketAddr,
-    ) -> Self {
-        Chunk(Box::new(Piece {
-            op,
-            cost: frame.bytes(),
-            frame,
-            local,
-            submit: Some(submit.clone()),
-            endpoint,
-        }))
-    }
-
-    /// What the chunk takes of its connection's window while in flight: its
-    /// bytes, capped at the window so that any chunk fits on its own.
-    fn cost(&self, window: u32) -> u32 {
-        self.cost.min(window.into()).max(1) as u32
-    }
-
-    /// The request kind of an op's chunk.
-    fn op_kind(&self) -> Option<RequestKind> {
-        match self.frame {
-            ClientFrame::Op(request) => Some(request.kind),
-            ClientFrame::Notify(_) => None,
-        }
-    }
-
-    /// First byte of the local range this chunk reads from or writes to.
-    fn local_ptr(&self) -> *mut u8 {
-        match &self.local {
-            // SAFETY: `offset + len` lies within the region (the op's local
-            // slice was bounds-checked and chunks partition it).
-            Local::Region { region, offset } => unsafe { region.memory().as_ptr().add(*offset) },
-            // Only ever sent from, never written to.
-            Local::Notification { body, .. } => body.as_ptr().cast_mut(),
-        }
-    }
-
-    /// The chunk as it may still go once its submit was answered: an op's
-    /// chunk never goes on the wire (it is finished here); a notification
-    /// goes as a discard, so that the owner forgets the batch.
-    fn unless_abandoned(mut self) -> Option<Self> {
-        if !self.submit.as_ref().is_some_and(|s| s.is_abandoned()) {
-            return Some(self);
-        }
-        let piece = &mut *self.0;
-        match (&mut piece.frame, &mut piece.local) {
-            (ClientFrame::Notify(notify), Local::Notification { body, .. }) => {
-                notify.discard = true;
-                notify.len = 0;
-                *body = Bytes::new();
-                Some(self)
-            }
-            _ => {
-                self.finish(Ok(()));
-                None
-            }
-        }
-    }
-
-    pub(crate) fn finish(mut self, result: Result<(), OpError>) {
-        self.settle(result);
-    }
-
-    /// Records the outcome once; later calls (and the drop) do nothing.
-    fn settle(&mut self, result: Result<(), OpError>) {
-        let Some(submit) = self.submit.take() else {
-            return;
-        };
-        if let (Err(e), Local::Notification { outcome, .. }) = (&result, &self.local) {
-            _ = outcome.set(Err(e.clone()));
-        }
-        submit.piece_done(self.op, result);
-    }
-}
-
-impl Drop for Chunk {
-    fn drop(&mut self) {
-        let endpoint = self.endpoint;
-        self.settle(Err(OpError::ConnectionLost { endpoint }));
-    }
-}
 
 /// Sending half of one data connection; the connection task owns the rest.
 #[derive(Clone)]
@@ -295,8 +154,16 @@ async fn write_loop(
     let mut next_id = 0u64;
     let mut batch = Vec::with_capacity(MAX_CHUNKS_PER_SEND);
     let mut headers = Vec::with_capacity(MAX_CHUNKS_PER_SEND);
-    // (pin, payload pointer as integer, payload length) per chunk in flight
-    let mut payloads: Vec<(Local, usize, usize)> = Vec::with_capacity(MAX_CHUNKS_PER_SEND);
+    // Range tables, and the small payloads of ranges writes, copied here:
+    // one iovec for many of them instead of one each.
+    let mut staged: Vec<u8> = Vec::new();
+    // What the round sends, in order; pointers are taken from `headers`
+    // and `staged` only once both are complete.
+    let mut segments: Vec<Segment> = Vec::with_capacity(2 * MAX_CHUNKS_PER_SEND);
+    // The writer keeps its own pin of what each chunk sends from: a (buggy
+    // or hostile) early response must not free memory that sendmsg is
+    // still reading.
+    let mut pins: Vec<Local> = Vec::with_capacity(MAX_CHUNKS_PER_SEND);
     let mut iov = IoVecs::default();
     // A chunk taken from the queue that did not fit in the window yet.
     let mut deferred: Option<Chunk> = None;
@@ -356,21 +223,22 @@ async fn write_loop(
             for mut chunk in batch.drain(..) {
                 next_id += 1;
                 chunk.frame.set_id(next_id);
+                segments.push(Segment::Header(headers.len()));
                 headers.push(chunk.frame.encode());
-                // Payloads are at most MAX_CHUNK bytes, far below usize::MAX.
-                let payload_len = chunk.frame.payload_len() as usize;
-                // The writer keeps its own pin: a (buggy or hostile) early
-                // response must not free memory that sendmsg is still reading.
-                payloads.push((chunk.local.clone(), chunk.local_ptr() as usize, payload_len));
+                plan_payload(&chunk, &mut staged, &mut segments);
+                pins.push(chunk.local.clone());
                 pending.insert(next_id, chunk);
             }
         }
-        for (header, (_, ptr, len)) in headers.iter().zip(&payloads) {
-            // SAFETY: `headers` is not modified until the send below is done,
-            // and each payload range is pinned by the Region clone beside it.
+        for segment in &segments {
+            // SAFETY: `headers` and `staged` are not modified until the send
+            // below is done, and each payload range is pinned in `pins`.
             unsafe {
-                iov.push(header.as_ptr(), header.len());
-                iov.push(*ptr as *const u8, *len);
+                match *segment {
+                    Segment::Header(k) => iov.push(headers[k].as_ptr(), REQUEST_LEN),
+                    Segment::Staged { start, len } => iov.push(staged.as_ptr().add(start), len),
+                    Segment::Payload { ptr, len } => iov.push(ptr as *const u8, len),
+                }
             }
         }
         let sent = tokio::select! {
@@ -380,8 +248,79 @@ async fn write_loop(
         };
         iov.clear();
         headers.clear();
-        payloads.clear();
+        staged.clear();
+        segments.clear();
+        pins.clear();
         sent?;
+    }
+}
+
+/// One piece of what a round of the writer sends.
+enum Segment {
+    /// The `k`-th header of the round.
+    Header(usize),
+    /// Bytes of the round's staging buffer.
+    Staged { start: usize, len: usize },
+    /// Bytes in place, in pinned memory (an address as an integer, so that
+    /// the writer's future stays `Send`).
+    Payload { ptr: usize, len: usize },
+}
+
+/// Ranges writes' payloads at most this long are copied next to their
+/// table: a 64-byte payload costs less to copy than an iovec of its own,
+/// and one `sendmsg` takes at most [`crate::io::MAX_IOV`] of those.
+const STAGE_MAX: usize = 512;
+
+/// Plans what follows `chunk`'s header: a ranges request's table, staged,
+/// then its payloads, small ones staged as well; any other request's
+/// payload in place.
+fn plan_payload(chunk: &Chunk, staged: &mut Vec<u8>, segments: &mut Vec<Segment>) {
+    let ClientFrame::Ranges(ranges) = chunk.frame else {
+        // Payloads are at most MAX_CHUNK bytes, far below usize::MAX.
+        let len = chunk.frame.payload_len() as usize;
+        let ptr = chunk.local_ptr() as usize;
+        segments.push(Segment::Payload { ptr, len });
+        return;
+    };
+    let start = staged.len();
+    for range in chunk.ranges() {
+        let entry = Range {
+            addr: range.remote,
+            len: range.len as u64,
+        };
+        staged.extend_from_slice(&entry.encode());
+    }
+    note_staged(segments, start, staged.len());
+    if ranges.kind != RequestKind::Write {
+        return;
+    }
+    for range in chunk.ranges() {
+        let ptr = chunk.range_ptr(range);
+        if range.len <= STAGE_MAX {
+            let start = staged.len();
+            // SAFETY: the range lies in the chunk's local region, which the
+            // chunk pins for the call.
+            unsafe { extend_from_raw(staged, ptr, range.len) };
+            note_staged(segments, start, staged.len());
+        } else {
+            let ptr = ptr as usize;
+            segments.push(Segment::Payload {
+                ptr,
+                len: range.len,
+            });
+        }
+    }
+}
+
+/// Adds `staged[start..end]` to the round, in the same iovec as the staged
+/// bytes right before it if they are the round's last segment.
+fn note_staged(segments: &mut Vec<Segment>, start: usize, end: usize) {
+    match segments.last_mut() {
+        Some(Segment::Staged { start: s, len }) if *s + *len == start => *len = end - *s,
+        _ => segments.push(Segment::Staged {
+            start,
+            len: end - start,
+        }),
     }
 }
 
@@ -421,14 +360,10 @@ async fn read_loop(
                 if chunk.op_kind() != Some(RequestKind::Read) || len != chunk.frame.bytes() {
                     return Err(protocol("read data does not match its request"));
                 }
-                let dst = chunk.local_ptr();
-                // SAFETY: `chunk` holds a Region clone, keeping `dst..dst+len`
-                // (inside the op's bounds-checked local slice) allocated and
-                // registered until after this call.
                 let received = tokio::select! {
                     biased;
                     _ = &mut cancelled => return Ok(()),
-                    r = unsafe { reader.payload(stream, dst, len as usize) } => r,
+                    r = receive(stream, reader, &chunk, len as usize) => r,
                 };
                 received?;
                 chunk.finish(Ok(()));
@@ -448,16 +383,50 @@ async fn read_loop(
                 _ = outcome.set(Ok(answer));
                 chunk.finish(Ok(()));
             }
-            Response::Refused { refusal, .. } => {
-                let error = match chunk.frame {
-                    ClientFrame::Op(request) => {
-                        refusal.into_op_error(request.generation, request.len)
+            Response::Refused { refusal, range, .. } => {
+                let range = usize::from(range);
+                match chunk.frame {
+                    ClientFrame::Ranges(request) => {
+                        let Some(failed) = chunk.ranges().get(range) else {
+                            return Err(protocol("refusal names a range never sent"));
+                        };
+                        let error = refusal.into_op_error(request.generation, failed.len as u64);
+                        chunk.finish_at(range, error);
                     }
-                    ClientFrame::Notify(_) => refusal.into_op_error(ferry_core::Generation(0), 0),
-                };
-                chunk.finish(Err(error));
+                    _ if range != 0 => {
+                        return Err(protocol("refusal names a range of a plain request"));
+                    }
+                    ClientFrame::Op(request) => {
+                        chunk.finish(Err(refusal.into_op_error(request.generation, request.len)));
+                    }
+                    ClientFrame::Notify(_) => {
+                        let generation = ferry_core::Generation(0);
+                        chunk.finish(Err(refusal.into_op_error(generation, 0)));
+                    }
+                }
             }
         }
         room.add_permits(cost as usize);
     }
+}
+
+/// Receives a read's `len` bytes of data into `chunk`'s local memory: in
+/// place, or range by range for a ranges request.
+async fn receive(
+    stream: &TcpStream,
+    reader: &mut FrameReader,
+    chunk: &Chunk,
+    len: usize,
+) -> io::Result<()> {
+    if let ClientFrame::Ranges(_) = chunk.frame {
+        for range in chunk.ranges() {
+            // SAFETY: `chunk` holds a Region clone, keeping each range
+            // (inside an op's bounds-checked local slice) allocated and
+            // registered until after this call.
+            unsafe { reader.payload(stream, chunk.range_ptr(range), range.len) }.await?;
+        }
+        return Ok(());
+    }
+    // SAFETY: as above, for the chunk's one range.
+    unsafe { reader.payload(stream, chunk.local_ptr(), len) }.await
 }

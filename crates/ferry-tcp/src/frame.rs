@@ -4,9 +4,18 @@
 //! ```text
 //! connect:  the endpoint's hello for `Channel::TCP_DATA` (see ferry-control)
 //! request:  client -> Request (64 B) [+ len payload bytes for a write]
+//!           client -> Ranges (64 B) + count × Range (16 B)
+//!                     [+ len payload bytes, the ranges' in order, for a write]
 //!           client -> Notify (64 B) + len notification bytes
 //! response: server -> Response (40 B) [+ len payload bytes for read data]
 //! ```
+//!
+//! A [`Ranges`] request moves many small ranges of one region with one
+//! header and one response: a prepared request of thousands of small
+//! descriptors would otherwise pay a header, an authorization, a response
+//! and the initiator's per-request bookkeeping for each of them. The owner
+//! authorizes the region once and checks every range's bounds before any
+//! byte moves; a refusal names the first range that failed.
 //!
 //! A notification rides the data connection behind the chunks it
 //! announces: the owner serves a connection's frames in order, so when it
@@ -21,7 +30,13 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use ferry_control::wire::{u16_at, u32_at, u64_at, u128_at};
-use ferry_core::{Generation, NodeAddr, NodeId, OpError, RegionId};
+use ferry_core::{Generation, NodeAddr, NodeId, RegionId};
+
+mod ranges;
+mod response;
+
+pub use ranges::{Range, Ranges};
+pub use response::{NotifyOutcome, Refusal, Response};
 
 /// Largest payload one request may carry; a larger length is a framing error.
 pub const MAX_CHUNK: u64 = 64 << 20;
@@ -30,6 +45,12 @@ pub const MAX_CHUNK: u64 = 64 << 20;
 pub const REQUEST_LEN: usize = 64;
 /// Length of a response header.
 pub const RESPONSE_LEN: usize = 40;
+/// Length of one entry of a [`Ranges`] request's table.
+pub const RANGE_LEN: usize = 16;
+/// Most ranges one [`Ranges`] request may carry; more is a framing error.
+/// Its table is then at most 16 KiB, which the owner reads before it moves
+/// any byte, and a refusal's range index fits its 16 bits.
+pub const MAX_RANGES: u32 = 1024;
 
 /// A header that does not parse.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -40,6 +61,13 @@ pub enum FrameError {
     /// A payload length over [`MAX_CHUNK`].
     #[error("payload length {0} exceeds the {MAX_CHUNK}-byte limit")]
     TooLong(u64),
+    /// A [`Ranges`] request with no ranges, or more than [`MAX_RANGES`].
+    #[error("{0} ranges in one request; 1 to {MAX_RANGES} may be")]
+    RangeCount(u32),
+    /// A [`Ranges`] table whose lengths do not add up to the header's, or
+    /// that holds an empty range.
+    #[error("range table does not match its request: {0}")]
+    RangeTable(&'static str),
 }
 
 /// What a request asks of the owner; the value is the header's kind byte.
@@ -53,6 +81,8 @@ pub enum RequestKind {
 
 /// Kind byte of a [`Notify`] frame.
 const NOTIFY_KIND: u8 = 3;
+/// Kind byte of a [`Ranges`] frame: 4 for reads, 5 for writes.
+const RANGES_KIND: u8 = 4;
 
 /// One chunk of an op: read `len` bytes at `addr`, or write the `len` payload
 /// bytes that follow to `addr`. `addr` is a virtual address in the owner's
@@ -195,6 +225,8 @@ impl Notify {
 pub enum ClientFrame {
     /// A read or write chunk.
     Op(Request),
+    /// Many small ranges of one region.
+    Ranges(Ranges),
     /// A notification.
     Notify(Notify),
 }
@@ -205,6 +237,7 @@ impl ClientFrame {
     pub fn decode(b: &[u8; REQUEST_LEN]) -> Result<Self, (u64, FrameError)> {
         match b[0] {
             NOTIFY_KIND => Notify::decode(b).map(ClientFrame::Notify),
+            RANGES_KIND | 5 => Ranges::decode(b).map(ClientFrame::Ranges),
             _ => Request::decode(b).map(ClientFrame::Op),
         }
     }
@@ -213,6 +246,7 @@ impl ClientFrame {
     pub fn encode(&self) -> [u8; REQUEST_LEN] {
         match self {
             ClientFrame::Op(request) => request.encode(),
+            ClientFrame::Ranges(ranges) => ranges.encode(),
             ClientFrame::Notify(notify) => notify.encode(),
         }
     }
@@ -221,6 +255,7 @@ impl ClientFrame {
     pub fn id(&self) -> u64 {
         match self {
             ClientFrame::Op(request) => request.id,
+            ClientFrame::Ranges(ranges) => ranges.id,
             ClientFrame::Notify(notify) => notify.id,
         }
     }
@@ -229,6 +264,7 @@ impl ClientFrame {
     pub fn set_id(&mut self, id: u64) {
         match self {
             ClientFrame::Op(request) => request.id = id,
+            ClientFrame::Ranges(ranges) => ranges.id = id,
             ClientFrame::Notify(notify) => notify.id = id,
         }
     }
@@ -237,13 +273,22 @@ impl ClientFrame {
     pub fn bytes(&self) -> u64 {
         match self {
             ClientFrame::Op(request) => request.len,
+            ClientFrame::Ranges(ranges) => ranges.len,
             ClientFrame::Notify(notify) => notify.len,
         }
     }
 
-    /// Bytes that follow the header on the wire.
+    /// Bytes that follow the header on the wire (a [`Ranges`] table
+    /// included).
     pub fn payload_len(&self) -> u64 {
         match self {
+            ClientFrame::Ranges(ranges) => {
+                let data = match ranges.kind {
+                    RequestKind::Write => ranges.len,
+                    RequestKind::Read => 0,
+                };
+                ranges.table_len() as u64 + data
+            }
             ClientFrame::Op(Request {
                 kind: RequestKind::Write,
                 len,
@@ -251,195 +296,6 @@ impl ClientFrame {
             })
             | ClientFrame::Notify(Notify { len, .. }) => *len,
             ClientFrame::Op(_) => 0,
-        }
-    }
-}
-
-/// What the owner did with a [`Notify`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NotifyOutcome {
-    /// In the owner's inbox.
-    Delivered,
-    /// The owner's inbox is full: not delivered. The sender may wait for
-    /// room over the control session.
-    InboxFull,
-    /// A chunk of the batch was refused: not delivered.
-    BatchFailed,
-    /// Forgotten as the sender asked ([`Notify::discard`]).
-    Discarded,
-    /// Over the owner's limit on notifications: not delivered.
-    TooLarge {
-        /// The owner's limit, in bytes.
-        limit: u64,
-    },
-    /// The owner takes no notifications (it has no inbox, or is stopping).
-    NoInbox,
-}
-
-/// Why the owner refused a request; maps one to one onto [`OpError`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Refusal {
-    /// No region in that slot: [`OpError::UnknownRegion`].
-    UnknownRegion,
-    /// The slot holds a newer region: [`OpError::StaleGeneration`].
-    StaleGeneration {
-        /// The slot's generation now.
-        current: Generation,
-    },
-    /// Wrong token: [`OpError::AccessDenied`].
-    AccessDenied,
-    /// The range leaves the region: [`OpError::OutOfBounds`].
-    OutOfBounds {
-        /// Bytes from the region's start to `addr` (wrapped if `addr` lies
-        /// below it).
-        offset: u64,
-        /// The region's length in bytes.
-        bound: u64,
-    },
-    /// A write to a read-only region: [`OpError::ReadOnly`].
-    ReadOnly,
-    /// The request header did not parse; the owner closes the connection
-    /// after this response: [`OpError::Protocol`].
-    Malformed,
-}
-
-/// The owner's answer to one request, matched to it by `id`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Response {
-    /// `len` bytes of read data follow.
-    ReadData {
-        /// The request's id.
-        id: u64,
-        /// Payload bytes that follow, the request's `len`.
-        len: u64,
-    },
-    /// The write's bytes are in the owner's memory.
-    WriteAck {
-        /// The request's id.
-        id: u64,
-    },
-    /// What the owner did with a notification.
-    Notified {
-        /// The notification's id.
-        id: u64,
-        /// Delivered or not, and why.
-        outcome: NotifyOutcome,
-    },
-    /// The request was refused; no bytes follow. A refused write's payload
-    /// was read and dropped, except after [`Refusal::Malformed`].
-    Refused {
-        /// The request's id (for a header that did not parse, as read from it).
-        id: u64,
-        /// Why.
-        refusal: Refusal,
-        /// The request's `len`, echoed; 0 for [`Refusal::Malformed`].
-        len: u64,
-    },
-}
-
-impl Response {
-    /// The id of the request this answers.
-    pub fn id(&self) -> u64 {
-        match *self {
-            Response::ReadData { id, .. }
-            | Response::WriteAck { id }
-            | Response::Notified { id, .. }
-            | Response::Refused { id, .. } => id,
-        }
-    }
-
-    /// The header as sent; read data follows it separately.
-    pub fn encode(&self) -> [u8; RESPONSE_LEN] {
-        let mut b = [0; RESPONSE_LEN];
-        // (kind, refusal code, id, len, generation, offset, bound)
-        let (kind, code, id, len, generation, offset, bound) = match *self {
-            Response::ReadData { id, len } => (1, 0, id, len, 0, 0, 0),
-            Response::WriteAck { id } => (2, 0, id, 0, 0, 0, 0),
-            Response::Notified { id, outcome } => match outcome {
-                NotifyOutcome::Delivered => (4, 0, id, 0, 0, 0, 0),
-                NotifyOutcome::InboxFull => (4, 1, id, 0, 0, 0, 0),
-                NotifyOutcome::BatchFailed => (4, 2, id, 0, 0, 0, 0),
-                NotifyOutcome::Discarded => (4, 3, id, 0, 0, 0, 0),
-                NotifyOutcome::TooLarge { limit } => (4, 4, id, 0, 0, 0, limit),
-                NotifyOutcome::NoInbox => (4, 5, id, 0, 0, 0, 0),
-            },
-            Response::Refused { id, refusal, len } => match refusal {
-                Refusal::UnknownRegion => (3, 1, id, len, 0, 0, 0),
-                Refusal::StaleGeneration { current } => (3, 2, id, len, current.0, 0, 0),
-                Refusal::AccessDenied => (3, 3, id, len, 0, 0, 0),
-                Refusal::OutOfBounds { offset, bound } => (3, 4, id, len, 0, offset, bound),
-                Refusal::ReadOnly => (3, 5, id, len, 0, 0, 0),
-                Refusal::Malformed => (3, 6, id, len, 0, 0, 0),
-            },
-        };
-        b[0] = kind;
-        b[1] = code;
-        b[4..8].copy_from_slice(&generation.to_le_bytes());
-        b[8..16].copy_from_slice(&id.to_le_bytes());
-        b[16..24].copy_from_slice(&len.to_le_bytes());
-        b[24..32].copy_from_slice(&offset.to_le_bytes());
-        b[32..40].copy_from_slice(&bound.to_le_bytes());
-        b
-    }
-
-    /// Parses a header; a `ReadData` over [`MAX_CHUNK`] bytes or an unknown
-    /// kind or refusal code is a [`FrameError`], after which the connection
-    /// cannot be trusted.
-    pub fn decode(b: &[u8; RESPONSE_LEN]) -> Result<Self, FrameError> {
-        let id = u64_at(b, 8);
-        let len = u64_at(b, 16);
-        let generation = u32_at(b, 4);
-        match (b[0], b[1]) {
-            (1, _) if len > MAX_CHUNK => Err(FrameError::TooLong(len)),
-            (1, _) => Ok(Response::ReadData { id, len }),
-            (2, _) => Ok(Response::WriteAck { id }),
-            (3, code) => {
-                let refusal = match code {
-                    1 => Refusal::UnknownRegion,
-                    2 => Refusal::StaleGeneration {
-                        current: Generation(generation),
-                    },
-                    3 => Refusal::AccessDenied,
-                    4 => Refusal::OutOfBounds {
-                        offset: u64_at(b, 24),
-                        bound: u64_at(b, 32),
-                    },
-                    5 => Refusal::ReadOnly,
-                    6 => Refusal::Malformed,
-                    other => return Err(FrameError::BadKind(other)),
-                };
-                Ok(Response::Refused { id, refusal, len })
-            }
-            (4, code) => {
-                let outcome = match code {
-                    0 => NotifyOutcome::Delivered,
-                    1 => NotifyOutcome::InboxFull,
-                    2 => NotifyOutcome::BatchFailed,
-                    3 => NotifyOutcome::Discarded,
-                    4 => NotifyOutcome::TooLarge {
-                        limit: u64_at(b, 32),
-                    },
-                    5 => NotifyOutcome::NoInbox,
-                    other => return Err(FrameError::BadKind(other)),
-                };
-                Ok(Response::Notified { id, outcome })
-            }
-            (other, _) => Err(FrameError::BadKind(other)),
-        }
-    }
-}
-
-impl Refusal {
-    /// The caller-facing error for this refusal of a request of `len` bytes
-    /// made with a handle of generation `handle`.
-    pub fn into_op_error(self, handle: Generation, len: u64) -> OpError {
-        match self {
-            Refusal::UnknownRegion => OpError::UnknownRegion,
-            Refusal::StaleGeneration { current } => OpError::StaleGeneration { handle, current },
-            Refusal::AccessDenied => OpError::AccessDenied,
-            Refusal::OutOfBounds { offset, bound } => OpError::OutOfBounds { offset, len, bound },
-            Refusal::ReadOnly => OpError::ReadOnly,
-            Refusal::Malformed => OpError::Protocol("owner could not parse the request".into()),
         }
     }
 }
@@ -461,6 +317,19 @@ mod tests {
             tag: 11,
         };
         assert_eq!(Request::decode(&req.encode()), Ok(req));
+        for kind in [RequestKind::Read, RequestKind::Write] {
+            let ranges = ClientFrame::Ranges(Ranges {
+                kind,
+                id: 8,
+                region: RegionId(3),
+                generation: Generation(9),
+                count: MAX_RANGES,
+                len: 64 << 10,
+                token: 77,
+                tag: 12,
+            });
+            assert_eq!(ClientFrame::decode(&ranges.encode()), Ok(ranges));
+        }
         for endpoint in ["10.1.2.3:7000", "[fd00::5]:1"] {
             let notify = Notify {
                 id: 12,
@@ -480,6 +349,7 @@ mod tests {
             Response::WriteAck { id: 2 },
             Response::Refused {
                 id: 3,
+                range: 0,
                 refusal: Refusal::StaleGeneration {
                     current: Generation(4),
                 },
@@ -487,6 +357,7 @@ mod tests {
             },
             Response::Refused {
                 id: 4,
+                range: 1023,
                 refusal: Refusal::OutOfBounds {
                     offset: 9,
                     bound: 100,
@@ -518,5 +389,57 @@ mod tests {
             Request::decode(&b),
             Err((42, FrameError::TooLong(MAX_CHUNK + 1)))
         );
+        for count in [0, MAX_RANGES + 1] {
+            b[0] = RANGES_KIND;
+            b[20..24].copy_from_slice(&count.to_le_bytes());
+            assert_eq!(
+                ClientFrame::decode(&b),
+                Err((42, FrameError::RangeCount(count)))
+            );
+        }
+    }
+
+    #[test]
+    fn range_tables_must_add_up() {
+        let header = Ranges {
+            kind: RequestKind::Write,
+            id: 1,
+            region: RegionId(0),
+            generation: Generation(1),
+            count: 2,
+            len: 12,
+            token: 0,
+            tag: 0,
+        };
+        let table = |lens: &[u64]| -> Vec<u8> {
+            let ranges = lens.iter().enumerate();
+            ranges
+                .flat_map(|(k, &len)| {
+                    Range {
+                        addr: k as u64 * 100,
+                        len,
+                    }
+                    .encode()
+                })
+                .collect()
+        };
+        let mut out = Vec::new();
+        header.decode_table(&table(&[4, 8]), &mut out).unwrap();
+        assert_eq!(
+            out,
+            [Range { addr: 0, len: 4 }, Range { addr: 100, len: 8 }]
+        );
+        for (lens, why) in [
+            (&[4, 9][..], "lengths do not add up"),
+            (&[12, 0], "an empty range"),
+            (&[12], "wrong table length"),
+            (&[u64::MAX, 13], "lengths do not add up"),
+        ] {
+            assert_eq!(
+                header.decode_table(&table(lens), &mut out),
+                Err(FrameError::RangeTable(why)),
+                "{lens:?}"
+            );
+        }
     }
 }

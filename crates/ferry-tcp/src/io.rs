@@ -100,6 +100,22 @@ pub unsafe fn recv_exact_raw(
     }
 }
 
+/// Appends the `len` bytes at `ptr` to `buf`.
+///
+/// # Safety
+///
+/// `ptr..ptr+len` must be valid for reads for the call.
+pub unsafe fn extend_from_raw(buf: &mut Vec<u8>, ptr: *const u8, len: usize) {
+    buf.reserve(len);
+    // SAFETY: the caller vouches for the source; `reserve` made room for
+    // `len` bytes past the end, which `set_len` then covers, and a Vec's
+    // buffer never overlaps region memory.
+    unsafe {
+        std::ptr::copy_nonoverlapping(ptr, buf.as_mut_ptr().add(buf.len()), len);
+        buf.set_len(buf.len() + len);
+    }
+}
+
 /// A list of raw byte ranges to send with one `sendmsg` each round.
 #[derive(Default)]
 pub struct IoVecs(Vec<libc::iovec>);
@@ -252,7 +268,10 @@ impl FrameReader {
         Ok(Some(header))
     }
 
-    /// Moves the next `len` stream bytes to `dst`.
+    /// Moves the next `len` stream bytes to `dst`: a large payload straight
+    /// from the socket, a small one through the buffer. A run of small
+    /// payloads (a ranges request's) then costs one `recv` per buffer
+    /// filled, not one per payload.
     ///
     /// # Safety
     ///
@@ -264,14 +283,51 @@ impl FrameReader {
         dst: *mut u8,
         len: usize,
     ) -> impl Future<Output = io::Result<()>> + Send + 'a {
-        let from_buf = len.min(self.buffered());
-        self.after_large_payload = len >= LARGE_PAYLOAD;
-        // SAFETY: `dst` is valid for `len >= from_buf` bytes (caller), and the
-        // read buffer is a separate allocation.
-        unsafe { std::ptr::copy_nonoverlapping(self.buf[self.start..].as_ptr(), dst, from_buf) };
-        self.start += from_buf;
-        // SAFETY: as above, for the rest of the range.
-        unsafe { recv_exact_raw(stream, dst.add(from_buf), len - from_buf, self.busy_poll) }
+        // An integer, so that the future stays `Send`.
+        let dst = dst as usize;
+        async move {
+            let mut done = 0;
+            loop {
+                let from_buf = (len - done).min(self.buffered());
+                // SAFETY: `dst` is valid for `len` bytes (caller), of which
+                // `done + from_buf` are used; the read buffer is a separate
+                // allocation.
+                unsafe {
+                    let to = (dst as *mut u8).add(done);
+                    std::ptr::copy_nonoverlapping(self.buf[self.start..].as_ptr(), to, from_buf);
+                }
+                self.start += from_buf;
+                done += from_buf;
+                let rest = len - done;
+                if rest == 0 {
+                    break;
+                }
+                if rest >= LARGE_PAYLOAD {
+                    // SAFETY: as above, for the rest of the range.
+                    let to = unsafe { (dst as *mut u8).add(done) };
+                    unsafe { recv_exact_raw(stream, to, rest, self.busy_poll) }.await?;
+                    break;
+                }
+                self.refill(stream).await?;
+            }
+            self.after_large_payload = len >= LARGE_PAYLOAD;
+            Ok(())
+        }
+    }
+
+    /// Receives what the socket has into the (empty) buffer, at least one
+    /// byte; the end of the stream here is an error.
+    async fn refill(&mut self, stream: &TcpStream) -> io::Result<()> {
+        debug_assert_eq!(self.buffered(), 0);
+        self.start = 0;
+        self.end = 0;
+        let spare = self.buf.as_mut_ptr() as usize;
+        let n = recv_raw(stream, spare, self.buf.len(), self.busy_poll).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        self.end = n;
+        Ok(())
     }
 
     /// Skips the next `len` stream bytes (the payload of a refused write).
@@ -345,5 +401,40 @@ mod tests {
             sending.await.unwrap();
             assert_eq!(reader.header::<8>(&reader_stream).await.unwrap(), None);
         }
+    }
+
+    /// A stream read as many payloads of every size, small ones through the
+    /// buffer (refilled as it runs dry, mid-payload too) and large ones
+    /// straight from the socket, arrives whole and in order.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn small_and_large_payloads_interleave_whole() {
+        let mut sizes: Vec<usize> = (1..=300).map(|k| (k * 37) % 700 + 1).collect();
+        sizes.extend([LARGE_PAYLOAD - 1, LARGE_PAYLOAD, 3, READ_BUF + 5, 64, 1]);
+        sizes.extend((1..=200).map(|k| k * 13 % 97 + 1));
+        let total: usize = sizes.iter().sum();
+        let stream: Vec<u8> = (0..total).map(|i| (i % 253) as u8).collect();
+        let (mut writer, reader_stream) = pair().await;
+        let sent = stream.clone();
+        let sending = tokio::spawn(async move {
+            // In pieces with pauses, so that reads find the socket both
+            // full and empty.
+            for piece in sent.chunks(9_999) {
+                writer.write_all(piece).await.unwrap();
+                tokio::time::sleep(Duration::from_micros(300)).await;
+            }
+        });
+        let mut reader = FrameReader::new(Duration::from_micros(20));
+        let mut got = vec![0u8; total];
+        let mut at = 0;
+        for len in sizes {
+            // SAFETY: `got[at..at + len]` is in bounds and outlives the call.
+            unsafe { reader.payload(&reader_stream, got.as_mut_ptr().add(at), len) }
+                .await
+                .unwrap();
+            at += len;
+        }
+        assert!(got == stream, "payloads differ");
+        sending.await.unwrap();
+        assert_eq!(reader.header::<8>(&reader_stream).await.unwrap(), None);
     }
 }

@@ -17,11 +17,14 @@
 #![warn(missing_docs)]
 
 mod actor;
+mod chunk;
 mod client;
 mod connection;
 mod deadline;
 pub mod frame;
+mod gather;
 mod io;
+mod pool;
 mod server;
 mod table;
 

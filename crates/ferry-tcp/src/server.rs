@@ -13,7 +13,8 @@ use tokio::net::TcpStream;
 use tracing::debug;
 
 use crate::frame::{
-    ClientFrame, Notify, NotifyOutcome, REQUEST_LEN, RESPONSE_LEN, Refusal, RequestKind, Response,
+    ClientFrame, Notify, NotifyOutcome, REQUEST_LEN, RESPONSE_LEN, Range, Ranges, Refusal,
+    RequestKind, Response,
 };
 use crate::io::{FrameReader, IoVecs, MAX_IOV};
 use crate::table::RegionTable;
@@ -70,6 +71,7 @@ async fn serve(
 ) -> io::Result<Option<IdleClose>> {
     let mut failed_tags = HashSet::new();
     let mut out = Outgoing::default();
+    let mut scratch = RangeScratch::default();
     loop {
         // About to block on the socket: first send the acks we owe, so a
         // client waiting for them is never stalled behind our own read.
@@ -94,6 +96,22 @@ async fn serve(
         };
         let req = match ClientFrame::decode(&bytes) {
             Ok(ClientFrame::Op(req)) => req,
+            Ok(ClientFrame::Ranges(ranges)) => {
+                let refused = serve_ranges(
+                    stream,
+                    &mut reader,
+                    &ranges,
+                    table,
+                    peer,
+                    &mut out,
+                    &mut scratch,
+                )
+                .await?;
+                if refused && ranges.tag != 0 {
+                    remember_failed(&mut failed_tags, ranges.tag, stream, &mut out).await?;
+                }
+                continue;
+            }
             Ok(ClientFrame::Notify(notify)) => {
                 let outcome =
                     notified(stream, &mut reader, &notify, &mut failed_tags, inbox).await?;
@@ -108,7 +126,7 @@ async fn serve(
             }
             Err((id, e)) => {
                 // The payload length cannot be trusted: refuse and hang up.
-                out.refuse(id, Refusal::Malformed, 0);
+                out.refuse(id, 0, Refusal::Malformed, 0);
                 out.flush(stream).await?;
                 return Err(invalid(e));
             }
@@ -153,18 +171,130 @@ async fn serve(
                 if kind == RequestKind::Write {
                     reader.discard(stream, len).await?;
                 }
-                metrics::counter!("ferry_served_refusals_total", "transport" => "tcp").increment(1);
-                out.refuse(req.id, refusal, req.len);
+                out.refuse(req.id, 0, refusal, req.len);
                 if req.tag != 0 {
-                    if failed_tags.len() >= MAX_FAILED_TAGS {
-                        out.flush(stream).await?;
-                        return Err(invalid("too many failed batches without a notification"));
-                    }
-                    failed_tags.insert(req.tag);
+                    remember_failed(&mut failed_tags, req.tag, stream, &mut out).await?;
                 }
             }
         }
     }
+}
+
+/// Notes that batch `tag` had a chunk refused, so that its notification is
+/// not delivered; a client with too many such batches outstanding is cut off.
+async fn remember_failed(
+    failed_tags: &mut HashSet<u64>,
+    tag: u64,
+    stream: &TcpStream,
+    out: &mut Outgoing,
+) -> io::Result<()> {
+    if failed_tags.len() >= MAX_FAILED_TAGS {
+        out.flush(stream).await?;
+        return Err(invalid("too many failed batches without a notification"));
+    }
+    failed_tags.insert(tag);
+    Ok(())
+}
+
+/// A connection's buffers for [`Ranges`] requests, kept between them.
+#[derive(Default)]
+struct RangeScratch {
+    table: Vec<u8>,
+    ranges: Vec<Range>,
+    offsets: Vec<usize>,
+}
+
+/// Serves one [`Ranges`] request: reads its table, authorizes the region
+/// once and checks every range's bounds before any byte moves, then moves
+/// every range, or none and refuses naming the first range that failed.
+/// Returns whether it refused.
+async fn serve_ranges(
+    stream: &TcpStream,
+    reader: &mut FrameReader,
+    req: &Ranges,
+    table: &RegionTable,
+    peer: &MemoryHolder,
+    out: &mut Outgoing,
+    scratch: &mut RangeScratch,
+) -> io::Result<bool> {
+    let RangeScratch {
+        table: bytes,
+        ranges,
+        offsets,
+    } = scratch;
+    bytes.resize(req.table_len(), 0);
+    // SAFETY: `bytes` is `table_len` bytes long and lives across the call.
+    unsafe {
+        reader
+            .payload(stream, bytes.as_mut_ptr(), bytes.len())
+            .await?
+    };
+    if let Err(e) = req.decode_table(bytes, ranges) {
+        // The payload can no longer be delimited: refuse and hang up.
+        out.refuse(req.id, 0, Refusal::Malformed, 0);
+        out.flush(stream).await?;
+        return Err(invalid(e));
+    }
+    let checked = table
+        .authorize_region(req.region, req.generation, req.token, req.kind)
+        .map_err(|refusal| (0, refusal))
+        .and_then(|region| {
+            offsets.clear();
+            for (k, range) in ranges.iter().enumerate() {
+                // `k` < MAX_RANGES, which fits u16.
+                let offset = region.offset(range.addr, range.len);
+                offsets.push(offset.map_err(|refusal| (k as u16, refusal))?);
+            }
+            let memory = region.hold(|| peer.clone()).map_err(|r| (0, r))?;
+            Ok(memory)
+        });
+    let memory = match checked {
+        Ok(memory) => memory,
+        Err((range, refusal)) => {
+            if req.kind == RequestKind::Write {
+                reader.discard(stream, req.len as usize).await?;
+            }
+            out.refuse(req.id, range, refusal, req.len);
+            return Ok(true);
+        }
+    };
+    let base = || memory.memory().as_ptr();
+    match req.kind {
+        RequestKind::Write => {
+            for (offset, range) in offsets.iter().zip(ranges.iter()) {
+                // SAFETY: every range was bounds-checked against the block's
+                // length above, and `memory` keeps the block alive across
+                // the call.
+                unsafe {
+                    (reader.payload(stream, base().add(*offset), range.len as usize)).await?;
+                }
+            }
+            served("write", req.len);
+            out.acks.push(Response::WriteAck { id: req.id }.encode());
+        }
+        RequestKind::Read => {
+            let header = Response::ReadData {
+                id: req.id,
+                len: req.len,
+            }
+            .encode();
+            let mut iov = IoVecs::default();
+            // SAFETY: `out`'s staged bytes and `header` live on this frame
+            // until `send_all` returns; the ranges were bounds-checked and
+            // `memory` pins them until then too.
+            unsafe {
+                out.push_into(&mut iov);
+                iov.push(header.as_ptr(), header.len());
+                for (offset, range) in offsets.iter().zip(ranges.iter()) {
+                    iov.push(base().add(*offset), range.len as usize);
+                }
+            }
+            iov.send_all(stream).await?;
+            out.acks.clear();
+            served("read", req.len);
+        }
+    }
+    Ok(false)
 }
 
 /// Reads a notification's body and hands it to the inbox, unless a chunk of
@@ -224,9 +354,15 @@ struct Outgoing {
 }
 
 impl Outgoing {
-    fn refuse(&mut self, id: u64, refusal: Refusal, len: u64) {
-        self.acks
-            .push(Response::Refused { id, refusal, len }.encode());
+    fn refuse(&mut self, id: u64, range: u16, refusal: Refusal, len: u64) {
+        metrics::counter!("ferry_served_refusals_total", "transport" => "tcp").increment(1);
+        let refused = Response::Refused {
+            id,
+            range,
+            refusal,
+            len,
+        };
+        self.acks.push(refused.encode());
     }
 
     /// # Safety

@@ -94,38 +94,77 @@ impl RegionTable {
         req: &Request,
         peer: impl FnOnce() -> MemoryHolder,
     ) -> Result<Grant, Refusal> {
+        let region = self.authorize_region(req.region, req.generation, req.token, req.kind)?;
+        let offset = region.offset(req.addr, req.len)?;
+        Ok(Grant {
+            memory: region.hold(peer)?,
+            offset,
+        })
+    }
+
+    /// Checks region, generation, token and access for a request of `kind`,
+    /// once for all the ranges of a [`crate::frame::Ranges`] request; each
+    /// range's bounds are then [`RegionCheck::offset`]'s.
+    pub fn authorize_region(
+        &self,
+        region: RegionId,
+        generation: Generation,
+        token: u128,
+        kind: RequestKind,
+    ) -> Result<RegionCheck, Refusal> {
         let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
-        let entry = entries.get(&req.region).ok_or(Refusal::UnknownRegion)?;
-        if entry.generation != req.generation {
+        let entry = entries.get(&region).ok_or(Refusal::UnknownRegion)?;
+        if entry.generation != generation {
             return Err(Refusal::StaleGeneration {
                 current: entry.generation,
             });
         }
         // The region's token, or (for a read) its read-only one.
-        if !token_grants(entry.token, req.token, req.kind == RequestKind::Write) {
+        if !token_grants(entry.token, token, kind == RequestKind::Write) {
             return Err(Refusal::AccessDenied);
         }
-        if req.kind == RequestKind::Write && !entry.access.allows_write() {
+        if kind == RequestKind::Write && !entry.access.allows_write() {
             return Err(Refusal::ReadOnly);
         }
-        let offset = req.addr.wrapping_sub(entry.base);
-        let in_bounds = req.addr >= entry.base
-            && offset
-                .checked_add(req.len)
-                .is_some_and(|end| end <= entry.len);
+        Ok(RegionCheck {
+            memory: entry.memory.clone(),
+            base: entry.base,
+            len: entry.len,
+        })
+    }
+}
+
+/// A region whose generation, token and access a request passed; what is
+/// left to check is each range's bounds.
+pub struct RegionCheck {
+    memory: Weak<MemoryBlock>,
+    base: u64,
+    len: u64,
+}
+
+impl RegionCheck {
+    /// The offset of `addr..addr + len` in the region, or why it does not
+    /// lie inside.
+    pub fn offset(&self, addr: u64, len: u64) -> Result<usize, Refusal> {
+        let offset = addr.wrapping_sub(self.base);
+        let in_bounds =
+            addr >= self.base && offset.checked_add(len).is_some_and(|end| end <= self.len);
         if !in_bounds {
             return Err(Refusal::OutOfBounds {
                 offset,
-                bound: entry.len,
+                bound: self.len,
             });
         }
+        // Below the region's length, which fits usize.
+        Ok(offset as usize)
+    }
+
+    /// Holds the memory in `peer`'s name for as long as the access lasts.
+    pub fn hold(&self, peer: impl FnOnce() -> MemoryHolder) -> Result<MemoryHold, Refusal> {
         // The entry is removed before the region's memory reference drops, so
         // a failed upgrade only happens in that short window: same as gone.
-        let memory = entry.memory.upgrade().ok_or(Refusal::UnknownRegion)?;
-        Ok(Grant {
-            memory: memory.hold(peer()),
-            offset: offset as usize,
-        })
+        let memory = self.memory.upgrade().ok_or(Refusal::UnknownRegion)?;
+        Ok(memory.hold(peer()))
     }
 }
 
