@@ -88,7 +88,8 @@ pub use rpc::Call;
 pub use tables::PeerTables;
 pub use transports::{TransportState, TransportStatus};
 pub use xfer::{
-    MakeXfer, PostError, SLICE_BYTES, SLICE_OPS, SLICES_IN_FLIGHT, Xfer, XferError, XferStatus,
+    MakeXfer, PostError, SLICE_BYTES, SLICE_OPS, SLICES_IN_FLIGHT, WINDOW_BYTES, Xfer, XferError,
+    XferStatus,
 };
 
 /// What a program using ferry usually needs, in one import.

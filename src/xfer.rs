@@ -5,8 +5,8 @@
 //!
 //! The node drives a posted request, not the caller's polling: a task of
 //! the node's runtime posts it in slices of at most [`SLICE_OPS`] ops and
-//! [`SLICE_BYTES`] bytes, [`SLICES_IN_FLIGHT`] at a time (the request's
-//! *window*), each through the same routing as [`Node::submit`], and sends
+//! [`SLICE_BYTES`] bytes, two and up to [`SLICES_IN_FLIGHT`] at a time
+//! (the request's *window*), each through the same routing as [`Node::submit`], and sends
 //! the notification behind the last slice once every other one is done:
 //! the owner sees it only when every byte is in place, without waiting
 //! for the initiator to poll (as NIXL's requests do). The ops are built
@@ -48,9 +48,18 @@ pub const SLICE_OPS: usize = 1024;
 /// hand-offs to copy threads), TCP and the descriptor-bound rows did not
 /// change, and a cancelled request may still move two of them.
 pub const SLICE_BYTES: u64 = 16 << 20;
-/// Slices of one request in flight at once: its window. A cancelled
-/// request moves at most this many slices more.
-pub const SLICES_IN_FLIGHT: usize = 2;
+/// The most slices of one request in flight at once: its *window*. A
+/// cancelled request moves at most this many slices more. Two slices may
+/// always be in flight (a link or the copy threads need two 16 MiB slices
+/// to stay busy); more only while the bytes in flight stay within
+/// [`WINDOW_BYTES`]: a request of small descriptors waits on each slice's
+/// round trip, not its bytes (TCP, 16,384 x 64 B: 108 ns per descriptor
+/// with two slices in flight, 75 with eight), while more slices of
+/// 4 KiB blocks in flight only crowd the connections (4 KiB x 16,384 over
+/// TCP: 12% fewer GB/s with 32 MiB in flight than with 8).
+pub const SLICES_IN_FLIGHT: usize = 8;
+/// Bytes in flight past which no third or later slice starts.
+pub const WINDOW_BYTES: u64 = 8 << 20;
 
 /// Where a request stands ([`Xfer::status`]). A post moves it from
 /// [`Ready`](Self::Ready), [`Done`](Self::Done) or
@@ -337,8 +346,8 @@ impl Job {
         self.remote.owners().len() == 1 && levels.windows(2).all(|w| w[0] == w[1])
     }
 
-    /// The end of the slice starting at `start`.
-    fn slice_end(&self, start: usize) -> usize {
+    /// The end of the slice starting at `start`, and its bytes.
+    fn slice_end(&self, start: usize) -> (usize, u64) {
         let descs = self.local.descs();
         let mut bytes = 0;
         let mut end = start;
@@ -352,7 +361,7 @@ impl Job {
             bytes += len;
             end += 1;
         }
-        end
+        (end, bytes)
     }
 
     /// The ops at positions `start..end`, and each one's transport.
@@ -465,6 +474,9 @@ async fn run(
     let total = job.count;
     let mut next = 0;
     let mut in_flight = FuturesOrdered::new();
+    let mut bytes_in_flight = 0;
+    // The next slice, once measured: (end, bytes).
+    let mut upcoming = None;
     let mut failure: Option<XferError> = None;
     let mut timed_out = false;
     loop {
@@ -474,7 +486,10 @@ async fn run(
             && next < total
             && !cancel.is_cancelled()
         {
-            let end = job.slice_end(next);
+            let (end, bytes) = *upcoming.get_or_insert_with(|| job.slice_end(next));
+            if in_flight.len() >= 2 && bytes_in_flight + bytes > WINDOW_BYTES {
+                break;
+            }
             let notification = job.notification.clone().filter(|_| end == total);
             // The notification goes once every other slice is done.
             if notification.is_some() && !in_flight.is_empty() {
@@ -500,13 +515,16 @@ async fn run(
                             e => XferError::Notify(e),
                         }),
                 };
-                (start, end, result)
+                (start, end, bytes, result)
             });
+            bytes_in_flight += bytes;
             next = end;
+            upcoming = None;
         }
-        let Some((start, end, result)) = in_flight.next().await else {
+        let Some((start, end, bytes, result)) = in_flight.next().await else {
             break;
         };
+        bytes_in_flight -= bytes;
         match result {
             Ok(()) => {
                 state.completed.fetch_add(end - start, Ordering::Relaxed);

@@ -11,7 +11,7 @@ use std::time::Duration;
 use ferry::prelude::*;
 use ferry::{
     DescError, Descs, LocalDescList, MemoryBlock, PostError, PreparedRemote, RemoteDescList,
-    SLICE_OPS, SLICES_IN_FLIGHT, XferError, XferStatus,
+    SLICE_OPS, SLICES_IN_FLIGHT, WINDOW_BYTES, XferError, XferStatus,
 };
 
 use crate::common::{LISTEN_ENV, PeerProcess, digest, pattern};
@@ -97,8 +97,26 @@ pub async fn a_request_lives_posts_again_and_refuses_bad_input(
     assert_eq!(xfer.wait().await, Err(XferError::NotPosted));
     let estimate = node.estimate(&xfer);
     assert_eq!(estimate.method, ferry::EstimateMethod::Configured);
-    xfer.post(DEADLINE).unwrap();
-    assert_eq!(xfer.post(DEADLINE), Err(PostError::InProgress));
+    // Posting again while in progress is refused. On a loaded machine a
+    // one-slice same-host request can be done before this thread posts
+    // again (and the second post then starts it over): try again, a few
+    // times, until the refusal is seen.
+    let mut refused = false;
+    let mut posts = 0;
+    for _ in 0..20 {
+        xfer.post(DEADLINE).unwrap();
+        posts += 1;
+        match xfer.post(DEADLINE) {
+            Err(PostError::InProgress) => {
+                refused = true;
+                break;
+            }
+            second => second.unwrap(),
+        }
+        posts += 1;
+        xfer.wait().await.unwrap();
+    }
+    assert!(refused, "a post while in progress was never refused");
     // Polled as a scheduler would: in progress, then done, never back.
     let mut seen = vec![xfer.status()];
     while *seen.last().unwrap() == XferStatus::InProgress {
@@ -129,11 +147,9 @@ pub async fn a_request_lives_posts_again_and_refuses_bad_input(
         xfer.post(DEADLINE).unwrap();
         xfer.wait().await.unwrap();
     }
+    let samples = posts + 4 - 1;
     let estimate = node.estimate(&xfer);
-    assert_eq!(
-        estimate.method,
-        ferry::EstimateMethod::Measured { samples: 4 }
-    );
+    assert_eq!(estimate.method, ferry::EstimateMethod::Measured { samples });
     assert!(
         !estimate.duration.is_zero() && estimate.transport == route,
         "{estimate:?}"
@@ -168,7 +184,9 @@ pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mu
         panic!("expected a cancelled request, got {:?}", xfer.status());
     };
     assert_eq!(total, blocks as usize);
-    let window = SLICES_IN_FLIGHT * SLICE_OPS;
+    // One window: two slices, or more within so many bytes.
+    let window = (SLICES_IN_FLIGHT * SLICE_OPS)
+        .min((2 * SLICE_OPS).max((WINDOW_BYTES / BLOCK) as usize + SLICE_OPS));
     assert!(
         completed <= at_cancel + window,
         "{completed} ops completed, {at_cancel} at cancel"
