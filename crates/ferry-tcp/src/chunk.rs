@@ -35,8 +35,11 @@ pub(crate) enum Local {
 /// the local region, to or from `remote` on the owner.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct LocalRange {
+    /// Virtual address of the range in the owner's process.
     pub remote: u64,
+    /// Offset of the range in the local region.
     pub offset: usize,
+    /// Bytes; at least 1.
     pub len: usize,
 }
 

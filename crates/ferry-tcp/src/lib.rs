@@ -7,10 +7,12 @@
 //! hello-checks every connection and hands those of this channel over. The
 //! owner of a region serves requests on them after checking region id,
 //! generation, token, bounds and access; the initiator opens its connections
-//! with the same hello, splits ops into chunks spread over several
-//! connections per peer, with a bounded window of bytes in flight on each,
-//! and payload bytes move between sockets and region memory without
-//! intermediate buffers. The data frames themselves are in [`frame`].
+//! with the same hello, splits large ops into chunks and gathers runs of
+//! small ones into one request each, spread over several connections per
+//! peer, with a bounded window of bytes in flight on each. Large payloads
+//! move between sockets and region memory without intermediate buffers;
+//! small ones are copied through a buffer, which costs less than a system
+//! call each. The data frames themselves are in [`frame`].
 //!
 //! [`Channel::TCP_DATA`]: ferry_control::Channel::TCP_DATA
 
