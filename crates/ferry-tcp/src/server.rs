@@ -8,7 +8,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use ferry_control::{Connection, ConnectionPermit, IdleClose, Messages, OfferError};
-use ferry_core::MemoryHolder;
+use ferry_core::{MemoryHold, MemoryHolder};
 use tokio::net::TcpStream;
 use tracing::debug;
 
@@ -71,7 +71,7 @@ async fn serve(
 ) -> io::Result<Option<IdleClose>> {
     let mut failed_tags = HashSet::new();
     let mut out = Outgoing::default();
-    let mut scratch = RangeScratch::default();
+    let mut scratch = Scratch::default();
     loop {
         // About to block on the socket: first send the acks we owe, so a
         // client waiting for them is never stalled behind our own read.
@@ -97,7 +97,7 @@ async fn serve(
         let req = match ClientFrame::decode(&bytes) {
             Ok(ClientFrame::Op(req)) => req,
             Ok(ClientFrame::Ranges(ranges)) => {
-                let refused = serve_ranges(
+                let checked = check_ranges(
                     stream,
                     &mut reader,
                     &ranges,
@@ -107,9 +107,23 @@ async fn serve(
                     &mut scratch,
                 )
                 .await?;
-                if refused && ranges.tag != 0 {
-                    remember_failed(&mut failed_tags, ranges.tag, stream, &mut out).await?;
-                }
+                let asked = Asked {
+                    kind: ranges.kind,
+                    id: ranges.id,
+                    len: ranges.len,
+                    tag: ranges.tag,
+                };
+                let tags = &mut failed_tags;
+                answer(
+                    stream,
+                    &mut reader,
+                    &mut out,
+                    tags,
+                    asked,
+                    checked,
+                    &scratch.spans,
+                )
+                .await?;
                 continue;
             }
             Ok(ClientFrame::Notify(notify)) => {
@@ -131,53 +145,105 @@ async fn serve(
                 return Err(invalid(e));
             }
         };
-        let len = req.len as usize;
-        match (req.kind, table.authorize(&req, || peer.clone())) {
-            (RequestKind::Write, Ok(grant)) => {
-                // SAFETY: `authorize` checked offset+len against the block's
-                // length, and `grant.memory` keeps the block alive across the call.
-                unsafe {
-                    reader
-                        .payload(
-                            stream,
-                            grant.memory.memory().as_ptr().add(grant.offset),
-                            len,
-                        )
-                        .await?
-                };
-                served("write", req.len);
-                out.acks.push(Response::WriteAck { id: req.id }.encode());
+        let spans = &mut scratch.spans;
+        spans.clear();
+        let checked = table.authorize(&req, || peer.clone()).map(|grant| {
+            // Below MAX_CHUNK, far below usize::MAX.
+            spans.push((grant.offset, req.len as usize));
+            grant.memory
+        });
+        let asked = Asked {
+            kind: req.kind,
+            id: req.id,
+            len: req.len,
+            tag: req.tag,
+        };
+        let checked = checked.map_err(|refusal| (0, refusal));
+        let tags = &mut failed_tags;
+        answer(
+            stream,
+            &mut reader,
+            &mut out,
+            tags,
+            asked,
+            checked,
+            &scratch.spans,
+        )
+        .await?;
+    }
+}
+
+/// What answering a request needs of its frame, a plain or a ranges one.
+struct Asked {
+    kind: RequestKind,
+    id: u64,
+    /// Bytes of all its spans.
+    len: u64,
+    tag: u64,
+}
+
+/// Answers a checked request. Granted: a write's payloads go from the
+/// stream into `spans` (offset, length) of `memory`, in order, and its ack
+/// is staged; a read's spans go back, in order, behind one `ReadData`
+/// header, with the staged acks. Refused: a write's payload is read and
+/// dropped, the refusal names `range`, and a notified batch's tag is
+/// remembered so that its notification is not delivered.
+async fn answer(
+    stream: &TcpStream,
+    reader: &mut FrameReader,
+    out: &mut Outgoing,
+    failed_tags: &mut HashSet<u64>,
+    asked: Asked,
+    checked: Result<MemoryHold, (u16, Refusal)>,
+    spans: &[(usize, usize)],
+) -> io::Result<()> {
+    let memory = match checked {
+        Ok(memory) => memory,
+        Err((range, refusal)) => {
+            if asked.kind == RequestKind::Write {
+                reader.discard(stream, asked.len as usize).await?;
             }
-            (RequestKind::Read, Ok(grant)) => {
-                let header = Response::ReadData {
-                    id: req.id,
-                    len: req.len,
-                }
-                .encode();
-                let mut iov = IoVecs::default();
-                // SAFETY: `out`'s staged bytes and `header` live on this frame
-                // until `send_all` returns; the region range was bounds-checked
-                // and `grant.memory` pins it until then too.
-                unsafe {
-                    out.push_into(&mut iov);
-                    iov.push(header.as_ptr(), header.len());
-                    iov.push(grant.memory.memory().as_ptr().add(grant.offset), len);
-                }
-                iov.send_all(stream).await?;
-                out.acks.clear();
-                served("read", req.len);
+            out.refuse(asked.id, range, refusal, asked.len);
+            if asked.tag != 0 {
+                remember_failed(failed_tags, asked.tag, stream, out).await?;
             }
-            (kind, Err(refusal)) => {
-                if kind == RequestKind::Write {
-                    reader.discard(stream, len).await?;
-                }
-                out.refuse(req.id, 0, refusal, req.len);
-                if req.tag != 0 {
-                    remember_failed(&mut failed_tags, req.tag, stream, &mut out).await?;
+            return Ok(());
+        }
+    };
+    let base = || memory.memory().as_ptr();
+    match asked.kind {
+        RequestKind::Write => {
+            for &(offset, len) in spans {
+                // SAFETY: every span was bounds-checked against the block's
+                // length, and `memory` keeps the block alive across the call.
+                unsafe { reader.payload(stream, base().add(offset), len).await? };
+            }
+            served("write", asked.len);
+            out.acks.push(Response::WriteAck { id: asked.id }.encode());
+        }
+        RequestKind::Read => {
+            let header = Response::ReadData {
+                id: asked.id,
+                len: asked.len,
+            }
+            .encode();
+            let mut iov = IoVecs::default();
+            // SAFETY: `out`'s staged bytes and `header` live on this frame
+            // until `send_all` returns; the spans were bounds-checked and
+            // `memory` pins them until then too.
+            unsafe {
+                out.push_into(&mut iov);
+                iov.push(header.as_ptr(), header.len());
+                for &(offset, len) in spans {
+                    iov.push(base().add(offset), len);
                 }
             }
+            iov.send_all(stream).await?;
+            out.acks.clear();
+            served("read", asked.len);
         }
     }
+    Ok(())
 }
 
 /// Notes that batch `tag` had a chunk refused, so that its notification is
@@ -196,31 +262,33 @@ async fn remember_failed(
     Ok(())
 }
 
-/// A connection's buffers for [`Ranges`] requests, kept between them.
+/// A connection's buffers for requests, kept between them.
 #[derive(Default)]
-struct RangeScratch {
+struct Scratch {
+    /// A [`Ranges`] request's table, as read.
     table: Vec<u8>,
+    /// The table, parsed.
     ranges: Vec<Range>,
-    offsets: Vec<usize>,
+    /// The granted request's (offset, length) spans in its region.
+    spans: Vec<(usize, usize)>,
 }
 
-/// Serves one [`Ranges`] request: reads its table, authorizes the region
-/// once and checks every range's bounds before any byte moves, then moves
-/// every range, or none and refuses naming the first range that failed.
-/// Returns whether it refused.
-async fn serve_ranges(
+/// Checks one [`Ranges`] request: reads its table, authorizes the region
+/// once and checks every range's bounds, filling `scratch.spans`, before
+/// any byte moves. Refused: the first range that failed, and why.
+async fn check_ranges(
     stream: &TcpStream,
     reader: &mut FrameReader,
     req: &Ranges,
     table: &RegionTable,
     peer: &MemoryHolder,
     out: &mut Outgoing,
-    scratch: &mut RangeScratch,
-) -> io::Result<bool> {
-    let RangeScratch {
+    scratch: &mut Scratch,
+) -> io::Result<Result<MemoryHold, (u16, Refusal)>> {
+    let Scratch {
         table: bytes,
         ranges,
-        offsets,
+        spans,
     } = scratch;
     bytes.resize(req.table_len(), 0);
     // SAFETY: `bytes` is `table_len` bytes long and lives across the call.
@@ -235,66 +303,20 @@ async fn serve_ranges(
         out.flush(stream).await?;
         return Err(invalid(e));
     }
-    let checked = table
+    Ok(table
         .authorize_region(req.region, req.generation, req.token, req.kind)
         .map_err(|refusal| (0, refusal))
         .and_then(|region| {
-            offsets.clear();
+            spans.clear();
             for (k, range) in ranges.iter().enumerate() {
                 // `k` < MAX_RANGES, which fits u16.
                 let offset = region.offset(range.addr, range.len);
-                offsets.push(offset.map_err(|refusal| (k as u16, refusal))?);
+                let offset = offset.map_err(|refusal| (k as u16, refusal))?;
+                // Below MAX_CHUNK, far below usize::MAX.
+                spans.push((offset, range.len as usize));
             }
-            let memory = region.hold(|| peer.clone()).map_err(|r| (0, r))?;
-            Ok(memory)
-        });
-    let memory = match checked {
-        Ok(memory) => memory,
-        Err((range, refusal)) => {
-            if req.kind == RequestKind::Write {
-                reader.discard(stream, req.len as usize).await?;
-            }
-            out.refuse(req.id, range, refusal, req.len);
-            return Ok(true);
-        }
-    };
-    let base = || memory.memory().as_ptr();
-    match req.kind {
-        RequestKind::Write => {
-            for (offset, range) in offsets.iter().zip(ranges.iter()) {
-                // SAFETY: every range was bounds-checked against the block's
-                // length above, and `memory` keeps the block alive across
-                // the call.
-                unsafe {
-                    (reader.payload(stream, base().add(*offset), range.len as usize)).await?;
-                }
-            }
-            served("write", req.len);
-            out.acks.push(Response::WriteAck { id: req.id }.encode());
-        }
-        RequestKind::Read => {
-            let header = Response::ReadData {
-                id: req.id,
-                len: req.len,
-            }
-            .encode();
-            let mut iov = IoVecs::default();
-            // SAFETY: `out`'s staged bytes and `header` live on this frame
-            // until `send_all` returns; the ranges were bounds-checked and
-            // `memory` pins them until then too.
-            unsafe {
-                out.push_into(&mut iov);
-                iov.push(header.as_ptr(), header.len());
-                for (offset, range) in offsets.iter().zip(ranges.iter()) {
-                    iov.push(base().add(*offset), range.len as usize);
-                }
-            }
-            iov.send_all(stream).await?;
-            out.acks.clear();
-            served("read", req.len);
-        }
-    }
-    Ok(false)
+            region.hold(|| peer.clone()).map_err(|r| (0, r))
+        }))
 }
 
 /// Reads a notification's body and hands it to the inbox, unless a chunk of
