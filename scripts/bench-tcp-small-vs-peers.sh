@@ -11,7 +11,7 @@
 #
 # Prints every round's figures and the medians. NIXL's initiator and target
 # both spin on a core while they wait (its benchmark polls, as vLLM does);
-# ferry's connections poll for TcpConfig::busy_poll (20 µs) and then sleep.
+# ferry's connections poll for TcpConfig::busy_poll (100 µs) and then sleep.
 # BUSY_POLL_US=0 runs ferry without polling. Needs the peers' venvs
 # (../shared/peers/*/setup.sh). Run it on an idle machine.
 #

@@ -171,7 +171,7 @@ impl NodeBuilder {
 
     /// How long a TCP data connection waiting for bytes polls its socket
     /// before its task sleeps (default [`ferry_tcp::DEFAULT_BUSY_POLL`],
-    /// 20 µs; zero turns it off). An answer that comes within it pays no
+    /// 100 µs; zero turns it off). An answer that comes within it pays no
     /// thread wake-up; see [`TcpConfig::busy_poll`] for the trade.
     pub fn tcp_busy_poll(mut self, window: std::time::Duration) -> Self {
         self.tcp.busy_poll = window;

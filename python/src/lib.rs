@@ -22,13 +22,17 @@ mod xfer;
 /// that ends sooner never wakes for it; an idle node never wakes at all.
 const SIGNAL_CHECK: Duration = Duration::from_millis(50);
 
-/// The process's runtime: two workers drive every node's connections; a
-/// blocking call runs its own future on the calling thread.
+/// The process's runtime: one worker drives every node's connections; a
+/// blocking call runs its own future on the calling thread. One, not more:
+/// a connection that polls its socket (`TcpConfig::busy_poll`) keeps waking
+/// a runtime's idle workers, and those wake-ups take the core from the
+/// thread that polls (an 8-byte TCP write's p50 was 60-100 µs with two
+/// workers, 23 µs with one, on a 2-core VM).
 fn runtime() -> &'static tokio::runtime::Runtime {
     static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
     RUNTIME.get_or_init(|| {
         tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(1)
             .thread_name("ferry")
             .enable_all()
             .build()

@@ -158,10 +158,14 @@ pub struct BenchArgs {
     #[arg(long, value_parser = parse_size)]
     pub window: Option<u64>,
     /// Microseconds each TCP data connection polls for answers before its
-    /// task sleeps (0: never poll; default 20); `--loopback` gives its
+    /// task sleeps (0: never poll; default 100); `--loopback` gives its
     /// server the same.
     #[arg(long)]
     pub busy_poll_us: Option<u64>,
+    /// Worker threads of this process's runtime (see the README's
+    /// "Threads"); `--loopback` gives its server the same.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: u16,
     /// Measured submits per block size and worker.
     #[arg(long, default_value_t = 20)]
     pub iters: usize,

@@ -49,6 +49,7 @@ pub(crate) fn start_server(args: &BenchArgs) -> Result<(Server, RemoteBuffer), F
     if matches!(args.transport, Transport::Tcp | Transport::Memory) {
         command.arg("--no-ibverbs");
     }
+    command.arg(format!("--threads={}", args.threads));
     if let Some(us) = args.busy_poll_us {
         command.arg(format!("--busy-poll-us={us}"));
     }

@@ -68,9 +68,13 @@ pub struct ServeArgs {
     #[arg(long)]
     pub stdin: bool,
     /// Microseconds each TCP data connection polls for the next request
-    /// before its task sleeps (0: never poll; default 20).
+    /// before its task sleeps (0: never poll; default 100).
     #[arg(long)]
     pub busy_poll_us: Option<u64>,
+    /// Worker threads of this process's runtime (see the README's
+    /// "Threads").
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: u16,
 }
 
 fn parse_advertise(text: &str) -> Result<std::net::SocketAddr, String> {
