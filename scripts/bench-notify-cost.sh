@@ -7,7 +7,7 @@
 # which shows the owner's work per notification apart from the latency,
 # which is noisy on a small machine. Then the medians and their ratio.
 #
-# usage: scripts/bench-notify-cost.sh [tcp|memory|ibverbs|ibverbs-two (default tcp)] [ROUNDS (default 5)]
+# usage: [NOTIFY_COALESCE_MS=N] scripts/bench-notify-cost.sh [tcp|memory|ibverbs|ibverbs-two (default tcp)] [ROUNDS (default 5)]
 #   tcp          owner and initiator here, over loopback
 #   memory       owner and initiator here, over the same-host memory transport
 #                (notifications on its lane, a ring in shared memory)
@@ -22,6 +22,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TRANSPORT=${1:-tcp}
 ROUNDS=${2:-5}
+# The owner's IbvConfig::notify_coalesce in ms (ferry serve
+# --notify-coalesce-ms): 0 wakes it on each notification.
+COALESCE=${NOTIFY_COALESCE_MS:-0}
 case $TRANSPORT in tcp | memory | ibverbs | ibverbs-two) ;; *) echo "transport: tcp, memory, ibverbs or ibverbs-two" >&2; exit 2 ;; esac
 cargo build --release --locked -p ferry-cli >&2
 source scripts/target-dir.sh
@@ -29,12 +32,12 @@ source scripts/target-dir.sh
 # The measurement, in POSIX sh and awk: it also runs in the VM's busybox.
 measure=$(cat <<'EOF'
 set -eu
-ferry=$1 transport=$2 rounds=$3 where=${4:-here}
+ferry=$1 transport=$2 rounds=$3 where=${4:-here} coalesce=${5:-0}
 dir=$(mktemp -d)
 hz=$(getconf CLK_TCK 2>/dev/null || echo 100)
 if [ "$where" = peer ]; then
   # The owner in the peer VM, reached across the wire by name.
-  on-peer "setsid $ferry serve --listen $FERRY_RXE_PEER_IP:7100 --size 4M --publish r < /dev/null > /dev/null 2>&1 &"
+  on-peer "setsid $ferry serve --listen $FERRY_RXE_PEER_IP:7100 --size 4M --publish r --notify-coalesce-ms $coalesce < /dev/null > /dev/null 2>&1 &"
   trap 'on-peer "kill \$(pidof ferry)" > /dev/null 2>&1; rm -rf "$dir"' EXIT
   target="--peer $FERRY_RXE_PEER_IP:7100 --region r"
   i=0
@@ -45,7 +48,7 @@ if [ "$where" = peer ]; then
   done
   cpu() { on-peer "awk '{ print \$14 + \$15 }' /proc/\$(pidof ferry)/stat"; }
 else
-  $ferry serve --size 4M --handle-file "$dir/h" > /dev/null 2>&1 &
+  $ferry serve --size 4M --handle-file "$dir/h" --notify-coalesce-ms "$coalesce" > /dev/null 2>&1 &
   owner=$!
   trap 'kill $owner 2>/dev/null; rm -rf "$dir"' EXIT
   target="--handle $dir/h"
@@ -92,7 +95,7 @@ EOF
 )
 
 if [ "$TRANSPORT" = tcp ] || [ "$TRANSPORT" = memory ]; then
-  sh -c "$measure" sh "$target_dir/release/ferry" "$TRANSPORT" "$ROUNDS"
+  sh -c "$measure" sh "$target_dir/release/ferry" "$TRANSPORT" "$ROUNDS" here "$COALESCE"
   exit
 fi
 stage=$(mktemp -d)
@@ -101,10 +104,10 @@ printf '%s\n' "#!/bin/sh" "$measure" > "$stage/notify-cost"
 chmod +x "$stage/notify-cost"
 if [ "$TRANSPORT" = ibverbs ]; then
   tests/rxe/run.sh --bin "$target_dir/release/ferry" --bin "$stage/notify-cost" -- \
-    "notify-cost ferry ibverbs $ROUNDS" 2>&1 | grep -E '^(RESULT|MEDIAN)|rxe .*(error|status)'
+    "notify-cost ferry ibverbs $ROUNDS here $COALESCE" 2>&1 | grep -E '^(RESULT|MEDIAN)|rxe .*(error|status)'
 else
   perf='for r in 1 2; do rxe-pair --perf ib_write_lat -s 4096 -n 1000; rxe-pair --perf ib_send_lat -s 64 -n 1000; done'
   tests/rxe/run.sh --two --bin "$target_dir/release/ferry" --bin "$stage/notify-cost" -- \
-    "$perf; notify-cost ferry ibverbs $ROUNDS peer" 2>&1 |
+    "$perf; notify-cost ferry ibverbs $ROUNDS peer $COALESCE" 2>&1 |
     grep -E '^(RESULT|MEDIAN|PERF)|rxe .*(error|status)'
 fi

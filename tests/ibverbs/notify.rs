@@ -37,6 +37,26 @@ async fn ten_thousand_notified_writes_from_a_peer_process_find_their_bytes_in_pl
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
+async fn notified_writes_coalesced_by_the_owner_each_arrive_once_with_their_bytes_in_place() {
+    // The owner looks for more notifications 2 ms after each delivery
+    // instead of waking on each: every one still reaches the inbox once,
+    // after its bytes, and none is lost when the stream stops mid-pause.
+    let config = ibverbs::IbvConfig {
+        notify_coalesce: std::time::Duration::from_millis(2),
+        ..Default::default()
+    };
+    let owner = Node::builder()
+        .memory(false)
+        .ibverbs_config(config)
+        .spawn()
+        .await
+        .unwrap();
+    assert!(owner.ibverbs().is_some(), "{}", crate::NEEDS_DEVICE);
+    crate::notified_batches::notified_writes_each_find_their_bytes_in_place(&owner).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
 async fn ten_thousand_notified_reads_from_a_peer_process_are_done_when_the_owner_hears() {
     crate::notified_batches::notified_reads_are_done_when_the_owner_hears(&rdma_node().await).await;
 }

@@ -75,6 +75,11 @@ pub struct ServeArgs {
     /// "Threads").
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: u16,
+    /// Milliseconds the owner waits, after notifications that rode RDMA,
+    /// before it looks for more instead of waking on each
+    /// (`IbvConfig::notify_coalesce`; default 0: wake on each).
+    #[arg(long)]
+    pub notify_coalesce_ms: Option<u64>,
 }
 
 fn parse_advertise(text: &str) -> Result<std::net::SocketAddr, String> {
@@ -110,6 +115,12 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
     }
     if let Some(us) = args.busy_poll_us {
         builder = builder.tcp_busy_poll(std::time::Duration::from_micros(us));
+    }
+    if let Some(ms) = args.notify_coalesce_ms {
+        builder = builder.ibverbs_config(ferry::ibverbs::IbvConfig {
+            notify_coalesce: std::time::Duration::from_millis(ms),
+            ..Default::default()
+        });
     }
     let lease_ttl = std::time::Duration::from_secs(args.lease_ttl);
     let builder = args.etcd.apply(builder, Some(lease_ttl))?;

@@ -188,6 +188,7 @@ pub(crate) async fn accept(
             session.clone(),
             sink,
             theirs.endpoint.qpn,
+            device.notify_coalesce,
         ));
     }
     let replaced = passive.lock().insert(session.id(), qp);
@@ -226,11 +227,15 @@ pub(crate) async fn accept(
 /// the inbox in arrival order (waiting for room as long as it takes), and
 /// returns their credits in batches over `session`. Ends once the QP is
 /// retired and its receives have drained, or the node's inbox is gone.
+/// With a nonzero `coalesce`, a look that delivered something is followed
+/// by another after that long instead of an armed sleep (see
+/// `IbvConfig::notify_coalesce`).
 async fn receive_notifications(
     qp: Arc<PassiveQp>,
     session: Session,
     sink: NotificationSink,
     initiator_qpn: u32,
+    coalesce: Duration,
 ) {
     let from = session.peer();
     let cq = qp.qp.cq().clone();
@@ -257,6 +262,8 @@ async fn receive_notifications(
     let mut wcs = [Completion::default(); 32];
     let mut armed = false;
     let mut draining: Option<tokio::time::Instant> = None;
+    // Whether the looks since the last coalescing pause delivered anything.
+    let mut delivered = false;
     loop {
         let n = cq.poll(&mut wcs).unwrap_or_else(|e| {
             debug!(node = %from.id, "polling a notification queue failed: {e}");
@@ -295,6 +302,16 @@ async fn receive_notifications(
             uncredited = 0;
         }
         if n > 0 {
+            delivered = true;
+            continue;
+        }
+        if delivered && !armed && draining.is_none() && !coalesce.is_zero() {
+            delivered = false;
+            tokio::select! {
+                _ = tokio::time::sleep(coalesce) => {}
+                // Retirement is seen by the armed wait below, right after.
+                _ = qp.retired.cancelled() => {}
+            }
             continue;
         }
         if let Some(since) = draining {
