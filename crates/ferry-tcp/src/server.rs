@@ -94,8 +94,25 @@ async fn serve(
         let Some(bytes) = header else {
             return out.flush(stream).await.map(|()| None);
         };
-        let req = match ClientFrame::decode(&bytes) {
-            Ok(ClientFrame::Op(req)) => req,
+        // A plain request is checked into one span, a ranges request into
+        // one per range; `answer` moves or refuses either.
+        let (asked, checked) = match ClientFrame::decode(&bytes) {
+            Ok(ClientFrame::Op(req)) => {
+                let spans = &mut scratch.spans;
+                spans.clear();
+                let checked = table.authorize(&req, || peer.clone()).map(|grant| {
+                    // Below MAX_CHUNK, far below usize::MAX.
+                    spans.push((grant.offset, req.len as usize));
+                    grant.memory
+                });
+                let asked = Asked {
+                    kind: req.kind,
+                    id: req.id,
+                    len: req.len,
+                    tag: req.tag,
+                };
+                (asked, checked.map_err(|refusal| (0, refusal)))
+            }
             Ok(ClientFrame::Ranges(ranges)) => {
                 let checked = check_ranges(
                     stream,
@@ -113,18 +130,7 @@ async fn serve(
                     len: ranges.len,
                     tag: ranges.tag,
                 };
-                let tags = &mut failed_tags;
-                answer(
-                    stream,
-                    &mut reader,
-                    &mut out,
-                    tags,
-                    asked,
-                    checked,
-                    &scratch.spans,
-                )
-                .await?;
-                continue;
+                (asked, checked)
             }
             Ok(ClientFrame::Notify(notify)) => {
                 let outcome =
@@ -145,26 +151,11 @@ async fn serve(
                 return Err(invalid(e));
             }
         };
-        let spans = &mut scratch.spans;
-        spans.clear();
-        let checked = table.authorize(&req, || peer.clone()).map(|grant| {
-            // Below MAX_CHUNK, far below usize::MAX.
-            spans.push((grant.offset, req.len as usize));
-            grant.memory
-        });
-        let asked = Asked {
-            kind: req.kind,
-            id: req.id,
-            len: req.len,
-            tag: req.tag,
-        };
-        let checked = checked.map_err(|refusal| (0, refusal));
-        let tags = &mut failed_tags;
         answer(
             stream,
             &mut reader,
             &mut out,
-            tags,
+            &mut failed_tags,
             asked,
             checked,
             &scratch.spans,
