@@ -46,7 +46,17 @@ fn with_wrong_rkey(handle: &RemoteBuffer) -> RemoteBuffer {
 }
 
 async fn rdma_node() -> Node {
-    let node = Node::builder().memory(false).spawn().await.unwrap();
+    rdma_node_with(ibverbs::IbvConfig::default()).await
+}
+
+/// A node whose ibverbs transport runs with `config`; fails unless it has one.
+async fn rdma_node_with(config: ibverbs::IbvConfig) -> Node {
+    let node = Node::builder()
+        .memory(false)
+        .ibverbs_config(config)
+        .spawn()
+        .await
+        .unwrap();
     assert!(
         node.ibverbs().is_some(),
         "{NEEDS_DEVICE}; here: {}",
@@ -93,13 +103,7 @@ async fn ops_larger_than_a_work_request_are_split_and_stream_through_few_credits
         max_send_wr: 16,
         ..Default::default()
     };
-    let node = Node::builder()
-        .memory(false)
-        .ibverbs_config(config)
-        .spawn()
-        .await
-        .unwrap();
-    assert!(node.ibverbs().is_some(), "{NEEDS_DEVICE}");
+    let node = rdma_node_with(config).await;
     let mut peer = PeerProcess::spawn().await;
     let nic = Some(RdmaTransportLevel::Nic);
     for (i, len) in [4096usize, 4097, (1 << 20) + 3].into_iter().enumerate() {

@@ -45,13 +45,7 @@ async fn notified_writes_coalesced_by_the_owner_each_arrive_once_with_their_byte
         notify_coalesce: std::time::Duration::from_millis(2),
         ..Default::default()
     };
-    let owner = Node::builder()
-        .memory(false)
-        .ibverbs_config(config)
-        .spawn()
-        .await
-        .unwrap();
-    assert!(owner.ibverbs().is_some(), "{}", crate::NEEDS_DEVICE);
+    let owner = crate::rdma_node_with(config).await;
     crate::notified_batches::notified_writes_each_find_their_bytes_in_place(&owner).await;
 }
 
