@@ -23,8 +23,9 @@ cd "$(dirname "$0")/.."
 TRANSPORT=${1:-tcp}
 ROUNDS=${2:-5}
 # The owner's IbvConfig::notify_coalesce in ms (ferry serve
-# --notify-coalesce-ms): 0 wakes it on each notification.
-COALESCE=${NOTIFY_COALESCE_MS:-0}
+# --notify-coalesce-ms): 0 wakes it on each notification; unset leaves it
+# to the device (0 on a NIC, a few ms on soft-RoCE).
+COALESCE=${NOTIFY_COALESCE_MS:-}
 case $TRANSPORT in tcp | memory | ibverbs | ibverbs-two) ;; *) echo "transport: tcp, memory, ibverbs or ibverbs-two" >&2; exit 2 ;; esac
 cargo build --release --locked -p ferry-cli >&2
 source scripts/target-dir.sh
@@ -32,12 +33,13 @@ source scripts/target-dir.sh
 # The measurement, in POSIX sh and awk: it also runs in the VM's busybox.
 measure=$(cat <<'EOF'
 set -eu
-ferry=$1 transport=$2 rounds=$3 where=${4:-here} coalesce=${5:-0}
+ferry=$1 transport=$2 rounds=$3 where=${4:-here} coalesce=${5:-}
+coalesce=${coalesce:+--notify-coalesce-ms $coalesce}
 dir=$(mktemp -d)
 hz=$(getconf CLK_TCK 2>/dev/null || echo 100)
 if [ "$where" = peer ]; then
   # The owner in the peer VM, reached across the wire by name.
-  on-peer "setsid $ferry serve --listen $FERRY_RXE_PEER_IP:7100 --size 4M --publish r --notify-coalesce-ms $coalesce < /dev/null > /dev/null 2>&1 &"
+  on-peer "setsid $ferry serve --listen $FERRY_RXE_PEER_IP:7100 --size 4M --publish r $coalesce < /dev/null > /dev/null 2>&1 &"
   trap 'on-peer "kill \$(pidof ferry)" > /dev/null 2>&1; rm -rf "$dir"' EXIT
   target="--peer $FERRY_RXE_PEER_IP:7100 --region r"
   i=0
@@ -48,7 +50,7 @@ if [ "$where" = peer ]; then
   done
   cpu() { on-peer "awk '{ print \$14 + \$15 }' /proc/\$(pidof ferry)/stat"; }
 else
-  $ferry serve --size 4M --handle-file "$dir/h" --notify-coalesce-ms "$coalesce" > /dev/null 2>&1 &
+  $ferry serve --size 4M --handle-file "$dir/h" $coalesce > /dev/null 2>&1 &
   owner=$!
   trap 'kill $owner 2>/dev/null; rm -rf "$dir"' EXIT
   target="--handle $dir/h"

@@ -37,12 +37,12 @@ async fn ten_thousand_notified_writes_from_a_peer_process_find_their_bytes_in_pl
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
-async fn notified_writes_coalesced_by_the_owner_each_arrive_once_with_their_bytes_in_place() {
-    // The owner looks for more notifications 2 ms after each delivery
-    // instead of waking on each: every one still reaches the inbox once,
-    // after its bytes, and none is lost when the stream stops mid-pause.
+async fn notified_writes_each_waking_the_owner_each_arrive_once_with_their_bytes_in_place() {
+    // The owner wakes on each notification's event, as on a NIC (on this
+    // software device it coalesces them by default, which the test above
+    // covers): every one still reaches the inbox once, after its bytes.
     let config = ibverbs::IbvConfig {
-        notify_coalesce: std::time::Duration::from_millis(2),
+        notify_coalesce: Some(std::time::Duration::ZERO),
         ..Default::default()
     };
     let owner = crate::rdma_node_with(config).await;

@@ -201,8 +201,9 @@ fn print_info(info: &Info) {
     for device in &info.devices {
         for port in &device.ports {
             let state = if port.active { "active" } else { "down" };
+            let kind = if device.software { ", software" } else { "" };
             println!(
-                "{} port {}: {state}, {}, MTU {}, max message {} B",
+                "{} port {}: {state}, {}{kind}, MTU {}, max message {} B",
                 device.name, port.port, port.link_layer, port.active_mtu, port.max_message
             );
             for gid in &port.gids {

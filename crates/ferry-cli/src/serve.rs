@@ -77,7 +77,8 @@ pub struct ServeArgs {
     pub threads: u16,
     /// Milliseconds the owner waits, after notifications that rode RDMA,
     /// before it looks for more instead of waking on each
-    /// (`IbvConfig::notify_coalesce`; default 0: wake on each).
+    /// (`IbvConfig::notify_coalesce`; by default 0 on a NIC, which then
+    /// wakes the owner on each, and a few on a software device).
     #[arg(long)]
     pub notify_coalesce_ms: Option<u64>,
 }
@@ -118,7 +119,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
     }
     if let Some(ms) = args.notify_coalesce_ms {
         builder = builder.ibverbs_config(ferry::ibverbs::IbvConfig {
-            notify_coalesce: std::time::Duration::from_millis(ms),
+            notify_coalesce: Some(std::time::Duration::from_millis(ms)),
             ..Default::default()
         });
     }

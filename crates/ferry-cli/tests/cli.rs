@@ -156,6 +156,8 @@ fn info_json_lists_the_transports_that_can_start_here() {
             .iter()
             .find(|d| d["name"] == "rxe0")
             .expect("rxe0 listed");
+        // Soft-RoCE: what picks the owner's notification coalescing.
+        assert_eq!(rxe["software"], true, "{rxe}");
         let port = &rxe["ports"][0];
         assert_eq!(port["active"], true);
         assert_eq!(port["link_layer"], "Ethernet");

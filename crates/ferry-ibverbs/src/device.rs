@@ -4,6 +4,10 @@ use std::sync::Arc;
 
 use crate::verbs::{Context, ProtectionDomain, QpTiming, VerbsError, device_names};
 
+/// The owner's notification coalescing on a software RDMA device when
+/// [`IbvConfig::notify_coalesce`] leaves it to the device.
+pub const SOFTWARE_NOTIFY_COALESCE: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// How the ibverbs backend picks and uses its device.
 #[derive(Clone, Debug)]
 pub struct IbvConfig {
@@ -31,19 +35,22 @@ pub struct IbvConfig {
     /// How long the owner waits, after handing notifications to its inbox,
     /// before it looks for more, instead of sleeping until the next one
     /// raises an event; it goes back to sleeping on events once a look
-    /// finds none. Zero (the default) delivers each notification on its
-    /// own event.
+    /// finds none. Zero delivers each notification on its own event.
+    /// `None` (the default) picks by device: zero on a hardware NIC,
+    /// [`SOFTWARE_NOTIFY_COALESCE`] on a software one (soft-RoCE, siw).
     ///
     /// Each event wakes the owner's thread as the notification lands. On
-    /// a hardware NIC that costs the sender nothing, but with soft-RoCE on
-    /// few cores the woken thread competes with the kernel work that
-    /// acknowledges the sender's SEND: in the two-VM harness (one vCPU
-    /// each) a notified 4 KiB write cost 371-402 µs more than a plain one
-    /// with zero, 196-242 µs with 5 ms. The price is that notifications
-    /// arriving in a stream reach the inbox up to this much later; the
-    /// first after a quiet spell still comes at once, and an idle owner
-    /// does not poll.
-    pub notify_coalesce: std::time::Duration,
+    /// a hardware NIC that costs the sender nothing: the NIC acknowledges
+    /// the SEND. A software device acknowledges it with the owner's own
+    /// CPU, so the woken thread competes with that work: in the two-VM
+    /// harness (one vCPU each) a notified 4 KiB write cost 314-402 µs more
+    /// than a plain one with zero, 196-275 µs with 5 ms (1 ms is too short
+    /// there: notifications come about 1 ms apart, so a look 1 ms later
+    /// often finds none and the owner goes back to events). The price is
+    /// that notifications arriving in a stream reach the inbox up to this much
+    /// later; the first after a quiet spell still comes at once, and an
+    /// idle owner does not poll.
+    pub notify_coalesce: Option<std::time::Duration>,
     /// How queue pairs retransmit (see [`QpTiming`] for the defaults).
     pub qp_timing: QpTiming,
     /// Whether a region registered inside a registered one, with the same
@@ -63,7 +70,7 @@ impl Default for IbvConfig {
             max_wr_bytes: None,
             notify_slots: 32,
             notify_slot_len: 4096,
-            notify_coalesce: std::time::Duration::ZERO,
+            notify_coalesce: None,
             share_registrations: true,
             qp_timing: QpTiming::default(),
         }
@@ -85,6 +92,7 @@ pub(crate) struct Device {
     /// Notification receive buffers per initiator, and their size.
     pub notify_slots: u16,
     pub notify_slot_len: u32,
+    /// [`IbvConfig::notify_coalesce`], resolved for this device.
     pub notify_coalesce: std::time::Duration,
     pub qp_timing: QpTiming,
     /// See [`IbvConfig::share_registrations`].
@@ -143,7 +151,11 @@ impl Device {
                 .notify_slots
                 .min(limits.max_qp_wr.min(u32::from(u16::MAX)) as u16),
             notify_slot_len: config.notify_slot_len,
-            notify_coalesce: config.notify_coalesce,
+            notify_coalesce: config.notify_coalesce.unwrap_or(if context.is_software() {
+                SOFTWARE_NOTIFY_COALESCE
+            } else {
+                std::time::Duration::ZERO
+            }),
             share_registrations: config.share_registrations,
             qp_timing: config.qp_timing,
             context,

@@ -35,7 +35,7 @@ pub mod wire;
 pub use backend::{
     FOREIGN_WR_ID_BIT, IbvBackend, IbvDevice, IbvManagerActor, IbvRegistered, IbvRegistration,
 };
-pub use device::IbvConfig;
+pub use device::{IbvConfig, SOFTWARE_NOTIFY_COALESCE};
 /// What [`IbvBackend::submit_notified`] did with a notification.
 pub use ferry_core::DataPathNotification;
 /// The messages all managers share, re-exported where users look for them.

@@ -9,6 +9,8 @@ use crate::verbs::{Context, VerbsError, device_names};
 pub struct DeviceReport {
     /// The device's name, e.g. `mlx5_0` or `rxe0`.
     pub name: String,
+    /// Whether it is a software device (soft-RoCE, siw) rather than a NIC.
+    pub software: bool,
     /// Every port, numbered from 1.
     pub ports: Vec<PortReport>,
 }
@@ -75,7 +77,11 @@ pub fn describe_devices() -> Result<Vec<DeviceReport>, VerbsError> {
                     })
                 })
                 .collect::<Result<_, VerbsError>>()?;
-            Ok(DeviceReport { name, ports })
+            Ok(DeviceReport {
+                software: context.is_software(),
+                name,
+                ports,
+            })
         })
         .collect()
 }

@@ -12,6 +12,7 @@
 
 use std::ffi::CStr;
 use std::io;
+use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -187,6 +188,14 @@ impl Context {
     /// The device's name, e.g. `rxe0`.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Whether the device is software (soft-RoCE, siw) rather than a NIC:
+    /// the host's own CPU then does the NIC's work, acknowledgements
+    /// included. Told by where sysfs files it: under
+    /// `/sys/devices/virtual`, not under a bus.
+    pub fn is_software(&self) -> bool {
+        is_software_device(Path::new("/sys/class/infiniband"), &self.name)
     }
 
     /// The raw context, for code that posts work itself (e.g. a GPU kernel).
@@ -410,3 +419,38 @@ mod qp;
 
 pub use cq::{Completion, CompletionChannel, CompletionQueue};
 pub use qp::{PathConfig, PostBuffers, QpEndpoint, QpTiming, QueuePair, RdmaOpcode, WorkRequest};
+
+/// Whether the device `name` under the sysfs class folder `class` is a
+/// software one. The kernel files a device with no hardware under it (rxe,
+/// siw) in `/sys/devices/virtual`; a NIC's entry sits under its bus (PCI).
+/// An entry that cannot be resolved counts as hardware: the default then
+/// is what a NIC wants.
+pub(crate) fn is_software_device(class: &Path, name: &str) -> bool {
+    std::fs::canonicalize(class.join(name))
+        .is_ok_and(|path| path.components().any(|c| c.as_os_str() == "virtual"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_software_device;
+
+    #[test]
+    fn a_device_filed_under_virtual_is_software_and_one_under_a_bus_is_not() {
+        let root = std::env::temp_dir().join(format!("ferry-sysfs-{}", std::process::id()));
+        let class = root.join("class/infiniband");
+        let soft = root.join("devices/virtual/infiniband/rxe0");
+        let nic = root.join("devices/pci0000:00/0000:00:02.0/infiniband/mlx5_0");
+        for dir in [&class, &soft, &nic] {
+            std::fs::create_dir_all(dir).unwrap();
+        }
+        std::os::unix::fs::symlink(&soft, class.join("rxe0")).unwrap();
+        std::os::unix::fs::symlink(&nic, class.join("mlx5_0")).unwrap();
+        let answers = (
+            is_software_device(&class, "rxe0"),
+            is_software_device(&class, "mlx5_0"),
+            is_software_device(&class, "missing0"),
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+        assert_eq!(answers, (true, false, false));
+    }
+}
