@@ -1,7 +1,9 @@
-//! An owner at its connection limit (issue 24): a client's pool that cannot
-//! grow carries on over what it has, one with nothing gets `PeerBusy`, and
-//! idle connections are closed (after the idle timeout, or at a bound to
-//! make room) so that idle clients cannot lock a well-behaved peer out.
+//! A client's pool of data connections to an owner: it fills up behind the
+//! first transfer. At the owner's connection limit (issue 24) a pool that
+//! cannot grow carries on over what it has, one with nothing gets
+//! `PeerBusy`, and idle connections are closed (after the idle timeout, or
+//! at a bound to make room) so that idle clients cannot lock a well-behaved
+//! peer out.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -56,6 +58,55 @@ async fn round_trip(node: &Node, target: &Region, seed: u8) -> Result<(), Submit
     Ok(())
 }
 
+/// The data connections `node` has open once they stop changing (its pool
+/// opens them behind a transfer): the same count for 200 ms, within `T`.
+pub(crate) async fn settled_connections(node: &Node) -> usize {
+    let open = || async { node.tcp().transport_info().await.unwrap().open_connections };
+    let started = Instant::now();
+    let mut last = (open().await, Instant::now());
+    while last.1.elapsed() < Duration::from_millis(200) {
+        assert!(started.elapsed() < T, "the pool never settled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let now = open().await;
+        if now != last.0 {
+            last = (now, Instant::now());
+        }
+    }
+    last.0
+}
+
+/// The first transfer to an owner opens one connection and the rest of
+/// the pool behind it: later transfers open none, and each leaves in turn
+/// on connections already up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pool_fills_behind_the_first_transfer() {
+    let owner = tcp_node(None).await;
+    let client = tcp_node(None).await;
+    let pool = client
+        .tcp()
+        .transport_info()
+        .await
+        .unwrap()
+        .connections_per_peer;
+    // One chunk each way: the transfer itself needs one connection only.
+    let target = owner.alloc(64 << 10, Access::ReadWrite).await.unwrap();
+    round_trip(&client, &target, 1).await.unwrap();
+    assert_eq!(settled_connections(&client).await, pool);
+    for seed in 2..6 {
+        round_trip(&client, &target, seed).await.unwrap();
+    }
+    assert_eq!(
+        client
+            .tcp()
+            .transport_info()
+            .await
+            .unwrap()
+            .open_connections,
+        pool,
+        "later transfers opened none"
+    );
+}
+
 /// A client from `from` that says a data-channel hello and then idles:
 /// `Some` if the server took it.
 async fn hello_only(server: SocketAddr, from: &str) -> Option<TcpStream> {
@@ -104,12 +155,8 @@ async fn a_pool_that_cannot_grow_carries_on_over_the_connections_it_has() {
             .await
             .unwrap_or_else(|e| panic!("round trip {seed}: {e}"));
     }
-    let info = client.tcp().transport_info().await.unwrap();
-    assert!(
-        (1..=3).contains(&info.open_connections),
-        "{} connections open",
-        info.open_connections
-    );
+    let open = settled_connections(&client).await;
+    assert!((1..=3).contains(&open), "{open} connections open");
 }
 
 /// The owner takes one connection from 127.0.0.1, and another node's
@@ -156,7 +203,7 @@ async fn idle_clients_do_not_lock_a_peer_out_of_their_address() {
             .await
             .unwrap_or_else(|e| panic!("round trip {seed}: {e}"));
     }
-    let open = peer.tcp().transport_info().await.unwrap().open_connections;
+    let open = settled_connections(&peer).await;
     let mut evicted = 0;
     for stream in &mut flood {
         if closed_within(stream, Duration::from_millis(200)).await {

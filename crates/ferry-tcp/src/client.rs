@@ -394,7 +394,7 @@ impl Route {
 
     /// Queues `chunk`, of `len` bytes, on a connection of `peer`'s pool, or
     /// finishes it with the error that keeps it from going.
-    async fn send(&mut self, peer: &Peer, chunk: Chunk, len: u64) {
+    async fn send(&mut self, peer: &PeerRef, chunk: Chunk, len: u64) {
         if self.notified {
             if let Entry::Vacant(slot) = self.pinned.entry(peer.addr) {
                 slot.insert(peer.connection(self.config).await);

@@ -1,9 +1,9 @@
 //! Each peer's pool of data connections: opened on first use, grown up to
-//! its size, and released from the node's table once no submit uses it and
+//! its size (behind the transfers, once it has one), and released from the node's table once no submit uses it and
 //! none of its connections is open.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,10 +19,17 @@ use crate::connection::{Conn, connect};
 /// limit is not asked again for every chunk.
 const GROW_BACKOFF: Duration = Duration::from_millis(500);
 
+/// How long a connection opened behind the transfers (see
+/// [`Peer::connection`]) may take before the pool gives up on it and
+/// pauses growing; no submit waits for it, so its own deadline is this.
+const GROW_DEADLINE: Duration = Duration::from_secs(5);
+
 /// One peer's pool of data connections.
 pub(crate) struct Peer {
     pub(crate) addr: NodeAddr,
     slots: Vec<tokio::sync::Mutex<Option<Conn>>>,
+    /// Per slot: a task is opening its connection behind the transfers.
+    growing: Vec<AtomicBool>,
     next: AtomicUsize,
     /// Until when the pool does not try to grow, after a connection it
     /// tried to open failed while it had others.
@@ -39,6 +46,11 @@ impl PeerRef {
     /// A submit's use of `peer`, from the table.
     pub(crate) fn new(peer: Arc<Peer>) -> Self {
         PeerRef(Some(peer))
+    }
+
+    /// The pool's next connection in turn (see [`Peer::connection`]).
+    pub(crate) async fn connection(&self, config: ClientConfig) -> Result<Conn, OpError> {
+        Peer::connection(self.0.as_ref().expect("taken only on drop"), config).await
     }
 }
 
@@ -97,6 +109,9 @@ impl Peer {
             slots: (0..connections.max(1))
                 .map(|_| Default::default())
                 .collect(),
+            growing: (0..connections.max(1))
+                .map(|_| AtomicBool::new(false))
+                .collect(),
             next: AtomicUsize::new(0),
             no_growth_until: Mutex::new(None),
             table: Arc::downgrade(table),
@@ -127,21 +142,47 @@ impl Peer {
             .count()
     }
 
-    /// The next connection in turn, connected first if needed. A pool that
-    /// cannot grow (the owner at its connection limit, say) carries on over
-    /// the connections it has, and tries to grow again after
-    /// [`GROW_BACKOFF`]; only a pool with none fails.
-    pub(crate) async fn connection(&self, config: ClientConfig) -> Result<Conn, OpError> {
+    /// The next connection in turn. A pool with no live connection opens
+    /// one here, and the rest of its slots in tasks of their own: after
+    /// the first transfer to a peer the pool fills up behind it, as
+    /// `Peers::connect` would have, and no later transfer waits for a
+    /// connection's set-up (each of the first four requests to a peer used
+    /// to pay one). An empty slot found while another connection is live
+    /// is likewise filled behind the chunk, which takes the live one. A
+    /// pool that cannot grow (the owner at its connection limit, say)
+    /// carries on over the connections it has, and tries to grow again
+    /// after [`GROW_BACKOFF`]; only a pool with none fails.
+    async fn connection(self: &Arc<Self>, config: ClientConfig) -> Result<Conn, OpError> {
         let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
         let failed = {
-            let mut guard = self.slots[slot].lock().await;
+            // A slot held by a connect under way is passed over for a live
+            // one, if there is one, rather than waited for.
+            let mut guard = match self.slots[slot].try_lock() {
+                Ok(guard) => guard,
+                Err(_) => match self.other_live_now(slot) {
+                    Some(conn) => return Ok(conn),
+                    None => self.slots[slot].lock().await,
+                },
+            };
             match &*guard {
                 Some(conn) if !conn.closed.is_cancelled() => return Ok(conn.clone()),
                 _ if self.growth_paused() => None,
                 _ => {
+                    if let Some(conn) = self.other_live_now(slot) {
+                        drop(guard);
+                        self.grow(slot, config);
+                        return Ok(conn);
+                    }
                     let release = (self.table.clone(), self.addr);
                     match connect(self.addr, config, release).await {
-                        Ok(conn) => return Ok(guard.insert(conn).clone()),
+                        Ok(conn) => {
+                            let conn = guard.insert(conn).clone();
+                            drop(guard);
+                            (0..self.slots.len())
+                                .filter(|&other| other != slot)
+                                .for_each(|other| self.grow(other, config));
+                            return Ok(conn);
+                        }
                         Err(e) => Some(e),
                     }
                 }
@@ -161,6 +202,41 @@ impl Peer {
             // None left to carry on over: grow after all.
             None => self.open(slot, config).await,
         }
+    }
+
+    /// Opens slot `slot`'s connection in a task of its own, unless one is
+    /// at it already. The task holds the pool while it runs, and leaves it
+    /// as a submit does; a failure pauses growth as an inline one would.
+    fn grow(self: &Arc<Self>, slot: usize, config: ClientConfig) {
+        if self.growth_paused() || self.growing[slot].swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let peer = self.clone();
+        tokio::spawn(async move {
+            let opened = tokio::time::timeout(GROW_DEADLINE, peer.open(slot, config)).await;
+            peer.growing[slot].store(false, Ordering::Release);
+            let failure = match opened {
+                Ok(Ok(_)) => None,
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(_) => Some(format!("not open within {GROW_DEADLINE:?}")),
+            };
+            if let Some(reason) = failure {
+                debug!(endpoint = %peer.addr.endpoint, %reason, "pool cannot grow; using the connections it has");
+                peer.pause_growth();
+            }
+            let (table, addr) = (peer.table.clone(), peer.addr);
+            release(&table, addr, Some(peer));
+        });
+    }
+
+    /// A live connection in a slot other than `slot` that nobody holds
+    /// locked right now; never waits.
+    fn other_live_now(&self, slot: usize) -> Option<Conn> {
+        let n = self.slots.len();
+        (1..n).find_map(|k| {
+            let guard = self.slots[(slot + k) % n].try_lock().ok()?;
+            guard.as_ref().filter(|c| !c.closed.is_cancelled()).cloned()
+        })
     }
 
     /// Slot `slot`'s connection: the live one, or a new one put there.
