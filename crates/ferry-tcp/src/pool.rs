@@ -168,7 +168,9 @@ impl Peer {
                 Some(conn) if !conn.closed.is_cancelled() => return Ok(conn.clone()),
                 _ if self.growth_paused() => None,
                 _ => {
-                    if let Some(conn) = self.other_live_now(slot) {
+                    if !self.ever_refused_growth()
+                        && let Some(conn) = self.other_live_now(slot)
+                    {
                         drop(guard);
                         self.grow(slot, config);
                         return Ok(conn);
@@ -205,16 +207,22 @@ impl Peer {
     }
 
     /// Opens slot `slot`'s connection in a task of its own, unless one is
-    /// at it already. The task holds the pool while it runs, and leaves it
-    /// as a submit does; a failure pauses growth as an inline one would.
+    /// at it already. The task holds the pool while it runs (at most
+    /// [`GROW_DEADLINE`], as a submit holds it until its deadline), and
+    /// leaves it as a submit does; a failure pauses growth as an inline one
+    /// would.
+    ///
+    /// Not for a pool the owner ever refused to let grow: there a new
+    /// connection may take the place of one of ours that the owner deems
+    /// idle, and a chunk that just went on that one would be lost with it;
+    /// such a pool grows inline, the chunk riding the new connection.
     fn grow(self: &Arc<Self>, slot: usize, config: ClientConfig) {
-        if self.growth_paused() || self.growing[slot].swap(true, Ordering::AcqRel) {
+        if self.ever_refused_growth() || self.growing[slot].swap(true, Ordering::AcqRel) {
             return;
         }
         let peer = self.clone();
         tokio::spawn(async move {
             let opened = tokio::time::timeout(GROW_DEADLINE, peer.open(slot, config)).await;
-            peer.growing[slot].store(false, Ordering::Release);
             let failure = match opened {
                 Ok(Ok(_)) => None,
                 Ok(Err(e)) => Some(e.to_string()),
@@ -224,6 +232,9 @@ impl Peer {
                 debug!(endpoint = %peer.addr.endpoint, %reason, "pool cannot grow; using the connections it has");
                 peer.pause_growth();
             }
+            // Cleared after the pause, so no submit starts this again in
+            // between.
+            peer.growing[slot].store(false, Ordering::Release);
             let (table, addr) = (peer.table.clone(), peer.addr);
             release(&table, addr, Some(peer));
         });
@@ -270,6 +281,15 @@ impl Peer {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         until.is_some_and(|t| Instant::now() < t)
+    }
+
+    /// Whether a connection this pool tried to open ever failed while it
+    /// had others (see [`Peer::grow`]).
+    fn ever_refused_growth(&self) -> bool {
+        self.no_growth_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
     fn pause_growth(&self) {
