@@ -1,6 +1,6 @@
 //! Each peer's pool of data connections: opened on first use, grown up to
-//! its size (behind the transfers, once it has one), and released from the node's table once no submit uses it and
-//! none of its connections is open.
+//! its size (behind the transfers, once it has one), and released from the
+//! node's table once no submit uses it and none of its connections is open.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -151,7 +151,8 @@ impl Peer {
     /// is likewise filled behind the chunk, which takes the live one. A
     /// pool that cannot grow (the owner at its connection limit, say)
     /// carries on over the connections it has, and tries to grow again
-    /// after [`GROW_BACKOFF`]; only a pool with none fails.
+    /// after [`GROW_BACKOFF`], inline from then on (see [`Peer::grow`]);
+    /// only a pool with none fails.
     async fn connection(self: &Arc<Self>, config: ClientConfig) -> Result<Conn, OpError> {
         let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
         let failed = {
@@ -159,7 +160,10 @@ impl Peer {
             // one, if there is one, rather than waited for.
             let mut guard = match self.slots[slot].try_lock() {
                 Ok(guard) => guard,
-                Err(_) => match self.other_live_now(slot) {
+                Err(_) => match self
+                    .other_live_now(slot)
+                    .filter(|_| !self.ever_refused_growth())
+                {
                     Some(conn) => return Ok(conn),
                     None => self.slots[slot].lock().await,
                 },
