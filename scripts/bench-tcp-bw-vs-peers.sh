@@ -18,27 +18,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
 seconds=${2:-2}
-PEERS=${PEERS:-../shared/peers}
-NIXL_PY=$HOME/.cache/peers-venv/bin/python
-MOONCAKE_PY=$HOME/.cache/peers-venv-mooncake/bin/python
+source scripts/peers-here.sh
 for py in "$NIXL_PY" "$MOONCAKE_PY"; do
     [ -x "$py" ] || { echo "no peer venv at $py: run $PEERS/*/setup.sh" >&2; exit 1; }
 done
-cargo build --release --locked -q -p ferry-cli
-source scripts/target-dir.sh
-ferry=$target_dir/release/ferry
 shapes=("4K 1024" "64K 1024" "1M 64" "16M 4")
-
-dir=$(mktemp -d)
-FERRY_DISABLE_MEMORY=1 $ferry serve --size 256M --no-ibverbs --handle-file "$dir/h" \
-    >/dev/null 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null || true; rm -rf "$dir"' EXIT
-i=0
-until [ -s "$dir/h" ]; do
-    i=$((i + 1)); [ $i -lt 600 ] || { echo "serve wrote no handle" >&2; exit 1; }
-    sleep 0.1
-done
+serve_tcp
 
 # "system op block gbps" from the JSON rows on stdin (bw rows only).
 pick() {

@@ -20,21 +20,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
 seconds=${2:-2}
-PEERS=${PEERS:-../shared/peers}
-NIXL_PY=$HOME/.cache/peers-venv/bin/python
-MOONCAKE_PY=$HOME/.cache/peers-venv-mooncake/bin/python
-cargo build --release --locked -q -p ferry-cli
-source scripts/target-dir.sh
-ferry=$target_dir/release/ferry
+source scripts/peers-here.sh
 poll=()
 [ -n "${BUSY_POLL_US:-}" ] && poll=(--busy-poll-us "$BUSY_POLL_US")
-
-dir=$(mktemp -d)
-FERRY_DISABLE_MEMORY=1 $ferry serve --size 256M --no-ibverbs --handle-file "$dir/h" "${poll[@]}" \
-    >/dev/null 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null || true; rm -rf "$dir"' EXIT
-until [ -s "$dir/h" ]; do sleep 0.1; done
+serve_tcp "${poll[@]}"
 
 # "system p50 p99" from JSON rows on stdin, rows of `workload` lat if any.
 pick() {

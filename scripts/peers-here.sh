@@ -1,0 +1,24 @@
+# Sourced by the scripts that measure ferry against NIXL and Mooncake over
+# TCP loopback: where the peers' benchmarks and venvs are, a release
+# `ferry` ($ferry), and serve_tcp ARGS..., which starts one `ferry serve`
+# moving data over TCP only (256 MiB region, same-host path off), waits
+# (at most 60 s) for its handle file, $dir/h, and stops it on exit.
+PEERS=${PEERS:-../shared/peers}
+NIXL_PY=$HOME/.cache/peers-venv/bin/python
+MOONCAKE_PY=$HOME/.cache/peers-venv-mooncake/bin/python
+cargo build --release --locked -q -p ferry-cli
+source scripts/target-dir.sh
+ferry=$target_dir/release/ferry
+
+serve_tcp() {
+    dir=$(mktemp -d)
+    FERRY_DISABLE_MEMORY=1 $ferry serve --size 256M --no-ibverbs --handle-file "$dir/h" "$@" \
+        >/dev/null 2>&1 &
+    server=$!
+    trap 'kill $server 2>/dev/null || true; rm -rf "$dir"' EXIT
+    local i=0
+    until [ -s "$dir/h" ]; do
+        i=$((i + 1)); [ $i -lt 600 ] || { echo "serve wrote no handle" >&2; exit 1; }
+        sleep 0.1
+    done
+}
