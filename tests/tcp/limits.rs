@@ -60,7 +60,7 @@ async fn round_trip(node: &Node, target: &Region, seed: u8) -> Result<(), Submit
 
 /// The data connections `node` has open once they stop changing (its pool
 /// opens them behind a transfer): the same count for 200 ms, within `T`.
-pub(crate) async fn settled_connections(node: &Node) -> usize {
+async fn settled_connections(node: &Node) -> usize {
     let open = || async { node.tcp().transport_info().await.unwrap().open_connections };
     let started = Instant::now();
     let mut last = (open().await, Instant::now());
@@ -87,8 +87,11 @@ async fn the_pool_fills_behind_the_first_transfer() {
     let target = owner.alloc(64 << 10, Access::ReadWrite).await.unwrap();
     round_trip(&client, &target, 1).await.unwrap();
     let started = Instant::now();
-    while info().await.open_connections != pool {
+    loop {
         let open = info().await.open_connections;
+        if open == pool {
+            break;
+        }
         assert!(started.elapsed() < T, "{open} of {pool} open");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

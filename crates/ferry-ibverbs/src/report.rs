@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use crate::verbs::{Context, VerbsError, device_names};
+use crate::verbs::{Context, SYSFS_CLASS, VerbsError, device_names};
 
 /// One RDMA device, as `ferry info` prints it.
 #[derive(Clone, Debug, Serialize)]
@@ -92,7 +92,7 @@ fn format_gid(gid: &[u8; 16]) -> String {
 
 /// The GID type is only exposed through sysfs (as rdma-core's tools read it).
 fn gid_kind(device: &str, port: u8, index: u32) -> String {
-    let path = format!("/sys/class/infiniband/{device}/ports/{port}/gid_attrs/types/{index}");
+    let path = format!("{SYSFS_CLASS}/{device}/ports/{port}/gid_attrs/types/{index}");
     std::fs::read_to_string(path)
         .map(|s| s.trim().to_string())
         .unwrap_or_default()

@@ -160,10 +160,7 @@ impl Peer {
             // one, if there is one, rather than waited for.
             let mut guard = match self.slots[slot].try_lock() {
                 Ok(guard) => guard,
-                Err(_) => match self
-                    .other_live_now(slot)
-                    .filter(|_| !self.ever_refused_growth())
-                {
+                Err(_) => match self.instead_of(slot) {
                     Some(conn) => return Ok(conn),
                     None => self.slots[slot].lock().await,
                 },
@@ -172,9 +169,7 @@ impl Peer {
                 Some(conn) if !conn.closed.is_cancelled() => return Ok(conn.clone()),
                 _ if self.growth_paused() => None,
                 _ => {
-                    if !self.ever_refused_growth()
-                        && let Some(conn) = self.other_live_now(slot)
-                    {
+                    if let Some(conn) = self.instead_of(slot) {
                         drop(guard);
                         self.grow(slot, config);
                         return Ok(conn);
@@ -244,9 +239,14 @@ impl Peer {
         });
     }
 
-    /// A live connection in a slot other than `slot` that nobody holds
-    /// locked right now; never waits.
-    fn other_live_now(&self, slot: usize) -> Option<Conn> {
+    /// A live connection to take instead of waiting for slot `slot` to
+    /// connect: one in another slot that nobody holds locked right now
+    /// (never waits), in a pool the owner never refused to let grow (see
+    /// [`Peer::grow`]).
+    fn instead_of(&self, slot: usize) -> Option<Conn> {
+        if self.ever_refused_growth() {
+            return None;
+        }
         let n = self.slots.len();
         (1..n).find_map(|k| {
             let guard = self.slots[(slot + k) % n].try_lock().ok()?;

@@ -195,7 +195,7 @@ impl Context {
     /// included. Told by where sysfs files it: under
     /// `/sys/devices/virtual`, not under a bus.
     pub fn is_software(&self) -> bool {
-        is_software_device(Path::new("/sys/class/infiniband"), &self.name)
+        is_software_device(Path::new(SYSFS_CLASS), &self.name)
     }
 
     /// The raw context, for code that posts work itself (e.g. a GPU kernel).
@@ -419,6 +419,9 @@ mod qp;
 
 pub use cq::{Completion, CompletionChannel, CompletionQueue};
 pub use qp::{PathConfig, PostBuffers, QpEndpoint, QpTiming, QueuePair, RdmaOpcode, WorkRequest};
+
+/// Where the kernel lists RDMA devices, one entry per device name.
+pub(crate) const SYSFS_CLASS: &str = "/sys/class/infiniband";
 
 /// Whether the device `name` under the sysfs class folder `class` is a
 /// software one. The kernel files a device with no hardware under it (rxe,
