@@ -185,19 +185,19 @@ pub fn seeds() -> Vec<Seed> {
     stream.extend_from_slice(b"data");
     out.push(seed("tcp_response_stream", "answers", stream));
 
-    // Control session: both Opens, a request, its response, a cancel, as
-    // the codec frames them on the wire.
+    // Control session: both Opens, a request, its response, a cancel, a
+    // tell, as the codec frames them on the wire.
     let mut codec = ControlCodec::default();
     let mut wire = BytesMut::new();
     for frame in [
         Frame::Open {
             min_version: 1,
-            max_version: 2,
+            max_version: 3,
             node: me,
         },
         Frame::Open {
             min_version: 1,
-            max_version: 2,
+            max_version: 3,
             node: me_v6,
         },
         Frame::Request {
@@ -212,6 +212,11 @@ pub fn seeds() -> Vec<Seed> {
             body: Bytes::from_static(b"\0hi"),
         },
         Frame::Cancel { id: 2 },
+        Frame::Tell {
+            service: Service::IBVERBS_CREDITS,
+            deadline: Duration::from_secs(10),
+            body: Bytes::from_static(&[0; 8]),
+        },
     ] {
         codec.encode(frame, &mut wire).unwrap();
     }

@@ -18,6 +18,12 @@
 //! - `Cancel` (kind 4, session version 2) says the sender no longer waits
 //!   for its request `id` (dropped, or timed out): the peer stops its
 //!   handler. Sent only on sessions that agreed on version 2 or later.
+//! - `Tell` (kind 5, session version 3) calls the peer's handler for
+//!   `service` like a request, but nothing answers it: `id` is zero, and
+//!   the handler's answer (or failure) stays with the peer. For calls whose
+//!   answer nobody needs (credit returns), it saves the response's packet
+//!   and the wake-ups it costs both ends. Sent only on sessions that agreed
+//!   on version 3 or later.
 //!
 //! New uses (notifications, messages, RPC, metadata) are new services or new
 //! kinds; a peer that receives a kind it does not know ends the session,
@@ -32,9 +38,11 @@ use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
 use crate::wire::{NODE_ADDR_LEN, encode_node_addr, node_addr_at, u16_at, u32_at, u64_at};
 
 /// Oldest and newest session protocol versions this build speaks.
-pub const SESSION_VERSIONS: (u16, u16) = (1, 2);
+pub const SESSION_VERSIONS: (u16, u16) = (1, 3);
 /// The first session version with `Cancel` frames.
 pub const CANCEL_VERSION: u16 = 2;
+/// The first session version with `Tell` frames.
+pub const TELL_VERSION: u16 = 3;
 /// Bytes before a frame's body.
 pub const HEADER_LEN: usize = 16;
 /// Default bound on a frame's length (header and body); a longer one ends
@@ -156,6 +164,15 @@ pub enum Frame {
         /// The request's id.
         id: u64,
     },
+    /// A call of the peer's handler for `service` that nothing answers.
+    Tell {
+        /// The handler called.
+        service: Service,
+        /// How long the handler may run (as for a request).
+        deadline: Duration,
+        /// The handler's input.
+        body: Bytes,
+    },
 }
 
 /// A frame that does not parse. The session it arrived on ends: framing can
@@ -259,15 +276,7 @@ pub fn serialize(frame: &Frame) -> Bytes {
             body,
         } => {
             let mut out = BytesMut::with_capacity(HEADER_LEN + body.len());
-            let millis = deadline.as_nanos().div_ceil(1_000_000);
-            header(
-                &mut out,
-                2,
-                0,
-                service.0,
-                millis.try_into().unwrap_or(u32::MAX),
-                *id,
-            );
+            header(&mut out, 2, 0, service.0, deadline_millis(*deadline), *id);
             out.put_slice(body);
             out.freeze()
         }
@@ -282,7 +291,26 @@ pub fn serialize(frame: &Frame) -> Bytes {
             header(&mut out, 4, 0, 0, 0, *id);
             out.freeze()
         }
+        Frame::Tell {
+            service,
+            deadline,
+            body,
+        } => {
+            let mut out = BytesMut::with_capacity(HEADER_LEN + body.len());
+            header(&mut out, 5, 0, service.0, deadline_millis(*deadline), 0);
+            out.put_slice(body);
+            out.freeze()
+        }
     }
+}
+
+/// A deadline on the wire: whole milliseconds, rounded up, saturating.
+fn deadline_millis(deadline: Duration) -> u32 {
+    deadline
+        .as_nanos()
+        .div_ceil(1_000_000)
+        .try_into()
+        .unwrap_or(u32::MAX)
 }
 
 /// Parses one frame (without its length prefix).
@@ -322,6 +350,11 @@ pub fn parse(bytes: Bytes) -> Result<Frame, FrameError> {
             body: bytes.slice(HEADER_LEN..),
         }),
         4 => Ok(Frame::Cancel { id }),
+        5 => Ok(Frame::Tell {
+            service: Service(u16_at(&bytes, 2)),
+            deadline: Duration::from_millis(u32_at(&bytes, 4).into()),
+            body: bytes.slice(HEADER_LEN..),
+        }),
         other => Err(FrameError::UnknownKind(other)),
     }
 }
@@ -375,6 +408,11 @@ mod tests {
             });
         }
         round_trip(Frame::Cancel { id: 42 });
+        round_trip(Frame::Tell {
+            service: Service::IBVERBS_CREDITS,
+            deadline: Duration::from_secs(5),
+            body: Bytes::from_static(b"credits"),
+        });
     }
 
     #[test]
@@ -408,6 +446,10 @@ mod tests {
         assert!(matches!(
             parse(Bytes::from_static(&[2; 5])),
             Err(FrameError::Truncated { kind: 2, len: 5 })
+        ));
+        assert!(matches!(
+            parse(Bytes::from_static(&[5; HEADER_LEN - 1])),
+            Err(FrameError::Truncated { kind: 5, .. })
         ));
         assert!(matches!(
             parse(Bytes::from(vec![9; HEADER_LEN])),

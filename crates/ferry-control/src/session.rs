@@ -5,7 +5,8 @@
 //! (see [`crate::Endpoint::session`]) and sends its requests on it; it serves
 //! the requests that arrive on any session, its own or one the peer opened.
 //! Every request has a deadline: the caller stops waiting at it, and the
-//! peer's handler is given the same budget.
+//! peer's handler is given the same budget. A tell ([`Session::tell`]) is a
+//! request that nothing answers.
 //!
 //! A frame that does not parse, or one that breaks the protocol, ends the
 //! session with one logged protocol error. Requests waiting on it fail with
@@ -30,7 +31,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::endpoint::Shared;
-use crate::frame::{CANCEL_VERSION, ControlCodec, Frame, SESSION_VERSIONS, Service, Status};
+use crate::frame::{
+    CANCEL_VERSION, ControlCodec, Frame, SESSION_VERSIONS, Service, Status, TELL_VERSION,
+};
 use crate::{ControlError, ServiceError};
 
 /// Frames waiting for the session's writer; senders wait (within their
@@ -210,6 +213,45 @@ impl Session {
                 endpoint,
                 service,
                 message: String::from_utf8_lossy(&body).into_owned(),
+            }),
+        }
+    }
+
+    /// Calls the peer's handler for `service` with `body` and does not wait
+    /// for it: returns once the call is queued for the wire, or fails if the
+    /// session ended or the queue had no room within `timeout`. The peer
+    /// gives the handler `timeout` to run and sends nothing back; its
+    /// failures are logged there. For calls whose answer nobody needs: it
+    /// costs neither end the response's packet nor a wake-up to read it.
+    ///
+    /// A peer that predates tells (session version below 3) is sent a
+    /// request instead, and this waits for its answer, failing as
+    /// [`Session::request`] does.
+    pub async fn tell(
+        &self,
+        service: Service,
+        body: impl Into<Bytes>,
+        timeout: Duration,
+    ) -> Result<(), ControlError> {
+        if self.0.version < TELL_VERSION {
+            return self.request(service, body, timeout).await.map(drop);
+        }
+        let endpoint = self.0.peer.endpoint;
+        if self.is_closed() {
+            return Err(ControlError::SessionClosed { endpoint });
+        }
+        let frame = Frame::Tell {
+            service,
+            deadline: timeout,
+            body: body.into(),
+        };
+        match tokio::time::timeout(timeout, self.0.outgoing.send(frame)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(ControlError::SessionClosed { endpoint }),
+            Err(_) => Err(ControlError::Timeout {
+                endpoint,
+                service,
+                after: timeout,
             }),
         }
     }
@@ -474,7 +516,12 @@ async fn read_loop(
                 service,
                 deadline,
                 body,
-            } => dispatch(shared, inner, &running, id, service, deadline, body).await,
+            } => dispatch(shared, inner, &running, Some(id), service, deadline, body).await,
+            Frame::Tell {
+                service,
+                deadline,
+                body,
+            } => dispatch(shared, inner, &running, None, service, deadline, body).await,
             Frame::Cancel { id } => {
                 // Gone already if the handler finished first.
                 if let Some(handler) = inner.lock_handling().remove(&id) {
@@ -487,32 +534,56 @@ async fn read_loop(
     }
 }
 
-/// Runs the handler for one request in a task of its own and sends its
-/// answer; refusals (no such service, too busy) are answered at once.
+/// Runs the handler for one request (`reply`: its id) or tell (`None`) in
+/// a task of its own and sends a request's answer; a request's refusals
+/// (no such service, too busy) are answered at once. A tell cannot be
+/// refused: one that finds every slot taken waits for one, within its
+/// deadline, and the session's reading waits with it (the peer's sends back
+/// up, as they should); one that finds no handler, or no slot in time, is
+/// logged and dropped, as are its handler's failures.
 async fn dispatch(
     shared: &Arc<Shared>,
     inner: &Arc<Inner>,
     running: &Arc<Semaphore>,
-    id: u64,
+    reply: Option<u64>,
     service: Service,
     deadline: Duration,
     body: Bytes,
 ) {
-    let refuse = |status| Frame::Response {
+    let peer = inner.peer.endpoint;
+    let refuse = |id, status| Frame::Response {
         id,
         status,
         body: Bytes::new(),
     };
     let Some(handler) = shared.service(service) else {
-        debug!(peer = %inner.peer.endpoint, %service, "request for a service with no handler");
-        let _ = inner.outgoing.send(refuse(Status::NoSuchService)).await;
-        return;
-    };
-    let Ok(permit) = running.clone().try_acquire_owned() else {
-        let _ = inner.outgoing.send(refuse(Status::Busy)).await;
+        match reply {
+            Some(id) => {
+                debug!(%peer, %service, "request for a service with no handler");
+                let _ = inner.outgoing.send(refuse(id, Status::NoSuchService)).await;
+            }
+            None => warn!(%peer, %service, "dropped a tell for a service with no handler"),
+        }
         return;
     };
     let deadline = Instant::now() + deadline;
+    let permit = match (reply, running.clone().try_acquire_owned()) {
+        (_, Ok(permit)) => permit,
+        (Some(id), Err(_)) => {
+            let _ = inner.outgoing.send(refuse(id, Status::Busy)).await;
+            return;
+        }
+        (None, Err(_)) => {
+            let slot = tokio::time::timeout_at(deadline, running.clone().acquire_owned());
+            match slot.await {
+                Ok(Ok(permit)) => permit,
+                _ => {
+                    warn!(%peer, %service, "dropped a tell: no handler slot free before its deadline");
+                    return;
+                }
+            }
+        }
+    };
     let request = Request {
         session: Session(inner.clone()),
         body,
@@ -542,16 +613,26 @@ async fn dispatch(
                 Ok(Err(e)) => (Status::Failed, Bytes::from(e.0)),
                 Err(panic) => {
                     let message = panic_message(panic.as_ref());
-                    warn!(peer = %inner.peer.endpoint, %service, "request handler panicked: {message}");
+                    warn!(%peer, %service, "request handler panicked: {message}");
                     (Status::Failed, Bytes::from(format!("handler panicked: {message}")))
                 }
             },
             _ = tokio::time::sleep_until(deadline) => (Status::DeadlineExceeded, Bytes::new()),
             // Nobody is left to answer.
             _ = inner.closed.cancelled() => {
-                inner.lock_handling().remove(&id);
+                if let Some(id) = reply {
+                    inner.lock_handling().remove(&id);
+                }
                 return;
             }
+        };
+        let Some(id) = reply else {
+            drop(permit);
+            if status != Status::Ok {
+                let why = String::from_utf8_lossy(&body);
+                warn!(%peer, %service, ?status, "a tell's handler failed: {why}");
+            }
+            return;
         };
         inner.lock_handling().remove(&id);
         drop(permit);
@@ -560,7 +641,10 @@ async fn dispatch(
             .send(Frame::Response { id, status, body })
             .await;
     });
-    handling.insert(id, task.abort_handle());
+    // A tell has no id to cancel it by: it runs to its end or deadline.
+    if let Some(id) = reply {
+        handling.insert(id, task.abort_handle());
+    }
 }
 
 /// What a panic said, if it said it as text.

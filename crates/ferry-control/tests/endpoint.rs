@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use ferry_control::frame::{ControlCodec, Frame, SESSION_VERSIONS};
+use ferry_control::frame::{ControlCodec, Frame, SESSION_VERSIONS, TELL_VERSION};
 use ferry_control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
 use ferry_control::{
     Channel, ConnectionLimits, ControlError, DEFAULT_MAX_FRAME, EVICTABLE_AFTER, Endpoint,
@@ -23,6 +23,7 @@ const T: Duration = Duration::from_secs(10);
 const ECHO: Service = Service(100);
 const SLOW: Service = Service(101);
 const FAIL: Service = Service(102);
+const SINK: Service = Service(103);
 
 async fn endpoint_with(config: EndpointConfig) -> Endpoint {
     let endpoint = Endpoint::bind(
@@ -209,6 +210,11 @@ async fn a_dropped_peer_closes_the_session_and_fails_its_requests() {
 /// A raw control connection to `to` that has said hello and exchanged
 /// `Open` frames: the next bytes written are frames of the session.
 async fn raw_session(to: &Endpoint) -> TcpStream {
+    raw_session_up_to(to, SESSION_VERSIONS.1).await
+}
+
+/// [`raw_session`], speaking session versions up to `max_version`.
+async fn raw_session_up_to(to: &Endpoint, max_version: u16) -> TcpStream {
     let mut raw = TcpStream::connect(to.local().endpoint).await.unwrap();
     let hello = Hello {
         version: VERSION,
@@ -223,7 +229,7 @@ async fn raw_session(to: &Endpoint) -> TcpStream {
     framed
         .send(Frame::Open {
             min_version: 1,
-            max_version: SESSION_VERSIONS.1,
+            max_version,
             node: NodeAddr {
                 id: hello.node,
                 endpoint: "127.0.0.1:9".parse().unwrap(),
@@ -280,6 +286,124 @@ async fn a_malformed_frame_ends_only_its_own_session() {
     let mut byte = [0u8; 1];
     let still_open = tokio::time::timeout(Duration::from_millis(300), raw.read(&mut byte)).await;
     assert!(still_open.is_err(), "a stray Cancel ended the session");
+}
+
+/// A tell runs the peer's handler; nothing answers it, whatever the
+/// handler does, and the session goes on.
+#[tokio::test]
+async fn a_tell_runs_the_peers_handler_and_nothing_answers_it() {
+    let (a, b) = (endpoint().await, endpoint().await);
+    let (told, mut heard) = tokio::sync::mpsc::unbounded_channel();
+    b.serve(SINK, move |r| {
+        let _ = told.send(r.body);
+        async { Ok(Bytes::new()) }
+    })
+    .unwrap();
+    let session = a.session(b.local(), T).await.unwrap();
+    for body in [&b"one"[..], b"two"] {
+        session.tell(SINK, body, T).await.unwrap();
+    }
+    for body in [&b"one"[..], b"two"] {
+        let got = tokio::time::timeout(T, heard.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&got[..], body, "told in order, heard in order");
+    }
+    // A failing handler and a missing one are the peer's to log.
+    session.tell(FAIL, &b"x"[..], T).await.unwrap();
+    session.tell(Service(999), &b"x"[..], T).await.unwrap();
+    let answer = session.request(ECHO, &b"still"[..], T).await.unwrap();
+    assert_eq!(&answer[..], b"echo: still");
+
+    // On the wire: the first frame back after a tell and a request is the
+    // request's answer, even where the tell's handler failed.
+    let mut raw = Framed::new(raw_session(&b).await, ControlCodec::default());
+    let tell = |service| Frame::Tell {
+        service,
+        deadline: T,
+        body: Bytes::from_static(b"x"),
+    };
+    for frame in [tell(SINK), tell(FAIL), tell(Service(999))] {
+        raw.send(frame).await.unwrap();
+    }
+    raw.send(Frame::Request {
+        id: 1,
+        service: ECHO,
+        deadline: T,
+        body: Bytes::new(),
+    })
+    .await
+    .unwrap();
+    let first = tokio::time::timeout(T, raw.next()).await.unwrap();
+    assert!(
+        matches!(first, Some(Ok(Frame::Response { id: 1, .. }))),
+        "{first:?}"
+    );
+}
+
+/// To a peer that speaks no tells (session version 2), a tell goes as a
+/// request and waits for its answer; to one that does, as a `Tell` frame.
+#[tokio::test]
+async fn a_tell_goes_as_a_request_to_a_peer_before_tells() {
+    let b = endpoint().await;
+    let (sessions, mut session_of) = tokio::sync::mpsc::unbounded_channel();
+    b.serve(SINK, move |r| {
+        let _ = sessions.send(r.session);
+        async { Ok(Bytes::new()) }
+    })
+    .unwrap();
+    for version in [TELL_VERSION - 1, TELL_VERSION] {
+        let raw = raw_session_up_to(&b, version).await;
+        let mut raw = Framed::new(raw, ControlCodec::default());
+        // A call of ours hands the test b's end of this session.
+        raw.send(Frame::Request {
+            id: 1,
+            service: SINK,
+            deadline: T,
+            body: Bytes::new(),
+        })
+        .await
+        .unwrap();
+        let theirs = tokio::time::timeout(T, session_of.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(theirs.version(), version);
+        assert!(matches!(
+            raw.next().await,
+            Some(Ok(Frame::Response { id: 1, .. }))
+        ));
+
+        let telling = tokio::spawn(async move { theirs.tell(ECHO, &b"hi"[..], T).await });
+        match tokio::time::timeout(T, raw.next()).await.unwrap() {
+            Some(Ok(Frame::Request {
+                id, service, body, ..
+            })) if version < TELL_VERSION => {
+                assert_eq!((service, &body[..]), (ECHO, &b"hi"[..]));
+                assert!(
+                    !telling.is_finished(),
+                    "a request's tell waits for the answer"
+                );
+                raw.send(Frame::Response {
+                    id,
+                    status: ferry_control::frame::Status::Ok,
+                    body: Bytes::new(),
+                })
+                .await
+                .unwrap();
+            }
+            Some(Ok(Frame::Tell { service, body, .. })) if version >= TELL_VERSION => {
+                assert_eq!((service, &body[..]), (ECHO, &b"hi"[..]));
+            }
+            other => panic!("version {version}: {other:?}"),
+        }
+        tokio::time::timeout(T, telling)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
 }
 
 #[tokio::test]

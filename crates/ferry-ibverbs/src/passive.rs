@@ -350,11 +350,13 @@ async fn receive_notifications(
     }
 }
 
-/// Gives `count` credits back to the initiator of QP `initiator_qpn`.
+/// Gives `count` credits back to the initiator of QP `initiator_qpn`, in a
+/// tell: an answer would cost both ends a packet and a wake-up for nothing,
+/// and on a software device those land on the CPUs that move the data.
 async fn return_credits(session: Session, initiator_qpn: u32, count: u32) {
     let body = crate::wire::encode_credits(initiator_qpn, count);
     let sent = session
-        .request(
+        .tell(
             Service::IBVERBS_CREDITS,
             Bytes::copy_from_slice(&body),
             CREDIT_RETURN_DEADLINE,

@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use ferry::control::frame::{ControlCodec, Frame, Service};
+use ferry::control::frame::{ControlCodec, Frame, SESSION_VERSIONS, Service};
 use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, MAGIC, VERSION};
 use ferry::control::{Channel, HelloStatus};
 use ferry::{NodeAddr, NodeId};
@@ -142,7 +142,7 @@ pub(super) async fn control_round(
         let (wire, answered) = match rng.u8(..5) {
             0 => (framed(Frame::Cancel { id: 1 }).to_vec(), true),
             1 => {
-                let min = rng.u16(3..);
+                let min = rng.u16(SESSION_VERSIONS.1 + 1..);
                 (framed(open(min, rng.u16(min..))).to_vec(), true)
             }
             2 => {
@@ -216,6 +216,15 @@ pub(super) async fn control_round(
                 .encode(Frame::Cancel { id }, &mut wire)
                 .unwrap();
         }
+        // Tells of anything to anyone: handled or dropped, never answered.
+        if rng.u8(..4) == 0 {
+            let tell = Frame::Tell {
+                service: Service(rng.u16(..10)),
+                deadline: Duration::from_millis(rng.u64(..300)),
+                body: junk(rng, 64).into(),
+            };
+            ControlCodec::default().encode(tell, &mut wire).unwrap();
+        }
     }
     s.write_all(&wire).await.unwrap();
     sent.control_frames += requests as usize;
@@ -238,7 +247,7 @@ pub(super) async fn control_round(
     };
     let end = match rng.u8(..6) {
         0 => Vec::new(),
-        1 => prefixed(16, &header(rng.u8(5..), 0)),
+        1 => prefixed(16, &header(rng.u8(6..), 0)),
         2 => prefixed(16, &header(3, rng.u8(5..))),
         3 => prefixed(16, &header(3, 0)),
         4 => framed(open(1, 2)).to_vec(),
