@@ -36,7 +36,8 @@ pub struct EndpointConfig {
     /// Longest control frame accepted (header and body), in bytes.
     pub max_frame: usize,
     /// Requests of one session that may run here at once; more are answered
-    /// `Busy`.
+    /// `Busy`. As many of its tells may wait for a turn (within their
+    /// deadlines); more are dropped, and logged.
     pub max_requests_in_flight: usize,
     /// A peer that acknowledges nothing on its control session for this
     /// long (no data, no keepalive probe) is declared lost: the session

@@ -52,7 +52,8 @@ pub struct Request {
     pub session: Session,
     /// The caller's input.
     pub body: Bytes,
-    /// When the caller stops waiting; the handler is cancelled then.
+    /// When the caller stops waiting (for a tell: when it stops mattering);
+    /// the handler is cancelled then.
     pub deadline: Instant,
 }
 
@@ -83,6 +84,8 @@ struct Inner {
     /// The connection failed because the peer acknowledged nothing for the
     /// peer timeout (ETIMEDOUT), rather than being closed or reset.
     went_silent: AtomicBool,
+    /// The peer's tells that came to nothing here (see [`tell_lost`]).
+    lost_tells: AtomicU64,
     peer_timeout: Duration,
     silent_grace: Duration,
 }
@@ -220,7 +223,8 @@ impl Session {
     /// Calls the peer's handler for `service` with `body` and does not wait
     /// for it: returns once the call is queued for the wire, or fails if the
     /// session ended or the queue had no room within `timeout`. The peer
-    /// gives the handler `timeout` to run and sends nothing back; its
+    /// runs the handler within `timeout` (from the tell's arrival, a wait
+    /// for a free handler slot included) and sends nothing back; its
     /// failures are logged there. For calls whose answer nobody needs: it
     /// costs neither end the response's packet nor a wake-up to read it.
     ///
@@ -391,6 +395,7 @@ pub(crate) async fn start(
         next_request: AtomicU64::new(1),
         closed: shared.shutdown.child_token(),
         went_silent: AtomicBool::new(false),
+        lost_tells: AtomicU64::new(0),
         peer_timeout: shared.config.peer_timeout,
         silent_grace: shared.config.silent_grace,
     });
@@ -477,8 +482,10 @@ async fn read_loop(
     inner: &Arc<Inner>,
     mut read: FramedRead<OwnedReadHalf, ControlCodec>,
 ) -> Result<(), String> {
-    // Bounds the peer's requests running here at once.
-    let running = Arc::new(Semaphore::new(shared.config.max_requests_in_flight));
+    let slots = Slots {
+        running: Arc::new(Semaphore::new(shared.config.max_requests_in_flight)),
+        tells_waiting: Arc::new(Semaphore::new(shared.config.max_requests_in_flight)),
+    };
     loop {
         let frame = tokio::select! {
             biased;
@@ -516,12 +523,12 @@ async fn read_loop(
                 service,
                 deadline,
                 body,
-            } => dispatch(shared, inner, &running, Some(id), service, deadline, body).await,
+            } => dispatch(shared, inner, &slots, Some(id), service, deadline, body).await,
             Frame::Tell {
                 service,
                 deadline,
                 body,
-            } => dispatch(shared, inner, &running, None, service, deadline, body).await,
+            } => dispatch(shared, inner, &slots, None, service, deadline, body).await,
             Frame::Cancel { id } => {
                 // Gone already if the handler finished first.
                 if let Some(handler) = inner.lock_handling().remove(&id) {
@@ -534,23 +541,31 @@ async fn read_loop(
     }
 }
 
-/// Runs the handler for one request (`reply`: its id) or tell (`None`) in
-/// a task of its own and sends a request's answer; a request's refusals
-/// (no such service, too busy) are answered at once. A tell cannot be
-/// refused: one that finds every slot taken waits for one, within its
-/// deadline, and the session's reading waits with it (the peer's sends back
-/// up, as they should); one that finds no handler, or no slot in time, is
-/// logged and dropped, as are its handler's failures.
+/// Where the peer's calls run here.
+struct Slots {
+    /// Bounds the peer's handlers running at once.
+    running: Arc<Semaphore>,
+    /// Bounds the peer's tells waiting for a turn in `running`.
+    tells_waiting: Arc<Semaphore>,
+}
+
+/// Runs the handler for one request (`reply`: its id) or tell (`None`) and
+/// sends a request's answer. A request that finds no handler, or every
+/// slot taken, is answered so at once (`Busy`: its caller may retry). A
+/// tell, which nothing answers, waits for a slot instead, in a task of its
+/// own and within its deadline, so tells keep their order only while slots
+/// are free. One that finds no handler, too many tells waiting already, or
+/// no slot before its deadline, and one whose handler fails, is lost, and
+/// logged (see [`tell_lost`]). Reading never waits for a handler.
 async fn dispatch(
     shared: &Arc<Shared>,
     inner: &Arc<Inner>,
-    running: &Arc<Semaphore>,
+    slots: &Slots,
     reply: Option<u64>,
     service: Service,
     deadline: Duration,
     body: Bytes,
 ) {
-    let peer = inner.peer.endpoint;
     let refuse = |id, status| Frame::Response {
         id,
         status,
@@ -559,39 +574,63 @@ async fn dispatch(
     let Some(handler) = shared.service(service) else {
         match reply {
             Some(id) => {
-                debug!(%peer, %service, "request for a service with no handler");
+                debug!(peer = %inner.peer.endpoint, %service, "request for a service with no handler");
                 let _ = inner.outgoing.send(refuse(id, Status::NoSuchService)).await;
             }
-            None => warn!(%peer, %service, "dropped a tell for a service with no handler"),
+            None => tell_lost(inner, service, "no handler for its service"),
         }
         return;
-    };
-    let deadline = Instant::now() + deadline;
-    let permit = match (reply, running.clone().try_acquire_owned()) {
-        (_, Ok(permit)) => permit,
-        (Some(id), Err(_)) => {
-            let _ = inner.outgoing.send(refuse(id, Status::Busy)).await;
-            return;
-        }
-        (None, Err(_)) => {
-            let slot = tokio::time::timeout_at(deadline, running.clone().acquire_owned());
-            match slot.await {
-                Ok(Ok(permit)) => permit,
-                _ => {
-                    warn!(%peer, %service, "dropped a tell: no handler slot free before its deadline");
-                    return;
-                }
-            }
-        }
     };
     let request = Request {
         session: Session(inner.clone()),
         body,
-        deadline,
+        deadline: Instant::now() + deadline,
     };
-    // The handler is called here, in the order requests arrive, and its
-    // future runs in a task: a service that must keep its requests in order
-    // (messages) takes each one's place in line before the handler returns.
+    if let Ok(permit) = slots.running.clone().try_acquire_owned() {
+        return start_handler(inner, &handler, request, permit, reply, service);
+    }
+    if let Some(id) = reply {
+        let _ = inner.outgoing.send(refuse(id, Status::Busy)).await;
+        return;
+    }
+    let Ok(waiting) = slots.tells_waiting.clone().try_acquire_owned() else {
+        return tell_lost(
+            inner,
+            service,
+            "too many tells wait for a handler slot already",
+        );
+    };
+    let (inner, running) = (inner.clone(), slots.running.clone());
+    tokio::spawn(async move {
+        let _waiting = waiting;
+        let turn = tokio::time::timeout_at(request.deadline, running.acquire_owned());
+        tokio::select! {
+            turn = turn => match turn {
+                Ok(Ok(permit)) => start_handler(&inner, &handler, request, permit, None, service),
+                _ => tell_lost(&inner, service, "no handler slot free before its deadline"),
+            },
+            // Nobody is left to serve.
+            _ = inner.closed.cancelled() => {}
+        }
+    });
+}
+
+/// Calls `handler` with `request` and runs its future in a task of its own
+/// that holds `permit`, until it ends or its deadline passes, then answers
+/// request `reply` (a tell's failure is logged instead). The handler is
+/// called here, in the order calls arrive: a service that must keep its
+/// requests in order (messages) takes each one's place in line before the
+/// handler returns.
+fn start_handler(
+    inner: &Arc<Inner>,
+    handler: &ServiceHandler,
+    request: Request,
+    permit: tokio::sync::OwnedSemaphorePermit,
+    reply: Option<u64>,
+    service: Service,
+) {
+    let peer = inner.peer.endpoint;
+    let deadline = request.deadline;
     let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(request)));
     let task_inner = inner.clone();
     // Registered under the lock the task takes to deregister itself, so a
@@ -630,7 +669,11 @@ async fn dispatch(
             drop(permit);
             if status != Status::Ok {
                 let why = String::from_utf8_lossy(&body);
-                warn!(%peer, %service, ?status, "a tell's handler failed: {why}");
+                tell_lost(
+                    &inner,
+                    service,
+                    &format!("its handler ended {status:?}: {why}"),
+                );
             }
             return;
         };
@@ -644,6 +687,18 @@ async fn dispatch(
     // A tell has no id to cancel it by: it runs to its end or deadline.
     if let Some(id) = reply {
         handling.insert(id, task.abort_handle());
+    }
+}
+
+/// Logs a tell of the peer's that came to nothing, which nobody else will
+/// hear of: the first on a session as a warning, later ones at debug
+/// level, so that a peer sending many cannot flood the log.
+fn tell_lost(inner: &Inner, service: Service, why: &str) {
+    let peer = inner.peer.endpoint;
+    if inner.lost_tells.fetch_add(1, Ordering::Relaxed) == 0 {
+        warn!(%peer, %service, "a tell came to nothing: {why} (later ones on this session are logged at debug level)");
+    } else {
+        debug!(%peer, %service, "a tell came to nothing: {why}");
     }
 }
 

@@ -24,6 +24,7 @@ const ECHO: Service = Service(100);
 const SLOW: Service = Service(101);
 const FAIL: Service = Service(102);
 const SINK: Service = Service(103);
+const HOLD: Service = Service(104);
 
 async fn endpoint_with(config: EndpointConfig) -> Endpoint {
     let endpoint = Endpoint::bind(
@@ -327,19 +328,78 @@ async fn a_tell_runs_the_peers_handler_and_nothing_answers_it() {
     for frame in [tell(SINK), tell(FAIL), tell(Service(999))] {
         raw.send(frame).await.unwrap();
     }
-    raw.send(Frame::Request {
-        id: 1,
-        service: ECHO,
-        deadline: T,
-        body: Bytes::new(),
+    for id in [1, 2] {
+        let echo = Frame::Request {
+            id,
+            service: ECHO,
+            deadline: T,
+            body: Bytes::new(),
+        };
+        raw.send(echo).await.unwrap();
+    }
+    let mut answered = Vec::new();
+    while answered.len() < 2 {
+        match tokio::time::timeout(T, raw.next()).await.unwrap() {
+            Some(Ok(Frame::Response { id, .. })) if id == 1 || id == 2 => answered.push(id),
+            other => panic!("expected the requests' answers, got {other:?}"),
+        }
+    }
+}
+
+/// A tell that finds every handler slot taken waits for one, within its
+/// deadline, without holding up the session: requests meanwhile are
+/// answered `Busy`, and a tell whose deadline passes first never runs.
+#[tokio::test]
+async fn a_tell_waits_for_a_handler_slot_within_its_deadline() {
+    let config = EndpointConfig {
+        max_requests_in_flight: 2,
+        ..Default::default()
+    };
+    let (a, b) = (endpoint().await, endpoint_with(config).await);
+    let (told, mut heard) = tokio::sync::mpsc::unbounded_channel();
+    b.serve(SINK, move |r| {
+        let _ = told.send(r.body);
+        async { Ok(Bytes::new()) }
     })
-    .await
     .unwrap();
-    let first = tokio::time::timeout(T, raw.next()).await.unwrap();
-    assert!(
-        matches!(first, Some(Ok(Frame::Response { id: 1, .. }))),
-        "{first:?}"
-    );
+    let session = a.session(b.local(), T).await.unwrap();
+    // Two handlers that never finish take both slots.
+    let (started, mut holding) = tokio::sync::mpsc::unbounded_channel();
+    b.serve(HOLD, move |_| {
+        let _ = started.send(());
+        std::future::pending()
+    })
+    .unwrap();
+    let held: Vec<_> = (0..2)
+        .map(|_| {
+            let session = session.clone();
+            tokio::spawn(async move { session.request(HOLD, Bytes::new(), T).await })
+        })
+        .collect();
+    for _ in 0..2 {
+        tokio::time::timeout(T, holding.recv())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    let expires = Duration::from_millis(200);
+    session.tell(SINK, &b"expired"[..], expires).await.unwrap();
+    session.tell(SINK, &b"waited"[..], T).await.unwrap();
+    // Reading goes on while they wait.
+    assert!(matches!(
+        session.request(ECHO, Bytes::new(), T).await,
+        Err(ControlError::Busy { .. })
+    ));
+    // Well past the first tell's deadline, a slot frees (the dropped
+    // request's handler is cancelled): only the second tell runs.
+    tokio::time::sleep(expires * 10).await;
+    held[0].abort();
+    let got = tokio::time::timeout(T, heard.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&got[..], b"waited");
+    assert!(heard.try_recv().is_err(), "the expired tell ran");
 }
 
 /// To a peer that speaks no tells (session version 2), a tell goes as a
@@ -371,7 +431,7 @@ async fn a_tell_goes_as_a_request_to_a_peer_before_tells() {
             .unwrap();
         assert_eq!(theirs.version(), version);
         assert!(matches!(
-            raw.next().await,
+            tokio::time::timeout(T, raw.next()).await.unwrap(),
             Some(Ok(Frame::Response { id: 1, .. }))
         ));
 

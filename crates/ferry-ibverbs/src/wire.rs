@@ -4,7 +4,8 @@
 //! says how many notification receive buffers it posted on its QP, and
 //! their size (zero: it takes notifications over the control session only).
 //! The owner of those buffers returns credits for them with an
-//! `IBVERBS_CREDITS` request whose body is [`encode_credits`].
+//! `IBVERBS_CREDITS` tell (a request to a peer before session version 3)
+//! whose body is [`encode_credits`].
 //!
 //! Public (and hidden from the docs) only so that the fuzz targets in
 //! `fuzz/` reach these decoders without a device: they are not part of

@@ -171,7 +171,9 @@ pub(super) async fn control_round(
         return;
     }
 
-    s.write_all(&framed(open(1, 2))).await.unwrap();
+    s.write_all(&framed(open(1, SESSION_VERSIONS.1)))
+        .await
+        .unwrap();
     let frame = next_frame(&mut s, &mut incoming).await;
     assert!(
         matches!(frame, Some(Frame::Open { node, .. }) if node == owner),
