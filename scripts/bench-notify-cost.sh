@@ -18,6 +18,9 @@
 #                hosts. Also prints perftest's ib_write_lat (4 KiB) and
 #                ib_send_lat (64 B) across the same wire, in the same boot, as
 #                PERF lines: the wire's own cost of one more small message.
+#                ib_send_lat runs again before each round (BUDGET lines), and
+#                the last MEDIAN line sets each round's gap (notified p50 -
+#                plain p50) against the budget measured just before it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TRANSPORT=${1:-tcp}
@@ -65,6 +68,12 @@ field() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
 r=0
 while [ $r -lt "$rounds" ]; do
   r=$((r + 1))
+  if [ "$where" = peer ]; then
+    # The budget beside each round, not only before the first: the host's
+    # speed drifts within a boot.
+    rxe-pair --perf ib_send_lat -s 64 -n 1000 |
+      sed -n 's/^PERF .*t_typical_us=\([0-9.]*\).*/BUDGET typical_us=\1/p'
+  fi
   for kind in plain notified; do
     extra=; [ $kind = notified ] && extra="--notify 64"
     before=$(cpu)
@@ -86,12 +95,18 @@ awk '
     for (i = 2; i <= n; i++) { x = a[i]; for (j = i - 1; j > 0 && a[j] > x; j--) a[j + 1] = a[j]; a[j + 1] = x }
     return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
   }
+  $1 == "BUDGET" { split($2, t, "="); budget = t[2]; next }
   { split($3, p, "="); split($6, c, "=")
-    if ($2 == "plain") { pp[++np] = p[2]; pc[np] = c[2] } else { qp[++nq] = p[2]; qc[nq] = c[2] } }
+    if ($2 == "plain") { pp[++np] = p[2]; pc[np] = c[2] } else {
+      qp[++nq] = p[2]; qc[nq] = c[2]
+      # This round: the gap over the budget measured just before it.
+      if (budget > 0) { gb[++ng] = (p[2] - pp[np]) / budget; bu[ng] = budget } } }
   END {
     a = median(pp, np); b = median(qp, nq)
     printf "MEDIAN p50_us plain=%.1f notified=%.1f ratio=%.3f\n", a, b, (a > 0 ? b / a : 0)
     printf "MEDIAN owner_cpu_us_per_op plain=%.1f notified=%.1f\n", median(pc, np), median(qc, nq)
+    if (ng > 0)
+      printf "MEDIAN gap_us=%.1f budget_us=%.1f per_round_gap_over_budget=%.3f\n", b - a, median(bu, ng), median(gb, ng)
   }' "$dir/results"
 EOF
 )
@@ -111,5 +126,5 @@ else
   perf='for r in 1 2; do rxe-pair --perf ib_write_lat -s 4096 -n 1000; rxe-pair --perf ib_send_lat -s 64 -n 1000; done'
   tests/rxe/run.sh --two --bin "$target_dir/release/ferry" --bin "$stage/notify-cost" -- \
     "$perf; notify-cost ferry ibverbs $ROUNDS peer $COALESCE" 2>&1 |
-    grep -E '^(RESULT|MEDIAN|PERF)|rxe .*(error|status)'
+    grep -E '^(RESULT|MEDIAN|PERF|BUDGET)|rxe .*(error|status)'
 fi
