@@ -605,20 +605,24 @@ async fn dispatch(
         let _waiting = waiting;
         let turn = tokio::time::timeout_at(request.deadline, running.acquire_owned());
         tokio::select! {
+            biased;
+            // Nobody is left to serve (handlers free their slots on close,
+            // so a turn may come at the same moment).
+            _ = inner.closed.cancelled() => {}
             turn = turn => match turn {
+                Ok(Ok(_)) if inner.closed.is_cancelled() => {}
                 Ok(Ok(permit)) => start_handler(&inner, &handler, request, permit, None, service),
                 _ => tell_lost(&inner, service, "no handler slot free before its deadline"),
             },
-            // Nobody is left to serve.
-            _ = inner.closed.cancelled() => {}
         }
     });
 }
 
 /// Calls `handler` with `request` and runs its future in a task of its own
-/// that holds `permit`, until it ends or its deadline passes, then answers
-/// request `reply` (a tell's failure is logged instead). The handler is
-/// called here, in the order calls arrive: a service that must keep its
+/// that holds `permit`, until it ends, its deadline passes or the session
+/// closes, then answers request `reply` (a tell's failure is logged
+/// instead). The handler is called here, so calls that found a slot free
+/// are handled in the order they arrived: a service that must keep its
 /// requests in order (messages) takes each one's place in line before the
 /// handler returns.
 fn start_handler(
@@ -652,7 +656,10 @@ fn start_handler(
                 Ok(Err(e)) => (Status::Failed, Bytes::from(e.0)),
                 Err(panic) => {
                     let message = panic_message(panic.as_ref());
-                    warn!(%peer, %service, "request handler panicked: {message}");
+                    // A tell's is logged as it is lost, below.
+                    if reply.is_some() {
+                        warn!(%peer, %service, "request handler panicked: {message}");
+                    }
                     (Status::Failed, Bytes::from(format!("handler panicked: {message}")))
                 }
             },

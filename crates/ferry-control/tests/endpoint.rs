@@ -399,7 +399,57 @@ async fn a_tell_waits_for_a_handler_slot_within_its_deadline() {
         .unwrap()
         .unwrap();
     assert_eq!(&got[..], b"waited");
+    // With every slot free and a round trip since, still nothing else.
+    held[1].abort();
+    session.request(ECHO, Bytes::new(), T).await.unwrap();
     assert!(heard.try_recv().is_err(), "the expired tell ran");
+}
+
+/// As many tells may wait for a slot as may run; one more is dropped.
+#[tokio::test]
+async fn tells_beyond_those_that_may_wait_are_dropped() {
+    let config = EndpointConfig {
+        max_requests_in_flight: 1,
+        ..Default::default()
+    };
+    let (a, b) = (endpoint().await, endpoint_with(config).await);
+    let (told, mut heard) = tokio::sync::mpsc::unbounded_channel();
+    b.serve(SINK, move |r| {
+        let _ = told.send(r.body);
+        async { Ok(Bytes::new()) }
+    })
+    .unwrap();
+    let (started, mut holding) = tokio::sync::mpsc::unbounded_channel();
+    b.serve(HOLD, move |_| {
+        let _ = started.send(());
+        std::future::pending()
+    })
+    .unwrap();
+    let session = a.session(b.local(), T).await.unwrap();
+    let held = {
+        let session = session.clone();
+        tokio::spawn(async move { session.request(HOLD, Bytes::new(), T).await })
+    };
+    tokio::time::timeout(T, holding.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    session.tell(SINK, &b"waits"[..], T).await.unwrap();
+    session.tell(SINK, &b"dropped"[..], T).await.unwrap();
+    // Both were read (a request behind them is answered) before the slot
+    // frees.
+    assert!(matches!(
+        session.request(ECHO, Bytes::new(), T).await,
+        Err(ControlError::Busy { .. })
+    ));
+    held.abort();
+    let got = tokio::time::timeout(T, heard.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&got[..], b"waits");
+    session.request(ECHO, Bytes::new(), T).await.unwrap();
+    assert!(heard.try_recv().is_err(), "the tell beyond the bound ran");
 }
 
 /// To a peer that speaks no tells (session version 2), a tell goes as a
