@@ -213,7 +213,8 @@ pub async fn notified_round(
 /// the next times out with a typed error, its bytes landed but its
 /// notification never delivered. Once the consumer drains, every accepted
 /// one arrives once (a fallback may overtake); then the same again, so whatever the owner
-/// held back (its receive credits) came back. `owner`'s inbox must be empty
+/// held back (its receive credits) came back, as it must also after a few
+/// notifications read as they came. `owner`'s inbox must be empty
 /// and hold fewer than `room` deliveries.
 pub async fn a_stalled_consumer_holds_senders_back_and_resumes(
     owner: &Node,
@@ -224,6 +225,20 @@ pub async fn a_stalled_consumer_holds_senders_back_and_resumes(
     let src = initiator.alloc(64, Access::ReadWrite).await.unwrap();
     let short = Duration::from_millis(300);
     let mut round = 0u8;
+    // First a few read as they come: fewer than the owner returns credits
+    // for at once (a quarter ring over ibverbs). What it holds back for
+    // them must come back once it goes idle, or the first pass finds less
+    // room.
+    let mut inbox = owner.inbox().unwrap();
+    for _ in 0..3 {
+        notified_round(initiator, &src, &target, round, WAIT)
+            .await
+            .unwrap();
+        assert_eq!(next_notification(&mut inbox, initiator).await[..], [round]);
+        round += 1;
+    }
+    nothing_more(&mut inbox).await;
+    owner.return_inbox(inbox);
     for pass in 0..2 {
         let first = round;
         loop {

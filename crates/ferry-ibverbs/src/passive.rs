@@ -31,6 +31,14 @@ use crate::wire::{QP_INFO_LEN, QpInfo};
 /// How long returning credits may take before the owner gives up on it
 /// (the session is then as good as gone).
 const CREDIT_RETURN_DEADLINE: Duration = Duration::from_secs(10);
+
+/// How long the owner sleeps, idle, on credits it owes for fewer than a
+/// quarter ring's notifications before it returns them anyway: a stream
+/// that stops short of a quarter ring must not leave its sender short of
+/// credits until the next one (it would notify over the control session,
+/// and hit a full inbox sooner). Short against a pause, long against the
+/// gaps within a stream, so that a stream still returns a quarter at a time.
+const TAIL_CREDIT_RETURN: Duration = Duration::from_millis(1);
 /// After its session ends, how long the receiving task waits for the
 /// receives still posted to flush before it lets the QP go.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(1);
@@ -337,6 +345,11 @@ async fn receive_notifications(
                     while let Ok(true) = cq.take_event() {}
                 }
                 armed = false;
+            }
+            // Still armed after this: the next look ends in this wait again.
+            _ = tokio::time::sleep(TAIL_CREDIT_RETURN), if uncredited > 0 => {
+                tokio::spawn(return_credits(session.clone(), initiator_qpn, uncredited));
+                uncredited = 0;
             }
             _ = qp.retired.cancelled() => {
                 // No receive is acknowledged after this: what arrived
