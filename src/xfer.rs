@@ -90,14 +90,26 @@ pub enum XferError {
     #[error(transparent)]
     Notify(NotifyError),
     /// [`Xfer::cancel`] (or a drop) stopped it after `completed` of
-    /// `total` ops.
-    #[error("cancelled after {completed} of {total} ops")]
+    /// `total` ops. A cancelled request settles once the slices it had in
+    /// flight settle: normally within one window's round trip, but against
+    /// an owner that stopped answering only at the post's deadline, and
+    /// then `unknown` ops (those slices' unfinished ones) may or may not
+    /// have moved. The other `total - completed - unknown` never started.
+    #[error("cancelled after {completed} of {total} ops ({unknown} with an unknown outcome)")]
     Cancelled {
         /// Ops that completed.
         completed: usize,
+        /// Ops in flight when the post's deadline passed: their
+        /// destination bytes may be as they were, new, or partly written.
+        unknown: usize,
         /// Ops in the request.
         total: usize,
     },
+    /// A pair no longer matches its lists. Lists are checked when made and
+    /// when deserialized, so only a bug reaches this; it fails the post
+    /// instead of a task of the node.
+    #[error(transparent)]
+    Desc(#[from] DescError),
     /// Awaited without ever being posted.
     #[error("the request was never posted")]
     NotPosted,
@@ -290,7 +302,10 @@ impl Xfer {
     }
 
     /// Waits until it is done or failed. Bounded by the post's timeout:
-    /// nothing stays in progress past it.
+    /// nothing stays in progress past it. After [`Xfer::cancel`] it
+    /// returns once the slices in flight settle: at once when nothing was
+    /// in flight, within a round trip normally, and at the post's deadline
+    /// when the owner stopped answering (see [`XferError::Cancelled`]).
     pub async fn wait(&self) -> Result<(), XferError> {
         let mut status = self.state.status.subscribe();
         let settled = status
@@ -307,8 +322,9 @@ impl Xfer {
     }
 
     /// Stops the current post: nothing more is put on the wire; what is in
-    /// flight (at most one window) finishes, then the status is
-    /// [`XferError::Cancelled`] (or `Done`, if it was the last of it).
+    /// flight (at most one window) finishes or reaches the post's deadline,
+    /// then the status is [`XferError::Cancelled`] (or `Done`, if it was
+    /// the last of it), with the ops whose outcome is unknown counted.
     pub fn cancel(&self) {
         self.state
             .cancel
@@ -364,29 +380,26 @@ impl Job {
         (end, bytes)
     }
 
-    /// The ops at positions `start..end`, and each one's transport.
+    /// The ops at positions `start..end`, and each one's transport. The
+    /// pairs were checked when the request was made; an error here would be
+    /// a list that changed under it, and fails the post instead of a task.
     fn slice(
         &self,
         start: usize,
         end: usize,
         levels: &[RdmaTransportLevel],
-    ) -> (Vec<RdmaOp>, Vec<RdmaTransportLevel>) {
+    ) -> Result<(Vec<RdmaOp>, Vec<RdmaTransportLevel>), DescError> {
         let remote = self.remote.list();
         let mut ops = Vec::with_capacity(end - start);
         let mut op_levels = Vec::with_capacity(end - start);
         for k in start..end {
             let r = self.remote_idx.at(k);
+            let op = op_at(self.kind, &self.local, self.local_idx.at(k), remote, r, k)?;
             let region = remote.descs().get(r as usize).map_or(0, |d| d.region);
-            ops.push(op_at(
-                self.kind,
-                &self.local,
-                self.local_idx.at(k),
-                remote,
-                r,
-            ));
+            ops.push(op);
             op_levels.push(levels[region as usize]);
         }
-        (ops, op_levels)
+        Ok((ops, op_levels))
     }
 
     /// Each region's transport for this post, routed once per post and
@@ -479,6 +492,8 @@ async fn run(
     let mut upcoming = None;
     let mut failure: Option<XferError> = None;
     let mut timed_out = false;
+    // Ops of timed-out slices that did not finish: moved or not, unknown.
+    let mut unknown = 0;
     loop {
         while failure.is_none()
             && !timed_out
@@ -500,7 +515,13 @@ async fn run(
                 timed_out = true;
                 break;
             }
-            let (ops, op_levels) = job.slice(next, end, &levels);
+            let (ops, op_levels) = match job.slice(next, end, &levels) {
+                Ok(slice) => slice,
+                Err(e) => {
+                    failure = Some(e.into());
+                    break;
+                }
+            };
             let start = next;
             in_flight.push_back(async move {
                 let result = match notification {
@@ -529,7 +550,12 @@ async fn run(
             Ok(()) => {
                 state.completed.fetch_add(end - start, Ordering::Relaxed);
             }
-            Err(XferError::Submit(SubmitError::Timeout { .. })) => timed_out = true,
+            Err(XferError::Submit(SubmitError::Timeout { unfinished, .. })) => {
+                timed_out = true;
+                let unfinished = unfinished.min(end - start);
+                (state.completed).fetch_add(end - start - unfinished, Ordering::Relaxed);
+                unknown += unfinished;
+            }
             Err(XferError::Submit(SubmitError::Op { index, error })) => {
                 let index = start + index;
                 // The lowest failing position, as for a submit.
@@ -548,6 +574,15 @@ async fn run(
     if let Some(failure) = failure {
         return Err(failure);
     }
+    // The caller asked to stop: that is what it hears, also when the
+    // window it had in flight could only end at the deadline.
+    if cancel.is_cancelled() && completed < total {
+        return Err(XferError::Cancelled {
+            completed,
+            unknown,
+            total,
+        });
+    }
     if timed_out {
         return Err(SubmitError::Timeout {
             timeout,
@@ -557,7 +592,11 @@ async fn run(
         .into());
     }
     if completed < total {
-        return Err(XferError::Cancelled { completed, total });
+        return Err(XferError::Cancelled {
+            completed,
+            unknown,
+            total,
+        });
     }
     Ok(levels)
 }

@@ -15,7 +15,7 @@
 use bytes::{Bytes, BytesMut};
 use ferry_control::frame::{self, ControlCodec, Frame};
 use ferry_control::hello::{HELLO_LEN, Hello, HelloReply};
-use ferry_core::RemoteBuffer;
+use ferry_core::{Descs, RemoteBuffer, RemoteDescList};
 use ferry_discovery::NodeMetadata;
 use ferry_tcp::frame::{ClientFrame, MAX_CHUNK, REQUEST_LEN, RESPONSE_LEN, Response};
 use tokio_util::codec::{Decoder, Encoder};
@@ -35,6 +35,7 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("memory_wire", memory_wire),
     ("metadata", metadata),
     ("handle_json", handle_json),
+    ("desc_list_json", desc_list_json),
 ];
 
 /// A data connection as the owner reads it (`ferry-tcp`'s server): request
@@ -256,4 +257,48 @@ pub fn handle_json(data: &[u8]) -> usize {
     }
     assert!(!handle.read_only().access().allows_write());
     1
+}
+
+/// A remote descriptor list as JSON, as users pass them between processes
+/// (issue 37: an edited one reached a panic in the initiator). What
+/// decodes must be a list `RemoteDescList::new` accepts, round-trip, and
+/// name only bytes inside its handles; bare descriptors must be readable
+/// whole without a panic.
+pub fn desc_list_json(data: &[u8]) -> usize {
+    let mut decoded = 0;
+    if let Ok(descs) = serde_json::from_slice::<Descs>(data) {
+        // Bounded: a strided list may name billions of blocks.
+        for (i, desc) in descs.iter().enumerate().take(1 << 12) {
+            assert_eq!(descs.get(i), Some(desc));
+        }
+        assert_eq!(descs.get(descs.len()), None);
+        let _ = descs.spans(4);
+        decoded += 1;
+    }
+    let Ok(list) = serde_json::from_slice::<RemoteDescList>(data) else {
+        return decoded;
+    };
+    let json = serde_json::to_vec(&list).unwrap();
+    assert_eq!(
+        serde_json::from_slice::<RemoteDescList>(&json).unwrap(),
+        list
+    );
+    assert_eq!(
+        RemoteDescList::new(list.regions().to_vec(), list.descs().clone()).as_ref(),
+        Ok(&list)
+    );
+    let count = list.descs().len();
+    let firsts = 0..count.min(1 << 12);
+    let last = count.checked_sub(1);
+    for i in firsts.chain(last) {
+        let desc = list.descs().get(i).expect("i < len");
+        let handle = &list.regions()[desc.region as usize];
+        let end = desc
+            .offset
+            .checked_add(desc.len)
+            .expect("checked when decoded");
+        assert!(end <= handle.len(), "descriptor {i} leaves its handle");
+        assert!(handle.slice(desc.offset..end).is_ok());
+    }
+    decoded + 1
 }

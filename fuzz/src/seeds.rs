@@ -20,8 +20,9 @@ use ferry_control::frame::{ControlCodec, Frame, Service, Status};
 use ferry_control::hello::{Hello, HelloReply, VERSION};
 use ferry_control::{Channel, HelloStatus};
 use ferry_core::{
-    Access, Generation, IbvRemote, MemRemote, MemoryBlock, NodeAddr, NodeId, RdmaTransportLevel,
-    RegionId, RegionIds, RegionParts, RemoteBuffer, RemoteTransports, TcpRemote,
+    Access, Descs, Generation, IbvRemote, MemRemote, MemoryBlock, NodeAddr, NodeId,
+    RdmaTransportLevel, RegionId, RegionIds, RegionParts, RemoteBuffer, RemoteDescList,
+    RemoteTransports, TcpRemote,
 };
 use ferry_discovery::NodeMetadata;
 use ferry_tcp::frame::{
@@ -341,6 +342,23 @@ pub fn seeds() -> Vec<Seed> {
         "handle_json",
         "slice-read-only",
         serde_json::to_vec(&handle.slice(16..32).unwrap().read_only()).unwrap(),
+    ));
+    let strided =
+        RemoteDescList::new(vec![handle.clone()], Descs::strided(0, 0, 256, 256, 16)).unwrap();
+    out.push(seed(
+        "desc_list_json",
+        "strided",
+        serde_json::to_vec(&strided).unwrap(),
+    ));
+    let explicit = RemoteDescList::new(
+        vec![handle.clone(), handle.slice(1024..2048).unwrap()],
+        Descs::from_triples(&[[1, 0, 16], [0, 4000, 96], [1, 1000, 24]]).unwrap(),
+    )
+    .unwrap();
+    out.push(seed(
+        "desc_list_json",
+        "explicit",
+        serde_json::to_vec(&explicit).unwrap(),
     ));
     out
 }

@@ -180,7 +180,10 @@ pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mu
     xfer.post(DEADLINE).unwrap();
     xfer.cancel();
     let at_cancel = xfer.completed();
-    let Err(XferError::Cancelled { completed, total }) = xfer.wait().await else {
+    let Err(XferError::Cancelled {
+        completed, total, ..
+    }) = xfer.wait().await
+    else {
         panic!("expected a cancelled request, got {:?}", xfer.status());
     };
     assert_eq!(total, blocks as usize);
@@ -248,6 +251,93 @@ pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mu
         .expect("released once the request let go");
     assert!(released.load(Ordering::Acquire));
     peer.drop_region(&target).await;
+}
+
+/// A request cancelled while its owner is stopped (`SIGSTOP`) ends
+/// `Cancelled`, not `Timeout`: the caller asked to stop, and is told which
+/// ops' outcome is unknown (those in flight when the deadline passed). Once
+/// the owner runs again, at least `completed` blocks are new and no more
+/// than `completed + unknown` changed.
+#[allow(dead_code)] // a stopped owner stalls only the TCP path
+pub async fn a_request_cancelled_against_a_stopped_owner_ends_cancelled(
+    node: &Node,
+    peer: &mut PeerProcess,
+) {
+    let blocks = 1024u32;
+    let len = BLOCK as usize * blocks as usize;
+    let target = peer.alloc(len, Access::ReadWrite, 5).await;
+    let (_local, locals, data) = local_blocks(node, blocks, 6).await;
+    let prepared = remote_blocks(node, &target.handle, blocks).await;
+    let xfer = node
+        .make_xfer(
+            OpKind::Write,
+            &locals,
+            0..blocks as usize,
+            &prepared,
+            0..blocks as usize,
+        )
+        .unwrap();
+    // One read, so that the connections exist before the stop.
+    let scratch = node.alloc(BLOCK, Access::ReadWrite).await.unwrap();
+    let first = target.handle.slice(0..BLOCK).unwrap();
+    let warm_up = RdmaOp::read(scratch.whole(), first);
+    node.submit(vec![warm_up], DEADLINE).await.unwrap();
+
+    let pid = peer.pid().expect("a local peer process");
+    signal(pid, "STOP");
+    let timeout = Duration::from_secs(2);
+    xfer.post(timeout).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    xfer.cancel();
+    let settled = xfer.wait().await;
+    signal(pid, "CONT");
+    let Err(XferError::Cancelled {
+        completed,
+        unknown,
+        total,
+    }) = settled
+    else {
+        panic!("expected Cancelled, got {settled:?}");
+    };
+    assert_eq!(total, blocks as usize);
+    assert!(unknown > 0, "the stopped owner left ops in flight");
+    assert!(
+        completed + unknown <= total,
+        "{completed} + {unknown} > {total}"
+    );
+
+    // A completed op's block is new; an unknown one's may be new, as it
+    // was, or torn (the owner took part of its payload before the
+    // connection closed); every other block is as it was.
+    let now = peer.contents(&target).await;
+    let original = target.original();
+    let (mut moved, mut touched) = (0, 0);
+    for i in 0..blocks as usize {
+        if block(&now, i) == block(&data, i) {
+            moved += 1;
+        }
+        if block(&now, i) != block(&original, i) {
+            touched += 1;
+        }
+    }
+    assert!(
+        moved >= completed,
+        "{moved} blocks moved, {completed} reported"
+    );
+    assert!(
+        touched <= completed + unknown,
+        "{touched} blocks changed, {completed} completed and {unknown} unknown"
+    );
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to process `pid`.
+#[allow(dead_code)] // a stopped owner stalls only the TCP path
+fn signal(pid: u32, signal: &str) {
+    let sent = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .expect("kill(1)");
+    assert!(sent.success(), "kill -{signal} {pid}");
 }
 
 #[allow(dead_code)] // tests/ibverbs runs only the first

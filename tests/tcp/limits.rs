@@ -8,12 +8,15 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use ferry::control::frame::{ControlCodec, Frame, SESSION_VERSIONS, Service};
 use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
 use ferry::control::{Channel, ConnectionLimits, EVICTABLE_AFTER, HelloStatus};
 use ferry::prelude::*;
-use ferry::{Node, NodeId, OpError};
+use ferry::tcp::frame::{ClientFrame, Ranges, Request, RequestKind};
+use ferry::{Generation, Node, NodeAddr, NodeId, OpError, RegionId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
+use tokio_util::codec::Encoder;
 
 use crate::common::pattern;
 
@@ -37,6 +40,7 @@ fn limits(max_per_address: usize, idle_timeout: Duration) -> ConnectionLimits {
         max_per_address,
         hello_timeout: Duration::from_secs(10),
         idle_timeout,
+        frame_timeout: idle_timeout,
     }
 }
 
@@ -108,12 +112,18 @@ async fn the_pool_fills_behind_the_first_transfer() {
 /// A client from `from` that says a data-channel hello and then idles:
 /// `Some` if the server took it.
 async fn hello_only(server: SocketAddr, from: &str) -> Option<TcpStream> {
+    hello_on(server, from, Channel::TCP_DATA).await
+}
+
+/// A client from `from` that says a hello for `channel`: `Some` if the
+/// server took it.
+async fn hello_on(server: SocketAddr, from: &str, channel: Channel) -> Option<TcpStream> {
     let socket = TcpSocket::new_v4().unwrap();
     socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
     let mut stream = socket.connect(server).await.unwrap();
     let hello = Hello {
         version: VERSION,
-        channel: Channel::TCP_DATA,
+        channel,
         node: NodeId::random(),
     };
     let exchange = async {
@@ -131,13 +141,12 @@ async fn hello_only(server: SocketAddr, from: &str) -> Option<TcpStream> {
     }
 }
 
-/// Whether the server closes `stream` within `within`.
+/// Whether the server closes `stream` within `within` (what it sends
+/// before, a control session's Open, is read and dropped).
 async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
-    let mut byte = [0];
-    matches!(
-        tokio::time::timeout(within, stream.read(&mut byte)).await,
-        Ok(Ok(0) | Err(_))
-    )
+    let mut buf = [0; 4096];
+    let closed = async { while let Ok(1..) = stream.read(&mut buf).await {} };
+    tokio::time::timeout(within, closed).await.is_ok()
 }
 
 /// The owner takes 3 connections from 127.0.0.1; the client's pool wants 4.
@@ -236,4 +245,145 @@ async fn idle_data_connections_are_closed_after_the_idle_timeout() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     round_trip(&peer, &target, 2).await.unwrap();
+}
+
+/// Where a client stops in the middle of a frame (issue 37).
+#[derive(Clone, Copy, Debug)]
+enum Stall {
+    /// A ranges read: its header and 40 of its table's 64 bytes.
+    Table,
+    /// A write of 4 KiB: its header and 100 bytes of its payload.
+    WritePayload,
+    /// A control session: its Open frame, then half of a request frame.
+    ControlFrame,
+}
+
+const STALLS: [Stall; 3] = [Stall::Table, Stall::WritePayload, Stall::ControlFrame];
+
+/// A client from 127.0.0.1 that begins a frame as `stall` says and then
+/// sends nothing: `Some` if the server took it.
+async fn stalled_client(server: SocketAddr, stall: Stall) -> Option<TcpStream> {
+    let channel = match stall {
+        Stall::ControlFrame => Channel::CONTROL,
+        Stall::Table | Stall::WritePayload => Channel::TCP_DATA,
+    };
+    let mut stream = hello_on(server, "127.0.0.1", channel).await?;
+    let bytes = match stall {
+        Stall::Table => {
+            let ranges = Ranges {
+                kind: RequestKind::Read,
+                id: 1,
+                region: RegionId(0),
+                generation: Generation(1),
+                count: 4,
+                len: 4 * 1024,
+                token: 1,
+                tag: 0,
+            };
+            assert_eq!(ranges.table_len(), 64);
+            let mut bytes = ClientFrame::Ranges(ranges).encode().to_vec();
+            bytes.extend([0; 40]);
+            bytes
+        }
+        Stall::WritePayload => {
+            let write = Request {
+                kind: RequestKind::Write,
+                id: 1,
+                region: RegionId(0),
+                generation: Generation(1),
+                addr: 1 << 20,
+                len: 4096,
+                token: 1,
+                tag: 0,
+            };
+            let mut bytes = ClientFrame::Op(write).encode().to_vec();
+            bytes.extend([7; 100]);
+            bytes
+        }
+        Stall::ControlFrame => {
+            let mut codec = ControlCodec::new(1 << 20);
+            let mut wire = bytes::BytesMut::new();
+            let open = Frame::Open {
+                min_version: SESSION_VERSIONS.0,
+                max_version: SESSION_VERSIONS.1,
+                node: NodeAddr {
+                    id: NodeId::random(),
+                    endpoint: "127.0.0.1:9".parse().unwrap(),
+                },
+            };
+            codec.encode(open, &mut wire).unwrap();
+            let opened = wire.len();
+            let request = Frame::Request {
+                id: 1,
+                service: Service::RPC,
+                deadline: Duration::from_secs(5),
+                body: bytes::Bytes::from(vec![1; 200]),
+            };
+            codec.encode(request, &mut wire).unwrap();
+            let half = opened + (wire.len() - opened) / 2;
+            wire[..half].to_vec()
+        }
+    };
+    stream.write_all(&bytes).await.unwrap();
+    Some(stream)
+}
+
+/// Six clients from 127.0.0.1 fill its bound of 6, each stalled in the
+/// middle of a frame: once they have been silent a moment, a peer from the
+/// same address is served anyway, stalled clients making room as idle ones
+/// do. Before issue 37 the peer got `PeerBusy` for as long as they stayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_stalled_mid_frame_do_not_lock_a_peer_out() {
+    for stall in STALLS {
+        let owner = tcp_node(Some(limits(6, Duration::from_secs(60)))).await;
+        let server = owner.addr().endpoint;
+        let mut flood = Vec::new();
+        for _ in 0..6 {
+            let client = stalled_client(server, stall).await;
+            flood.push(client.expect("within the bound"));
+        }
+        tokio::time::sleep(EVICTABLE_AFTER + Duration::from_millis(200)).await;
+        let target = owner.alloc(4 << 20, Access::ReadWrite).await.unwrap();
+        let peer = tcp_node(None).await;
+        for seed in 0..3 {
+            round_trip(&peer, &target, seed)
+                .await
+                .unwrap_or_else(|e| panic!("{stall:?}: round trip {seed}: {e}"));
+        }
+        let mut evicted = 0;
+        for stream in &mut flood {
+            if closed_within(stream, Duration::from_millis(200)).await {
+                evicted += 1;
+            }
+        }
+        assert!(evicted > 0, "{stall:?}: no stalled client made room");
+    }
+}
+
+/// With a frame timeout of 300 ms (and an idle timeout of a minute), a
+/// client stalled in the middle of a frame is cut within the frame timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_stalled_mid_frame_is_cut_after_the_frame_timeout() {
+    let frame_timeout = Duration::from_millis(300);
+    let owner = tcp_node(Some(ConnectionLimits {
+        frame_timeout,
+        ..limits(8, Duration::from_secs(60))
+    }))
+    .await;
+    for stall in STALLS {
+        let mut client = stalled_client(owner.addr().endpoint, stall)
+            .await
+            .expect("taken");
+        let started = Instant::now();
+        assert!(
+            closed_within(&mut client, T).await,
+            "{stall:?}: the stalled client is still connected"
+        );
+        // Not cut at once either: the bound is on silence.
+        assert!(
+            started.elapsed() >= frame_timeout / 2,
+            "{stall:?}: cut after {:?}",
+            started.elapsed()
+        );
+    }
 }

@@ -31,6 +31,13 @@ async fn a_cancelled_request_over_tcp_moves_at_most_one_window() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_tcp_cancelled_against_a_stopped_owner_ends_cancelled() {
+    let node = node().await;
+    let mut peer = PeerProcess::spawn().await;
+    shared::a_request_cancelled_against_a_stopped_owner_ends_cancelled(&node, &mut peer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_restarted_after_prepare_is_refused_over_tcp() {
     let node = node().await;
     shared::a_peer_restarted_after_prepare_is_refused_typed(&node, &[]).await;

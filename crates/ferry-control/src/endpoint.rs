@@ -376,7 +376,7 @@ impl Endpoint {
         }
         let open = async {
             let stream = crate::hello::connect(peer, shared.local.id, Channel::CONTROL).await?;
-            session::start(shared, stream, Some(peer)).await
+            session::start(shared, stream, Some(peer), None).await
         };
         let (session, _task) = tokio::select! {
             opened = tokio::time::timeout_at(deadline, open) => opened.map_err(|_| timed_out())??,
@@ -490,22 +490,23 @@ async fn serve_connection(
         Err(IdleClose::TimedOut(_)) => {
             return debug!(%remote, "no hello within the deadline; disconnected");
         }
-        Err(e @ IdleClose::Evicted) => return debug!(%remote, "before its hello: {e}"),
+        Err(e) => return debug!(%remote, "before its hello: {e}"),
     };
     if hello.channel == Channel::CONTROL {
+        // The connection and its permit last as long as the session, idle
+        // only while the peer stalls inside a frame: between frames the
+        // session has its own liveness.
+        let permit = Arc::new(permit);
         let opened = tokio::time::timeout(
             shared.config.limits.hello_timeout,
-            session::start(shared, stream, None),
+            session::start(shared, stream, None, Some(permit.clone())),
         )
         .await;
         match opened {
-            // The connection (and its permit, never idle: the session has
-            // its own liveness) lasts as long as the session.
             Ok(Ok((_, task))) => drop(task.await),
             Ok(Err(e)) => warn!(%remote, node = %hello.node, "control session refused: {e}"),
             Err(_) => debug!(%remote, "no session Open within the deadline; disconnected"),
         }
-        drop(permit);
         return;
     }
     let Some(handler) = shared.channel(hello.channel) else {

@@ -37,7 +37,8 @@ pub use inbox::{
     Delivery, DeliveryKind, Inbox, MessageError, Messages, NotificationSink, OfferError,
 };
 pub use limits::{
-    ConnectionLimits, ConnectionPermit, DEFAULT_IDLE_TIMEOUT, EVICTABLE_AFTER, IdleClose,
+    ConnectionLimits, ConnectionPermit, DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
+    EVICTABLE_AFTER, IdleClose,
 };
 pub use rpc::{Rpc, RpcError, RpcRequest};
 pub use session::{Request, ServiceFuture, Session};

@@ -45,6 +45,15 @@ pub struct ConnectionLimits {
     /// peer that needs it again reconnects. Control sessions are not
     /// subject to it (see [`crate::EndpointConfig::peer_timeout`]).
     pub idle_timeout: Duration,
+    /// A connection, data or control, whose client began a frame (a
+    /// header, a ranges table, a write's payload, a control frame) and
+    /// then sent nothing for this long is closed. While it waits for the
+    /// rest it counts as idle, so at a bound it is evicted like an idle
+    /// connection once silent for [`EVICTABLE_AFTER`]: a peer that stalls
+    /// mid-frame holds a place no longer than one that sends nothing.
+    /// Counted from the last byte that came, not the frame's first, so a
+    /// large payload on a slow link is never cut while it moves.
+    pub frame_timeout: Duration,
 }
 
 /// Upper bound of the default total: every accepted data connection costs
@@ -74,9 +83,16 @@ impl Default for ConnectionLimits {
             max_per_address: (max_connections / 4).max(8),
             hello_timeout: Duration::from_secs(10),
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            frame_timeout: DEFAULT_FRAME_TIMEOUT,
         }
     }
 }
+
+/// Default [`ConnectionLimits::frame_timeout`]: the default peer timeout
+/// ([`crate::socket::DEFAULT_PEER_TIMEOUT`]), after which a peer that
+/// acknowledges nothing is taken for lost; one that sends nothing in the
+/// middle of a frame for as long is lost or hostile.
+pub const DEFAULT_FRAME_TIMEOUT: Duration = crate::socket::DEFAULT_PEER_TIMEOUT;
 
 /// How long a connection must have been idle before it may be evicted to
 /// make room (or its idle timeout, if shorter): long against the gap
@@ -94,6 +110,10 @@ pub enum IdleClose {
     /// least recently used idle one.
     #[error("closed to make room for a new connection at the connection limit")]
     Evicted,
+    /// The client began a frame and then sent nothing for this long
+    /// ([`ConnectionLimits::frame_timeout`]).
+    #[error("silent for {0:?} in the middle of a frame")]
+    Stalled(Duration),
 }
 
 /// Counts of open accepted connections.
@@ -333,6 +353,26 @@ impl ConnectionPermit {
             .await
     }
 
+    /// Runs `wait`, the connection waiting for more of a frame its client
+    /// began (a payload, a table, the rest of a header or control frame):
+    /// idle, so evictable at a bound once it has waited [`EVICTABLE_AFTER`],
+    /// and `Err(Stalled)` once it has waited
+    /// [`ConnectionLimits::frame_timeout`]. Call it around each wait for
+    /// the socket, not around a whole payload: each wait ends when bytes
+    /// come, so the bound is on silence, never on a transfer's length.
+    pub async fn while_mid_frame<F: Future>(&self, wait: F) -> Result<F::Output, IdleClose> {
+        let limit = self.admission.limits.frame_timeout;
+        self.idle_within(limit, wait).await.map_err(|e| match e {
+            IdleClose::TimedOut(limit) => IdleClose::Stalled(limit),
+            e => e,
+        })
+    }
+
+    /// The bound on a client's silence mid-frame.
+    pub fn frame_timeout(&self) -> Duration {
+        self.admission.limits.frame_timeout
+    }
+
     /// [`Self::while_idle`] with its own time limit (the hello's).
     pub(crate) async fn idle_within<F: Future>(
         &self,
@@ -411,6 +451,7 @@ mod tests {
             max_per_address: per_address,
             hello_timeout: Duration::from_secs(1),
             idle_timeout: Duration::from_secs(5),
+            frame_timeout: Duration::from_secs(5),
         }
     }
 

@@ -36,8 +36,10 @@ use crate::frame::{
 };
 use crate::{ControlError, ServiceError};
 use calls::{Slots, dispatch};
+use source::FrameSource;
 
 mod calls;
+mod source;
 
 /// Frames waiting for the session's writer; senders wait (within their
 /// deadline) when it is full.
@@ -369,11 +371,14 @@ async fn handshake(
 
 /// Opens a session on `stream` (after a successful control hello) and runs
 /// it in a task of its own. `expected` is the peer for a session this node
-/// opens; `None` for one the peer opened. Returns the session and the task.
+/// opens; `None` for one the peer opened, which comes with the accepted
+/// connection's `permit` (evictable while the peer stalls mid-frame).
+/// Returns the session and the task.
 pub(crate) async fn start(
     shared: &Arc<Shared>,
     stream: TcpStream,
     expected: Option<NodeAddr>,
+    permit: Option<Arc<crate::ConnectionPermit>>,
 ) -> Result<(Session, tokio::task::JoinHandle<()>), ControlError> {
     let remote = stream
         .peer_addr()
@@ -404,6 +409,7 @@ pub(crate) async fn start(
     });
     let session = Session(inner.clone());
     debug!(peer = %peer.endpoint, node = %peer.id, id = inner.id, version, "control session open");
+    let read = FrameSource::new(read, permit, shared.config.limits.frame_timeout);
     let task = tokio::spawn(run(shared.clone(), inner, read, write, queue));
     Ok((session, task))
 }
@@ -413,7 +419,7 @@ pub(crate) async fn start(
 async fn run(
     shared: Arc<Shared>,
     inner: Arc<Inner>,
-    read: FramedRead<OwnedReadHalf, ControlCodec>,
+    read: FrameSource,
     write: FramedWrite<OwnedWriteHalf, ControlCodec>,
     queue: mpsc::Receiver<Frame>,
 ) {
@@ -483,7 +489,7 @@ async fn write_loop(
 async fn read_loop(
     shared: &Arc<Shared>,
     inner: &Arc<Inner>,
-    mut read: FramedRead<OwnedReadHalf, ControlCodec>,
+    mut read: FrameSource,
 ) -> Result<(), String> {
     let slots = Slots {
         running: Arc::new(Semaphore::new(shared.config.max_requests_in_flight)),

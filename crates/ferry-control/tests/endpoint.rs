@@ -454,6 +454,7 @@ async fn a_flood_from_one_address_does_not_lock_out_others() {
             max_per_address: 10,
             hello_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(30),
+            frame_timeout: Duration::from_secs(30),
         },
         ..Default::default()
     };
@@ -512,6 +513,7 @@ async fn at_the_total_bound_open_sessions_keep_working() {
             max_per_address: 4,
             hello_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(30),
+            frame_timeout: Duration::from_secs(30),
         },
         ..Default::default()
     };

@@ -54,8 +54,40 @@ enum Layout {
 /// Build them with [`Descs::push`], [`Descs::from_triples`] or
 /// [`Descs::strided`], then bind them to regions in a [`LocalDescList`] or
 /// [`RemoteDescList`], which checks every one.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// Deserializing refuses explicit arrays of different lengths: every
+/// accessor may then index the three in step.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "Layout")]
 pub struct Descs(Layout);
+
+impl Serialize for Descs {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(serializer)
+    }
+}
+
+impl TryFrom<Layout> for Descs {
+    type Error = String;
+
+    fn try_from(layout: Layout) -> Result<Self, String> {
+        if let Layout::Explicit {
+            region,
+            offset,
+            len,
+        } = &layout
+            && (offset.len() != region.len() || len.len() != region.len())
+        {
+            return Err(format!(
+                "descriptor arrays of different lengths: {} regions, {} offsets, {} lengths",
+                region.len(),
+                offset.len(),
+                len.len()
+            ));
+        }
+        Ok(Descs(layout))
+    }
+}
 
 impl Default for Descs {
     fn default() -> Self {
@@ -348,19 +380,43 @@ impl LocalDescList {
     /// Descriptor `i` as a local slice.
     fn slice(&self, i: usize) -> Option<LocalSlice> {
         let desc = self.descs.get(i)?;
-        let region = &self.regions[desc.region as usize];
+        let region = self.regions.get(desc.region as usize)?;
         // Checked when the list was made: in bounds.
-        region.slice(desc.offset..desc.offset + desc.len).ok()
+        region
+            .slice(desc.offset..desc.offset.checked_add(desc.len)?)
+            .ok()
     }
 }
 
 /// Descriptors into a peer's regions, checked once when made; serializable
 /// (a strided list in a few hundred bytes, its handles included, however
 /// many blocks it names).
+///
+/// A list arrives from another process, so it is untrusted: deserializing
+/// checks it exactly as [`RemoteDescList::new`] does, and a list whose
+/// descriptors leave their handles (a `count` raised, an offset moved) is
+/// refused with the [`DescError`] in the message, never accepted to fail
+/// later.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RemoteDescFields")]
 pub struct RemoteDescList {
     regions: Vec<RemoteBuffer>,
     descs: Descs,
+}
+
+/// A [`RemoteDescList`] as deserialized, before its checks.
+#[derive(Deserialize)]
+struct RemoteDescFields {
+    regions: Vec<RemoteBuffer>,
+    descs: Descs,
+}
+
+impl TryFrom<RemoteDescFields> for RemoteDescList {
+    type Error = DescError;
+
+    fn try_from(fields: RemoteDescFields) -> Result<Self, DescError> {
+        RemoteDescList::new(fields.regions, fields.descs)
+    }
 }
 
 impl RemoteDescList {
@@ -391,8 +447,10 @@ impl RemoteDescList {
     /// Descriptor `i` as a handle to its bytes.
     fn slice(&self, i: usize) -> Option<RemoteBuffer> {
         let desc = self.descs.get(i)?;
-        let handle = &self.regions[desc.region as usize];
-        handle.slice(desc.offset..desc.offset + desc.len).ok()
+        let handle = self.regions.get(desc.region as usize)?;
+        handle
+            .slice(desc.offset..desc.offset.checked_add(desc.len)?)
+            .ok()
     }
 }
 
@@ -493,9 +551,9 @@ pub fn ops_between(
     remote_idx: impl DescIndices,
 ) -> Result<Vec<RdmaOp>, DescError> {
     check_pairs(local, &local_idx, remote, &remote_idx)?;
-    Ok((0..local_idx.count())
-        .map(|k| op_at(kind, local, local_idx.at(k), remote, remote_idx.at(k)))
-        .collect())
+    (0..local_idx.count())
+        .map(|k| op_at(kind, local, local_idx.at(k), remote, remote_idx.at(k), k))
+        .collect()
 }
 
 /// Checks a request's pairs as [`ops_between`] does, without making its
@@ -541,25 +599,34 @@ pub fn check_pairs(
 }
 
 /// The op between local descriptor `l` and remote descriptor `r`, a pair
-/// [`check_pairs`] accepted.
-///
-/// # Panics
-///
-/// If either index is out of its list's range.
+/// [`check_pairs`] accepted. An index out of its list's range (a pair that
+/// was never checked) is [`DescError::IndexOutOfRange`], at position
+/// `position`.
 pub fn op_at(
     kind: OpKind,
     local: &LocalDescList,
     l: u64,
     remote: &RemoteDescList,
     r: u64,
-) -> RdmaOp {
-    let (Some(local), Some(remote)) = (local.slice(l as usize), remote.slice(r as usize)) else {
-        panic!("op_at: descriptor {l} or {r} out of range (check_pairs first)");
+    position: usize,
+) -> Result<RdmaOp, DescError> {
+    let out_of_range = |index: u64, len: usize| DescError::IndexOutOfRange {
+        position,
+        index,
+        len,
     };
-    match kind {
+    let local = usize::try_from(l)
+        .ok()
+        .and_then(|i| local.slice(i))
+        .ok_or_else(|| out_of_range(l, local.descs.len()))?;
+    let remote = usize::try_from(r)
+        .ok()
+        .and_then(|i| remote.slice(i))
+        .ok_or_else(|| out_of_range(r, remote.descs.len()))?;
+    Ok(match kind {
         OpKind::Read => RdmaOp::read(local, remote),
         OpKind::Write => RdmaOp::write(local, remote),
-    }
+    })
 }
 
 #[cfg(test)]

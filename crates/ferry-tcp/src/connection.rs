@@ -244,7 +244,7 @@ async fn write_loop(
         let sent = tokio::select! {
             biased;
             _ = closed.cancelled() => return Ok(()),
-            sent = iov.send_all(stream) => sent,
+            sent = iov.send_all(stream, None) => sent,
         };
         iov.clear();
         headers.clear();

@@ -12,6 +12,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+use ferry_control::{ConnectionPermit, IdleClose};
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 
@@ -32,11 +33,16 @@ pub const MAX_IOV: usize = 512;
 /// more than a loopback round trip: an answer or a next request that comes
 /// within the window is taken without that wake-up. After the window the
 /// task sleeps, so an idle connection costs no CPU.
+///
+/// With a `stall` permit the sleep is a wait mid-frame
+/// ([`ConnectionPermit::while_mid_frame`]): evictable at a bound, and
+/// `TimedOut` once the peer has sent nothing for the frame timeout.
 async fn recv_raw(
     stream: &TcpStream,
     addr: usize,
     len: usize,
     busy_poll: Duration,
+    stall: Option<&ConnectionPermit>,
 ) -> io::Result<usize> {
     let fd = stream.as_raw_fd();
     // SAFETY: the caller guarantees `addr..addr+len` is writable memory that
@@ -65,7 +71,13 @@ async fn recv_raw(
         }
     }
     loop {
-        stream.readable().await?;
+        match stall {
+            None => stream.readable().await?,
+            Some(permit) => permit
+                .while_mid_frame(stream.readable())
+                .await
+                .map_err(stalled)??,
+        }
         match stream.try_io(Interest::READABLE, || recv(0)) {
             Err(e) if again(&e) => continue,
             done => return done,
@@ -73,22 +85,30 @@ async fn recv_raw(
     }
 }
 
-/// Fills `ptr..ptr+len` completely from the socket.
+/// A connection closed for its peer's silence (or evicted) mid-frame, as
+/// the I/O error that ends its serving loop.
+fn stalled(close: IdleClose) -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, close)
+}
+
+/// Fills `ptr..ptr+len` completely from the socket, each wait bounded by
+/// `stall` as in [`recv_raw`].
 ///
 /// # Safety
 ///
 /// `ptr..ptr+len` must be valid for writes until the returned future finishes
 /// or is dropped.
-pub unsafe fn recv_exact_raw(
-    stream: &TcpStream,
+unsafe fn recv_exact_raw<'a>(
+    stream: &'a TcpStream,
     ptr: *mut u8,
     mut len: usize,
     busy_poll: Duration,
-) -> impl Future<Output = io::Result<()>> + Send + '_ {
+    stall: Option<&'a ConnectionPermit>,
+) -> impl Future<Output = io::Result<()>> + Send + 'a {
     let mut addr = ptr as usize;
     async move {
         while len > 0 {
-            let n = recv_raw(stream, addr, len, busy_poll).await?;
+            let n = recv_raw(stream, addr, len, busy_poll, stall).await?;
             if n == 0 {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
@@ -142,12 +162,25 @@ impl IoVecs {
         self.0.clear();
     }
 
-    /// Sends every range, in order, then clears the list.
-    pub async fn send_all(&mut self, stream: &TcpStream) -> io::Result<()> {
+    /// Sends every range, in order, then clears the list. With a `stall`
+    /// permit, each wait for room in the socket is a wait on the peer
+    /// ([`ConnectionPermit::while_mid_frame`]): a peer that stops reading
+    /// what it asked for is cut like one that stops sending.
+    pub async fn send_all(
+        &mut self,
+        stream: &TcpStream,
+        stall: Option<&ConnectionPermit>,
+    ) -> io::Result<()> {
         let fd = stream.as_raw_fd();
         let mut first = 0;
         while first < self.0.len() {
-            stream.writable().await?;
+            match stall {
+                None => stream.writable().await?,
+                Some(permit) => permit
+                    .while_mid_frame(stream.writable())
+                    .await
+                    .map_err(stalled)??,
+            }
             let iov = &self.0[first..];
             let res = stream.try_io(Interest::WRITABLE, || {
                 // SAFETY: a zeroed msghdr is valid; we set only the iovec fields.
@@ -202,6 +235,11 @@ impl IoVecs {
 /// it, which then costs an extra copy. That is the right trade for streams of
 /// small frames, but not for large payloads; so after a large payload the next
 /// header is read with an exact-length `recv`.
+///
+/// On the owner's side every read inside a frame (payloads, tables,
+/// discarded bytes) waits as [`ConnectionPermit::while_mid_frame`] says;
+/// a header is read mid-frame only once its first bytes are buffered, and
+/// the wait for a header's first byte is the caller's (idle) to bound.
 pub struct FrameReader {
     buf: Box<[u8]>,
     start: usize,
@@ -209,6 +247,8 @@ pub struct FrameReader {
     after_large_payload: bool,
     /// How long each read polls before it sleeps (see `recv_raw`).
     busy_poll: Duration,
+    /// The accepted connection's place (owner side only).
+    permit: Option<std::sync::Arc<ConnectionPermit>>,
 }
 
 /// Payloads at least this long switch the next header read to exact length.
@@ -223,7 +263,19 @@ impl FrameReader {
             end: 0,
             after_large_payload: false,
             busy_poll,
+            permit: None,
         }
+    }
+
+    /// The same reader, its waits mid-frame bounded by `permit`.
+    pub fn mid_frame_bound(mut self, permit: std::sync::Arc<ConnectionPermit>) -> Self {
+        self.permit = Some(permit);
+        self
+    }
+
+    /// The bound for a wait now: none before a frame's first byte.
+    fn stall(&self, mid_frame: bool) -> Option<&ConnectionPermit> {
+        self.permit.as_deref().filter(|_| mid_frame)
     }
 
     pub fn buffered(&self) -> usize {
@@ -249,7 +301,15 @@ impl FrameReader {
             } else {
                 spare.len()
             };
-            let n = recv_raw(stream, spare.as_mut_ptr() as usize, want, self.busy_poll).await?;
+            let stall = self.permit.as_deref().filter(|_| self.end > self.start);
+            let n = recv_raw(
+                stream,
+                spare.as_mut_ptr() as usize,
+                want,
+                self.busy_poll,
+                stall,
+            )
+            .await?;
             if n == 0 {
                 return if self.buffered() == 0 {
                     Ok(None)
@@ -305,7 +365,8 @@ impl FrameReader {
                 if rest >= LARGE_PAYLOAD {
                     // SAFETY: as above, for the rest of the range.
                     let to = unsafe { (dst as *mut u8).add(done) };
-                    unsafe { recv_exact_raw(stream, to, rest, self.busy_poll) }.await?;
+                    let stall = self.stall(true);
+                    unsafe { recv_exact_raw(stream, to, rest, self.busy_poll, stall) }.await?;
                     break;
                 }
                 self.refill(stream).await?;
@@ -322,7 +383,8 @@ impl FrameReader {
         self.start = 0;
         self.end = 0;
         let spare = self.buf.as_mut_ptr() as usize;
-        let n = recv_raw(stream, spare, self.buf.len(), self.busy_poll).await?;
+        let stall = self.stall(true);
+        let n = recv_raw(stream, spare, self.buf.len(), self.busy_poll, stall).await?;
         if n == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
@@ -346,6 +408,7 @@ impl FrameReader {
                 self.buf.as_mut_ptr() as usize,
                 len.min(self.buf.len()),
                 self.busy_poll,
+                self.stall(true),
             )
             .await?;
             if n == 0 {

@@ -33,7 +33,9 @@ const MAX_FAILED_TAGS: usize = 1 << 16;
 /// Serves one data connection (after its hello) until the client closes it
 /// or breaks the protocol, or the endpoint closes it for being idle: for its
 /// idle timeout, or to make room for a new connection at a bound. It is idle
-/// while it waits for a request with every response sent. Notifications go
+/// while it waits for a request with every response sent; a peer silent in
+/// the middle of a frame, or not reading the responses it asked for, is cut
+/// after the frame timeout and evictable before. Notifications go
 /// to `inbox`, if the node has one. Each wait for a request polls the socket
 /// for `busy_poll` before it sleeps (see `TcpConfig::busy_poll`).
 pub(crate) async fn serve_connection(
@@ -52,7 +54,10 @@ pub(crate) async fn serve_connection(
     // Chunks this connection serves hold their region's memory in the
     // peer's name (see `table::Grant`).
     let peer = MemoryHolder::TcpPeer { node, remote };
-    let reader = FrameReader::new(busy_poll);
+    // Every wait inside a frame is bounded by the permit (see
+    // `ConnectionLimits::frame_timeout`), reads and response writes alike.
+    let permit = Arc::new(permit);
+    let reader = FrameReader::new(busy_poll).mid_frame_bound(permit.clone());
     match serve(&stream, reader, &table, &inbox, &permit, &peer).await {
         Ok(None) => {}
         Ok(Some(idle)) => debug!(%remote, "data connection closed: {idle}"),
@@ -76,7 +81,7 @@ async fn serve(
         // About to block on the socket: first send the acks we owe, so a
         // client waiting for them is never stalled behind our own read.
         let header = if reader.buffered() < REQUEST_LEN {
-            out.flush(stream).await?;
+            out.flush(stream, permit).await?;
             // Nothing in flight: idle until the next request has come.
             match permit
                 .while_idle(reader.header::<REQUEST_LEN>(stream))
@@ -87,12 +92,12 @@ async fn serve(
             }
         } else {
             if out.acks.len() >= MAX_PENDING_ACKS {
-                out.flush(stream).await?;
+                out.flush(stream, permit).await?;
             }
             reader.header::<REQUEST_LEN>(stream).await?
         };
         let Some(bytes) = header else {
-            return out.flush(stream).await.map(|()| None);
+            return out.flush(stream, permit).await.map(|()| None);
         };
         // A plain request is checked into one span, a ranges request into
         // one per range; `answer` moves or refuses either.
@@ -116,6 +121,7 @@ async fn serve(
             Ok(ClientFrame::Ranges(ranges)) => {
                 let checked = check_ranges(
                     stream,
+                    permit,
                     &mut reader,
                     &ranges,
                     table,
@@ -147,12 +153,13 @@ async fn serve(
             Err((id, e)) => {
                 // The payload length cannot be trusted: refuse and hang up.
                 out.refuse(id, 0, Refusal::Malformed, 0);
-                out.flush(stream).await?;
+                out.flush(stream, permit).await?;
                 return Err(invalid(e));
             }
         };
         answer(
             stream,
+            permit,
             &mut reader,
             &mut out,
             &mut failed_tags,
@@ -179,8 +186,10 @@ struct Asked {
 /// header, with the staged acks. Refused: a write's payload is read and
 /// dropped, the refusal names `range`, and a notified batch's tag is
 /// remembered so that its notification is not delivered.
+#[expect(clippy::too_many_arguments, reason = "one request's whole context")]
 async fn answer(
     stream: &TcpStream,
+    permit: &ConnectionPermit,
     reader: &mut FrameReader,
     out: &mut Outgoing,
     failed_tags: &mut HashSet<u64>,
@@ -196,7 +205,7 @@ async fn answer(
             }
             out.refuse(asked.id, range, refusal, asked.len);
             if asked.tag != 0 {
-                remember_failed(failed_tags, asked.tag, stream, out).await?;
+                remember_failed(failed_tags, asked.tag, stream, permit, out).await?;
             }
             return Ok(());
         }
@@ -229,7 +238,7 @@ async fn answer(
                     iov.push(base().add(offset), len);
                 }
             }
-            iov.send_all(stream).await?;
+            iov.send_all(stream, Some(permit)).await?;
             out.acks.clear();
             served("read", asked.len);
         }
@@ -243,10 +252,11 @@ async fn remember_failed(
     failed_tags: &mut HashSet<u64>,
     tag: u64,
     stream: &TcpStream,
+    permit: &ConnectionPermit,
     out: &mut Outgoing,
 ) -> io::Result<()> {
     if failed_tags.len() >= MAX_FAILED_TAGS {
-        out.flush(stream).await?;
+        out.flush(stream, permit).await?;
         return Err(invalid("too many failed batches without a notification"));
     }
     failed_tags.insert(tag);
@@ -267,8 +277,10 @@ struct Scratch {
 /// Checks one [`Ranges`] request: reads its table, authorizes the region
 /// once and checks every range's bounds, filling `scratch.spans`, before
 /// any byte moves. Refused: the first range that failed, and why.
+#[expect(clippy::too_many_arguments, reason = "one request's whole context")]
 async fn check_ranges(
     stream: &TcpStream,
+    permit: &ConnectionPermit,
     reader: &mut FrameReader,
     req: &Ranges,
     table: &RegionTable,
@@ -291,7 +303,7 @@ async fn check_ranges(
     if let Err(e) = req.decode_table(bytes, ranges) {
         // The payload can no longer be delimited: refuse and hang up.
         out.refuse(req.id, 0, Refusal::Malformed, 0);
-        out.flush(stream).await?;
+        out.flush(stream, permit).await?;
         return Err(invalid(e));
     }
     Ok(table
@@ -388,14 +400,14 @@ impl Outgoing {
         }
     }
 
-    async fn flush(&mut self, stream: &TcpStream) -> io::Result<()> {
+    async fn flush(&mut self, stream: &TcpStream, permit: &ConnectionPermit) -> io::Result<()> {
         if self.acks.is_empty() {
             return Ok(());
         }
         let mut iov = IoVecs::default();
         // SAFETY: `self.acks` is not touched until `send_all` returns.
         unsafe { self.push_into(&mut iov) };
-        iov.send_all(stream).await?;
+        iov.send_all(stream, Some(permit)).await?;
         self.acks.clear();
         Ok(())
     }

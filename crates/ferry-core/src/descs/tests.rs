@@ -203,3 +203,75 @@ fn a_strided_remote_list_of_100_000_blocks_crosses_the_wire_in_under_a_kib() {
     let back: RemoteDescList = serde_json::from_slice(&wire).unwrap();
     assert_eq!(back, list);
 }
+
+/// A list arrives from another process: edited on the way (issue 37: a
+/// strided list's `count` raised past its region, an offset moved, the
+/// explicit arrays made uneven, a region index past the table), it is
+/// refused when deserialized, naming what is wrong, and never reaches a
+/// request.
+#[test]
+fn an_edited_remote_list_is_refused_when_deserialized() {
+    let remote = region(256 * 100);
+    let strided =
+        RemoteDescList::new(vec![remote.remote()], Descs::strided(0, 0, 256, 256, 100)).unwrap();
+    let edit = |list: &RemoteDescList, change: &dyn Fn(&mut serde_json::Value)| {
+        let mut json = serde_json::to_value(list).unwrap();
+        change(&mut json);
+        serde_json::from_value::<RemoteDescList>(json).map_err(|e| e.to_string())
+    };
+    // Unedited, it comes back as it was.
+    assert_eq!(edit(&strided, &|_| {}), Ok(strided.clone()));
+    let raised = edit(&strided, &|j| j["descs"]["Strided"]["count"] = 200.into());
+    let error = raised.expect_err("a count past the region");
+    assert!(error.contains("descriptor 199"), "{error}");
+    let moved = edit(&strided, &|j| j["descs"]["Strided"]["base"] = 1.into());
+    assert!(moved.is_err(), "a base that pushes the last block out");
+    let elsewhere = edit(&strided, &|j| j["descs"]["Strided"]["region"] = 1.into());
+    assert!(elsewhere.unwrap_err().contains("names region 1"));
+
+    let explicit = RemoteDescList::new(
+        vec![remote.remote()],
+        Descs::from_triples(&[[0, 0, 16], [0, 256, 16]]).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(edit(&explicit, &|_| {}), Ok(explicit.clone()));
+    let uneven = edit(&explicit, &|j| {
+        j["descs"]["Explicit"]["region"] = serde_json::json!([0, 0, 0]);
+    });
+    assert!(uneven.unwrap_err().contains("different lengths"));
+    let far = edit(&explicit, &|j| {
+        j["descs"]["Explicit"]["offset"] = serde_json::json!([0, 256 * 100]);
+    });
+    assert!(far.unwrap_err().contains("descriptor 1"));
+    // A bare `Descs` with uneven arrays is refused too.
+    let bare = serde_json::json!({"Explicit": {"region": [0], "offset": [], "len": [1]}});
+    assert!(serde_json::from_value::<Descs>(bare).is_err());
+}
+
+/// `op_at` on a pair nobody checked is an error naming the position, not a
+/// panic.
+#[test]
+fn op_at_refuses_an_index_out_of_range() {
+    let local = region(1024);
+    let locals =
+        LocalDescList::new(vec![local.clone()], Descs::strided(0, 0, 256, 256, 4)).unwrap();
+    let remotes =
+        RemoteDescList::new(vec![local.remote()], Descs::strided(0, 0, 256, 256, 4)).unwrap();
+    assert!(op_at(OpKind::Read, &locals, 3, &remotes, 3, 0).is_ok());
+    assert_eq!(
+        op_at(OpKind::Read, &locals, 0, &remotes, 4, 9).err(),
+        Some(DescError::IndexOutOfRange {
+            position: 9,
+            index: 4,
+            len: 4
+        })
+    );
+    assert_eq!(
+        op_at(OpKind::Write, &locals, u64::MAX, &remotes, 0, 2).err(),
+        Some(DescError::IndexOutOfRange {
+            position: 2,
+            index: u64::MAX,
+            len: 4
+        })
+    );
+}
