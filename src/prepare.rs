@@ -49,9 +49,18 @@ impl PreparedRemote {
 /// Why a list could not be prepared, or a peer connected.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PrepareError {
-    /// A region of the list is unusable from here (no transport both ends
-    /// share, or its owner refused the handle: a stale generation, a wrong
-    /// token): the error names the region's index in the list.
+    /// A region of the list is unusable from here: the error names the
+    /// region's index in the list. Where each refusal is caught:
+    /// - here, over every transport: no transport both ends share, a
+    ///   handle whose address range wraps (forged), a peer that is gone;
+    /// - here, for a same-host region only, since preparing maps it and its
+    ///   owner checks the handle then: a stale generation, a wrong token, a
+    ///   region deregistered since (`UnknownRegion`);
+    /// - over TCP and ibverbs the owner checks credentials per op, so those
+    ///   same faults pass preparing and fail the post (`AccessDenied`,
+    ///   `StaleGeneration`, `UnknownRegion` in [`XferError::Submit`]).
+    ///
+    /// [`XferError::Submit`]: crate::XferError::Submit
     #[error(transparent)]
     Desc(#[from] DescError),
     /// A peer could not be reached, on any transport, within the deadline.

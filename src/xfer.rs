@@ -170,6 +170,12 @@ impl Node {
     /// slices (repeats allowed) or ranges. Every index and every pair's
     /// lengths are checked now: an error names the position, and nothing
     /// moves. Posted with [`Xfer::post`].
+    ///
+    /// Making one is local work and succeeds on a node that was shut down;
+    /// its post then fails with `Submit(ShutDown)`. A request of zero
+    /// descriptors is valid and moves nothing; a post of it sends its
+    /// notification, if it has one, to each owner of the remote list (none
+    /// for a list of no regions), then is done.
     pub fn make_xfer(
         &self,
         kind: OpKind,
@@ -191,6 +197,17 @@ impl Node {
     /// What `xfer` is expected to take, from the requests to its peer over
     /// its transport that completed, or the configured defaults before any
     /// did ([`crate::EstimateMethod`]).
+    ///
+    /// Where it holds: for requests like those the model learned from (a
+    /// few dozen of similar op counts and sizes to that peer, over that
+    /// transport). The model separates a fixed cost, a cost per op and a
+    /// cost per byte only from requests that differ in those; one far
+    /// smaller than any it saw (16 ops of 4 KiB after requests of 16,384)
+    /// is an extrapolation of the fixed cost and may be off by multiples,
+    /// and its margin, the mean error of recent estimates, does not show
+    /// that. A request of no ops, or over a list of no regions, is
+    /// estimated for the path of its first region, or for TCP to this node
+    /// when it has none: `Configured` until such requests completed.
     pub fn estimate(&self, xfer: &Xfer) -> Estimate {
         let job = &xfer.job;
         let (peer, level) = job.path();
@@ -485,6 +502,15 @@ async fn run(
     }
     let levels = job.levels_now()?;
     let total = job.count;
+    if total == 0 {
+        // No data for a notification to follow: it goes on its own to
+        // each owner of the remote list, as NIXL's requests of no
+        // descriptors do.
+        if let Some(body) = &job.notification {
+            notify_owners(router, job.remote.owners(), body, deadline).await?;
+        }
+        return Ok(levels);
+    }
     let mut next = 0;
     let mut in_flight = FuturesOrdered::new();
     let mut bytes_in_flight = 0;
@@ -599,6 +625,28 @@ async fn run(
         });
     }
     Ok(levels)
+}
+
+/// Sends `body` as a notification to each of `owners` (a request of no
+/// ops), each within what is left until `deadline`.
+async fn notify_owners(
+    router: &Router,
+    owners: &[ferry_core::NodeAddr],
+    body: &Bytes,
+    deadline: Instant,
+) -> Result<(), XferError> {
+    if body.len() > router.messages.max_len() {
+        return Err(XferError::Notify(NotifyError::TooLarge {
+            len: body.len(),
+            limit: router.messages.max_len(),
+        }));
+    }
+    for &owner in owners {
+        let left = deadline.saturating_duration_since(Instant::now());
+        (router.messages.notify(owner, body.clone(), left).await)
+            .map_err(|error| XferError::Notify(NotifyError::Notification { owner, error }))?;
+    }
+    Ok(())
 }
 
 /// Asks a [`NodeActor`] for a request ([`Node::make_xfer`]); the worker

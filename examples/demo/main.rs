@@ -1,5 +1,6 @@
-//! Two ferry nodes in two OS processes moving (and optionally verifying) data,
-//! with throughput and memory use per block size.
+//! Two ferry nodes in two OS processes moving (and optionally verifying) data
+//! over same-host memory and over TCP, with throughput, the transport each
+//! row took, and memory use per block size.
 //!
 //! ```text
 //! cargo run --release --example demo -- --verify
@@ -16,6 +17,7 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use ferry::TransportPath;
 use ferry::prelude::*;
 
 mod target;
@@ -28,6 +30,7 @@ usage: demo [options]
   --size SIZE        bytes in the region on each side           [128M]
   --block LIST       op size(s), comma separated                [64K,1M,16M]
   --op LIST          write, read or write,read                  [write,read]
+  --transport LIST   memory (same host), tcp, or memory,tcp     [memory,tcp]
   --streams LIST     TCP connections per peer, comma separated  [4]
   --batch N          ops per Submit                             [all ops of the region]
   --iters N          passes over the region per row             [16]
@@ -51,6 +54,8 @@ struct Args {
     blocks: Vec<u64>,
     ops: Vec<OpKind>,
     streams: Vec<usize>,
+    /// Same-host memory, TCP or both, in this order.
+    transports: Vec<RdmaTransportLevel>,
     batch: Option<usize>,
     iters: u32,
     seconds: Option<f64>,
@@ -62,14 +67,13 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    // Logs (RUST_LOG=debug) go to stderr: the target's stdout is its protocol.
+    // Logs (RUST_LOG=info or debug) go to stderr: the target's stdout is
+    // its protocol. Warnings only by default, in both processes: the table
+    // is a newcomer's first screen.
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new(
-                    "warn,ferry=info,ferry_tcp=warn,ferry_ibverbs=warn",
-                )
-            }),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -98,6 +102,8 @@ async fn main() -> ExitCode {
 
 /// One measured (op, block, streams) combination.
 struct Row {
+    /// The transport the ops took, as the node routed them.
+    via: String,
     op: OpKind,
     block: u64,
     streams: usize,
@@ -139,7 +145,8 @@ async fn initiate(args: Args) -> Result<(), String> {
     } else {
         println!("{intro}\n");
         println!(
-            "{:<6} {:>8} {:>7} {:>7} {:>9} | {:>14} {:>14} | {:>14} {:>14}",
+            "{:<9} {:<6} {:>8} {:>7} {:>7} {:>9} | {:>14} {:>14} | {:>14} {:>14}",
+            "via",
             "op",
             "block",
             "streams",
@@ -152,11 +159,16 @@ async fn initiate(args: Args) -> Result<(), String> {
         );
     }
     let mut seed = 0u64;
-    for &streams in &args.streams {
-        // The demo measures the network path (its --streams are TCP
-        // connections): the same-host memory transport would take over
-        // between two processes of one host.
-        let mut builder = Node::builder().memory(false).tcp_connections(streams);
+    // Same host first (ferry's fastest path between two processes of one
+    // host), then TCP for each --streams (the network path; the memory
+    // transport is turned off so that it cannot take over).
+    let runs = args.transports.iter().flat_map(|&level| match level {
+        RdmaTransportLevel::Tcp => args.streams.iter().map(|&s| (level, s)).collect(),
+        _ => vec![(level, args.streams[0])],
+    });
+    for (level, streams) in runs {
+        let memory = level == RdmaTransportLevel::Memory;
+        let mut builder = Node::builder().memory(memory).tcp_connections(streams);
         if let Some(chunk) = args.chunk {
             builder = builder.tcp_chunk_size(chunk);
         }
@@ -240,6 +252,12 @@ async fn run_row(
         })
         .collect();
     let batch = args.batch.unwrap_or(ops.len()).max(1);
+    let via = match node.path(&ops[0]) {
+        Some(TransportPath::Memory(_)) => "memory".to_string(),
+        Some(TransportPath::Tcp) => "tcp".to_string(),
+        Some(TransportPath::Nic) => "ibverbs".to_string(),
+        None => return Err("no transport reaches the target".into()),
+    };
 
     reset_peak_rss();
     target.ask("reset").await?;
@@ -287,6 +305,7 @@ async fn run_row(
         });
     }
     Ok(Row {
+        via,
         op,
         block,
         streams,
@@ -304,6 +323,7 @@ fn print_row(args: &Args, row: &Row) {
     let op = op_name(row.op);
     if args.json {
         let json = serde_json::json!({
+            "via": row.via,
             "op": op,
             "block": row.block,
             "streams": row.streams,
@@ -324,10 +344,16 @@ fn print_row(args: &Args, row: &Row) {
         }
     } else {
         let mib = |b: i64| format!("{:.1} MiB", b as f64 / MIB);
+        // Streams are TCP connections: a same-host row has none.
+        let streams = match row.via.as_str() {
+            "tcp" => row.streams.to_string(),
+            _ => "-".to_string(),
+        };
         println!(
-            "{op:<6} {:>8} {:>7} {gbps:>7.2} {:>9.2} | {:>14} {:>14} | {:>14} {:>14}",
+            "{:<9} {op:<6} {:>8} {:>7} {gbps:>7.2} {:>9.2} | {:>14} {:>14} | {:>14} {:>14}",
+            row.via,
             size_str(row.block),
-            row.streams,
+            streams,
             row.bytes as f64 / (1u64 << 30) as f64,
             mib(row.rss[0] as i64),
             mib(row.rss[1] as i64),
@@ -412,6 +438,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         blocks: vec![64 << 10, 1 << 20, 16 << 20],
         ops: vec![OpKind::Write, OpKind::Read],
         streams: vec![4],
+        transports: vec![RdmaTransportLevel::Memory, RdmaTransportLevel::Tcp],
         batch: None,
         iters: 16,
         seconds: None,
@@ -433,6 +460,13 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--size" => args.size = parse_size(&value()?)?,
             "--block" => args.blocks = list(&value()?, parse_size)?,
             "--streams" => args.streams = list(&value()?, parse_num)?,
+            "--transport" => {
+                args.transports = list(&value()?, |s| match s {
+                    "memory" => Ok(RdmaTransportLevel::Memory),
+                    "tcp" => Ok(RdmaTransportLevel::Tcp),
+                    _ => Err(format!("unknown transport {s:?} (memory or tcp)")),
+                })?
+            }
             "--batch" => args.batch = Some(parse_num(&value()?)?),
             "--iters" => args.iters = parse_num(&value()?)? as u32,
             "--chunk" => args.chunk = Some(parse_size(&value()?)?),

@@ -49,7 +49,9 @@ class Region:
 
     def remote(self) -> RemoteRegion:
         """A handle to the whole region: serializable (``to_bytes``),
-        sliceable, to give to peers."""
+        sliceable, to give to peers. Refused in a forked child (the
+        region is the parent's)."""
+        refuse_in_child("this region")
         return RemoteRegion(self._native.remote())
 
     @property

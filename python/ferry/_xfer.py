@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Generator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _ferry
+from ._fork import refuse_in_child
 from ._errors import FerryError, InvalidArgument, InvalidRange
 from ._region import Region, RemoteRegion
 
@@ -218,7 +219,11 @@ class Xfer:
     """A transfer request (:meth:`Node.make_xfer`): post it, poll
     :meth:`status` once per step, :meth:`wait` for it or ``await`` it, post
     it again once done. :meth:`cancel` (or dropping it) stops it: what is in
-    flight (one window at most) finishes, nothing else moves."""
+    flight (one window at most) finishes, nothing else moves, and it ends
+    ``FAILED`` with :class:`Cancelled`. Against an owner that stopped
+    answering, that window ends only at the post's deadline; the error then
+    counts the ops whose outcome is unknown (their destination bytes may be
+    old, new, or partly written)."""
 
     __slots__ = ("_native", "_error")
 
@@ -228,7 +233,9 @@ class Xfer:
 
     def post(self, timeout: float = 30.0) -> "Xfer":
         """Starts the request with a deadline of ``timeout`` seconds and
-        returns at once (raises :class:`InProgress` if it runs)."""
+        returns at once (raises :class:`InProgress` if it runs). Refused
+        in a forked child (the node is the parent's)."""
+        refuse_in_child("this request")
         self._native.post(timeout)
         return self
 
@@ -247,11 +254,15 @@ class Xfer:
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Waits (the GIL released) up to ``timeout`` seconds, or the
         post's own deadline: True once done, False if still in progress;
-        raises its error if it failed. Ctrl-C cancels the request."""
+        raises its error if it failed. Ctrl-C cancels the request (and
+        raises ``KeyboardInterrupt`` at once; the request goes on to
+        ``FAILED`` with :class:`Cancelled` once its window settles)."""
+        refuse_in_child("this request")
         return self._native.wait(timeout)
 
     def cancel(self) -> None:
-        """Stops posting; what is in flight finishes."""
+        """Stops posting; what is in flight finishes (or reaches the
+        post's deadline), then it ends :class:`Cancelled`."""
         self._native.cancel()
 
     async def wait_async(self) -> None:

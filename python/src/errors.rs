@@ -166,6 +166,7 @@ pub fn xfer(error: &XferError) -> Raise {
         XferError::Notify(inner) => notify(inner),
         XferError::Cancelled { .. } => Raise::new("Cancelled", error),
         XferError::NotPosted => Raise::new("FerryError", error),
+        XferError::Desc(inner) => desc(inner),
     }
 }
 

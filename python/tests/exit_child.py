@@ -123,6 +123,8 @@ def fork() -> int:
             ("write", lambda: node.write(region, other.alloc(4096).remote())),
             ("call", lambda: node.call(other.addr, "x", b"")),
             ("notifications", lambda: node.notifications()),
+            ("remote", lambda: region.remote()),
+            ("close", lambda: region.close()),
             ("new node", lambda: ferry.Node()),
         ):
             try:

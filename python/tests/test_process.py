@@ -45,7 +45,7 @@ def fork_lines(done: "subprocess.CompletedProcess[str]") -> dict:
 def test_forked_child_gets_ferry_error(forked: "subprocess.CompletedProcess[str]") -> None:
     assert forked.returncode == 0, f"{forked.stdout}\n{forked.stderr}"
     results = dict(item.split(":", 1) for item in fork_lines(forked)["child"].split(";"))
-    for name in ("alloc", "write", "call", "notifications", "new node"):
+    for name in ("alloc", "write", "call", "notifications", "remote", "close", "new node"):
         assert results[name].startswith("FerryError"), (name, results[name])
     assert "parent works" in forked.stdout
     assert "panicked" not in forked.stderr and "Fatal Python error" not in forked.stderr, forked.stderr

@@ -70,3 +70,44 @@ async fn connect_opens_the_data_connections_ahead() {
         Err(ferry::PrepareError::Connect { .. })
     ));
 }
+
+/// A request of no descriptors moves nothing, and a post of it still sends
+/// its notification to the owner of the remote list, exactly once per post
+/// (before issue 37 it completed `Done` and the notification went nowhere).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_of_no_descriptors_still_notifies_the_owner() {
+    use ferry::{DeliveryKind, Descs, LocalDescList, RemoteDescList};
+    use std::time::Duration;
+
+    let owner = node().await;
+    let initiator = node().await;
+    let deadline = Duration::from_secs(20);
+    let target = owner.alloc(4096, Access::ReadWrite).await.unwrap();
+    let mine = initiator.alloc(4096, Access::ReadWrite).await.unwrap();
+    let locals = LocalDescList::new(vec![mine], Descs::new()).unwrap();
+    let remotes = RemoteDescList::new(vec![target.remote()], Descs::new()).unwrap();
+    let prepared = initiator.prepare_remote(remotes, deadline).await.unwrap();
+    let xfer = initiator
+        .make_xfer(OpKind::Write, &locals, 0..0, &prepared, 0..0)
+        .unwrap()
+        .with_notification("nothing to move");
+    assert!(xfer.is_empty());
+    let mut inbox = owner.inbox().unwrap();
+    for _ in 0..2 {
+        xfer.post(deadline).unwrap();
+        xfer.wait().await.unwrap();
+        let delivery = tokio::time::timeout(deadline, inbox.recv())
+            .await
+            .expect("the notification within the deadline")
+            .expect("an open inbox");
+        assert_eq!(delivery.kind, DeliveryKind::Notification);
+        assert_eq!(delivery.from, initiator.addr());
+        assert_eq!(&delivery.body[..], b"nothing to move");
+    }
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), inbox.recv())
+            .await
+            .is_err(),
+        "one notification per post"
+    );
+}

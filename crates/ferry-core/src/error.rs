@@ -80,7 +80,7 @@ pub enum OpError {
         current: Generation,
     },
     /// The owner has no region in the handle's slot (deregistered, or never
-    /// registered). Reported by the TCP owner.
+    /// registered). Reported by the TCP and same-host memory owners.
     #[error("remote region does not exist")]
     UnknownRegion,
     /// Another node answers at the handle's endpoint: the owner restarted
