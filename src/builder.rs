@@ -138,6 +138,18 @@ impl NodeBuilder {
         self
     }
 
+    /// How long a peer may stay silent in the middle of a frame (a
+    /// request's header, table or payload, a control frame; or not reading
+    /// the responses it asked for) before the endpoint closes its
+    /// connection (default [`ferry_control::DEFAULT_FRAME_TIMEOUT`], 20 s;
+    /// see [`ConnectionLimits::frame_timeout`]). Counted from the last byte,
+    /// so a long payload on a slow link is never cut while it moves; while
+    /// it waits the connection is evictable at a bound like an idle one.
+    pub fn frame_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.endpoint.limits.frame_timeout = timeout;
+        self
+    }
+
     /// How long a peer may acknowledge nothing on its control session
     /// before it is declared lost (default [`crate::DEFAULT_PEER_TIMEOUT`],
     /// 20 s; see the README's "Liveness"). Shorter finds dead hosts sooner;

@@ -14,6 +14,7 @@ mod node_actor;
 mod notified_batches;
 mod notify;
 mod registrations;
+mod shutdown;
 mod slots;
 #[path = "../shared/workers.rs"]
 mod workers;

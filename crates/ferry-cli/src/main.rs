@@ -106,6 +106,9 @@ struct Limits {
     /// An accepted data connection with no request in flight this long is
     /// closed; at a bound, the least recently used idle one makes room.
     idle_timeout_s: f64,
+    /// A connection whose peer went silent in the middle of a frame this
+    /// long is closed; while it waits it is evictable like an idle one.
+    frame_timeout_s: f64,
 }
 
 /// How a node tells a dead peer from a slow one (README, "Liveness").
@@ -158,6 +161,7 @@ async fn info() -> Result<Info, Failure> {
             max_per_address: limits.max_per_address,
             hello_timeout_s: limits.hello_timeout.as_secs_f64(),
             idle_timeout_s: limits.idle_timeout.as_secs_f64(),
+            frame_timeout_s: limits.frame_timeout.as_secs_f64(),
         },
         liveness: Liveness {
             peer_timeout_s: ferry::DEFAULT_PEER_TIMEOUT.as_secs_f64(),
@@ -181,12 +185,13 @@ fn print_info(info: &Info) {
     let limits = &info.connection_limits;
     println!(
         "endpoint: at most {} accepted connections, {} per remote address, hello within {} s; \
-         data connections idle for {} s are closed, and at a bound the least recently used \
-         idle one makes room",
+         data connections idle for {} s, and connections silent for {} s in the middle of \
+         a frame, are closed, and at a bound the least recently used idle one makes room",
         limits.max_connections,
         limits.max_per_address,
         limits.hello_timeout_s,
-        limits.idle_timeout_s
+        limits.idle_timeout_s,
+        limits.frame_timeout_s
     );
     let liveness = &info.liveness;
     println!(

@@ -25,8 +25,12 @@ use crate::wire::{u16_at, u32_at, u128_at};
 pub const MAGIC: u32 = u32::from_le_bytes(*b"FRY1");
 /// Version of the endpoint protocol: the hello, the control session and the
 /// channels behind it. Nodes of different versions refuse each other.
-/// 3: the TCP data channel's ranges requests.
-pub const VERSION: u16 = 3;
+/// 3: the TCP data channel's ranges requests. 4: the
+/// [`HelloStatus::Busy`] reply, which a version 3 client cannot read (it
+/// reported a protocol error); the bump makes a mixed cluster fail at the
+/// hello with `BadVersion` instead. An endpoint at its bound sends `Busy`
+/// before it reads the hello, so an older client still sees it there.
+pub const VERSION: u16 = 4;
 /// Length of a hello and of its reply.
 pub const HELLO_LEN: usize = 24;
 
