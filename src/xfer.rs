@@ -258,8 +258,18 @@ impl Xfer {
     /// transport allows (see [`Node::submit_with_notification`]). Applies
     /// from the next post on.
     pub fn with_notification(mut self, notification: impl IntoBody) -> Self {
-        Arc::make_mut(&mut self.job).notification = Some(notification.into_body());
+        self.set_notification(Some(notification.into_body()));
         self
+    }
+
+    /// Sets (or, with `None`, clears) the notification each post sends, as
+    /// [`Xfer::with_notification`] does, for a request whose notification
+    /// changes from post to post (NIXL's `notif_msg` is per post). Applies
+    /// from the next post on.
+    pub fn set_notification(&mut self, notification: Option<Bytes>) {
+        if self.job.notification != notification {
+            Arc::make_mut(&mut self.job).notification = notification;
+        }
     }
 
     /// Ops in the request.

@@ -1,0 +1,671 @@
+//! The engine NIXL drives, in Rust over a [`ferry::Node`]: NIXL's calls in
+//! NIXL's terms (registrations, loaded metadata, agents, requests), each
+//! answered with a NIXL status. The C++ shim only unpacks arguments.
+//!
+//! NIXL names memory by metadata pointers it keeps inside prepared lists,
+//! even after the memory was deregistered or the peer removed; here every
+//! such pointer carries an id, looked up in a table on each use, so a stale
+//! one is an error ([`Status::NotFound`]), never a transfer into memory the
+//! caller let go of.
+
+use std::collections::HashMap;
+use std::ptr::NonNull;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use ferry::prelude::*;
+use ferry::{
+    Bytes, DeliveryKind, Descs, Inbox, LocalDescList, MemoryBlock, NodeAddr, OpError,
+    RemoteDescList, Xfer, XferError, XferStatus,
+};
+use tokio::runtime::Runtime;
+use tracing::warn;
+
+use crate::options::Options;
+
+/// NIXL's status codes (`nixl_status_t`), as this engine answers them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum Status {
+    /// Posted; not done yet.
+    InProgress = 1,
+    /// Done.
+    Success = 0,
+    /// A parameter NIXL passed is unusable (a descriptor outside its
+    /// memory, garbage metadata).
+    InvalidParam = -2,
+    /// ferry failed the call (its error is logged).
+    Backend = -3,
+    /// A registration, handle or agent the call names is not (or no
+    /// longer) known.
+    NotFound = -4,
+    /// A request still in progress cannot be released or re-posted.
+    RepostActive = -7,
+    /// A panic was caught at the boundary: a bug.
+    Unknown = -8,
+    /// Memory this engine does not move (VRAM, for now).
+    NotSupported = -9,
+    /// The peer is gone: NIXL invalidates its metadata.
+    RemoteDisconnect = -10,
+    /// The request was cancelled (released while in progress).
+    Canceled = -11,
+}
+
+/// `nixl_mem_t`'s host memory.
+const DRAM_SEG: i32 = 0;
+
+/// One descriptor of a transfer: bytes, and the id of the registration or
+/// loaded handle NIXL says it lies in.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct Desc {
+    /// First byte's address (in the owner's process).
+    pub addr: u64,
+    /// Length.
+    pub len: u64,
+    /// Metadata id; 0 for none.
+    pub md: u64,
+}
+
+/// What the ids name.
+#[derive(Default)]
+struct Tables {
+    next_id: u64,
+    /// This agent's registrations.
+    local: HashMap<u64, Region>,
+    /// Handles to memory of other agents (or this one, for transfers to
+    /// itself), with the agent they came from.
+    remote: HashMap<u64, (String, RemoteBuffer)>,
+    /// Agents by name, from their connection info.
+    agents: HashMap<String, NodeAddr>,
+}
+
+impl Tables {
+    fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+}
+
+/// The FERRY engine of one NIXL agent.
+pub struct Engine {
+    runtime: Runtime,
+    node: Node,
+    /// This agent's name.
+    agent: String,
+    deadline: Duration,
+    tables: Mutex<Tables>,
+    inbox: Mutex<Inbox>,
+}
+
+/// A prepared transfer ([`Engine::prep`]).
+pub struct Request {
+    xfer: Mutex<Xfer>,
+    /// Every id its descriptors name: checked again at each post.
+    local: Vec<u64>,
+    remote: Vec<u64>,
+}
+
+impl Engine {
+    /// Starts a ferry node for agent `agent` on a runtime of its own.
+    pub fn new(agent: &str, params: &HashMap<String, String>) -> Result<Engine, String> {
+        let options = Options::parse(params)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("ferry-nixl")
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start a runtime: {e}"))?;
+        let mut builder = Node::builder()
+            .name(format!("nixl-{agent}"))
+            .listen(options.listen)
+            .memory(options.memory)
+            .ibverbs(options.ibverbs);
+        if let Some(advertise) = options.advertise {
+            builder = builder.advertise(advertise);
+        }
+        if let Some(n) = options.tcp_connections {
+            builder = builder.tcp_connections(n);
+        }
+        let node = runtime
+            .block_on(builder.spawn())
+            .map_err(|e| format!("cannot start a ferry node: {e}"))?;
+        let inbox = node.inbox().map_err(|e| format!("the node's inbox: {e}"))?;
+        Ok(Engine {
+            runtime,
+            node,
+            agent: agent.to_string(),
+            deadline: options.deadline,
+            tables: Mutex::default(),
+            inbox: Mutex::new(inbox),
+        })
+    }
+
+    fn tables(&self) -> MutexGuard<'_, Tables> {
+        self.tables.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `getConnInfo`: the node's address.
+    pub fn conn_info(&self) -> String {
+        serde_json::to_string(&self.node.addr()).expect("an address serializes")
+    }
+
+    /// `loadRemoteConnInfo`: where agent `agent` is.
+    pub fn load_conn_info(&self, agent: &str, info: &[u8]) -> Status {
+        match serde_json::from_slice::<NodeAddr>(info) {
+            Ok(addr) => {
+                self.tables().agents.insert(agent.to_string(), addr);
+                Status::Success
+            }
+            Err(e) => {
+                warn!(
+                    agent,
+                    "FERRY: connection info that is not a ferry address: {e}"
+                );
+                Status::InvalidParam
+            }
+        }
+    }
+
+    fn agent_addr(&self, agent: &str) -> Option<NodeAddr> {
+        if agent == self.agent {
+            return Some(self.node.addr());
+        }
+        self.tables().agents.get(agent).copied()
+    }
+
+    /// `connect`: the node's connections to `agent` opened ahead.
+    pub fn connect(&self, agent: &str) -> Status {
+        if agent == self.agent {
+            return Status::Success;
+        }
+        let Some(addr) = self.agent_addr(agent) else {
+            warn!(
+                agent,
+                "FERRY: connect to an agent whose metadata was never loaded"
+            );
+            return Status::NotFound;
+        };
+        match self
+            .runtime
+            .block_on(self.node.connect(addr, self.deadline))
+        {
+            Ok(_) => Status::Success,
+            Err(e) => {
+                warn!(agent, "FERRY: connect: {e}");
+                Status::RemoteDisconnect
+            }
+        }
+    }
+
+    /// `disconnect`: ferry keeps (and closes idle) connections itself.
+    pub fn disconnect(&self, _agent: &str) -> Status {
+        Status::Success
+    }
+
+    /// `registerMem`: host memory at `addr..addr+len`, registered with the
+    /// node (the caller keeps it alive, as NIXL requires).
+    pub fn register(&self, mem: i32, addr: u64, len: u64) -> Result<u64, Status> {
+        if mem != DRAM_SEG {
+            warn!(
+                mem,
+                "FERRY moves host memory (DRAM) only for now: register GPU memory with another \
+                 backend (UCX)"
+            );
+            return Err(Status::NotSupported);
+        }
+        let Some(ptr) = usize::try_from(addr)
+            .ok()
+            .and_then(|a| NonNull::new(a as *mut u8))
+        else {
+            return Err(Status::InvalidParam);
+        };
+        // SAFETY: NIXL's contract: registered memory stays valid until it
+        // is deregistered, and a transfer over it is complete by then; the
+        // keep-alive is empty because the caller owns the memory.
+        let memory = unsafe { MemoryBlock::from_raw(ptr, len, Box::new(())) };
+        let memory = memory.map_err(|e| {
+            warn!(addr, len, "FERRY: registerMem: {e}");
+            Status::InvalidParam
+        })?;
+        let region = self
+            .runtime
+            .block_on(self.node.register(memory, Access::ReadWrite))
+            .map_err(|e| {
+                warn!(addr, len, "FERRY: registerMem: {e}");
+                Status::Backend
+            })?;
+        let mut tables = self.tables();
+        let id = tables.id();
+        tables.local.insert(id, region);
+        Ok(id)
+    }
+
+    /// `deregisterMem`: the registration goes; requests that named it fail
+    /// their next post.
+    pub fn deregister(&self, md: u64) -> Status {
+        match self.tables().local.remove(&md) {
+            Some(_) => Status::Success,
+            None => Status::NotFound,
+        }
+    }
+
+    /// `getPublicData`: the registration's handle, for peers.
+    pub fn public_data(&self, md: u64) -> Result<String, Status> {
+        let tables = self.tables();
+        let region = tables.local.get(&md).ok_or(Status::NotFound)?;
+        Ok(serde_json::to_string(&region.remote()).expect("a handle serializes"))
+    }
+
+    /// `loadRemoteMD`: agent `agent`'s handle for its memory at
+    /// `addr..addr+len`. Untrusted: it must be a ferry handle for exactly
+    /// that range, of the node the agent's connection info named.
+    pub fn load_remote(
+        &self,
+        agent: &str,
+        mem: i32,
+        addr: u64,
+        len: u64,
+        blob: &[u8],
+    ) -> Result<u64, Status> {
+        if mem != DRAM_SEG {
+            return Err(Status::NotSupported);
+        }
+        let handle: RemoteBuffer = serde_json::from_slice(blob).map_err(|e| {
+            warn!(agent, "FERRY: metadata that is not a ferry handle: {e}");
+            Status::InvalidParam
+        })?;
+        if handle.addr() != addr || handle.len() != len {
+            warn!(
+                agent,
+                "FERRY: metadata for {addr:#x}+{len} names {:#x}+{}",
+                handle.addr(),
+                handle.len()
+            );
+            return Err(Status::InvalidParam);
+        }
+        let mut tables = self.tables();
+        if let Some(node) = tables.agents.get(agent)
+            && node.id != handle.owner().id
+        {
+            warn!(agent, "FERRY: metadata of another node than the agent's");
+            return Err(Status::InvalidParam);
+        }
+        let id = tables.id();
+        tables.remote.insert(id, (agent.to_string(), handle));
+        Ok(id)
+    }
+
+    /// `loadLocalMD`: a handle to this agent's own registration, for
+    /// transfers to itself.
+    pub fn load_local(&self, md: u64) -> Result<u64, Status> {
+        let mut tables = self.tables();
+        let handle = tables.local.get(&md).ok_or(Status::NotFound)?.remote();
+        let id = tables.id();
+        tables.remote.insert(id, (self.agent.clone(), handle));
+        Ok(id)
+    }
+
+    /// `unloadMD`.
+    pub fn unload(&self, md: u64) -> Status {
+        match self.tables().remote.remove(&md) {
+            Some(_) => Status::Success,
+            None => Status::NotFound,
+        }
+    }
+
+    /// `queryMem`: whether `addr..addr+len` lies in a registration.
+    pub fn query(&self, addr: u64, len: u64) -> bool {
+        let end = addr.saturating_add(len);
+        self.tables().local.values().any(|region| {
+            let start = region.memory().addr();
+            addr >= start && end <= start.saturating_add(region.len())
+        })
+    }
+
+    /// `prepXfer`: a request from `local[k]` to `remote[k]` (a READ fills
+    /// `local`), every descriptor checked against its registration or
+    /// handle, the remote memory prepared (routed, connected, mapped).
+    pub fn prep(
+        &self,
+        read: bool,
+        local: &[Desc],
+        remote: &[Desc],
+        agent: &str,
+    ) -> Result<Request, Status> {
+        if local.len() != remote.len() {
+            warn!(
+                "FERRY: {} local descriptors against {} remote",
+                local.len(),
+                remote.len()
+            );
+            return Err(Status::InvalidParam);
+        }
+        let (locals, local_ids, remotes, remote_ids) = {
+            let tables = self.tables();
+            let (locals, local_ids) = bind(local, |md| {
+                let region = tables.local.get(&md)?;
+                Some((region.clone(), region.memory().addr(), region.len()))
+            })?;
+            let (remotes, remote_ids) = bind(remote, |md| {
+                let (owner, handle) = tables.remote.get(&md)?;
+                (owner == agent).then(|| (handle.clone(), handle.addr(), handle.len()))
+            })?;
+            (locals, local_ids, remotes, remote_ids)
+        };
+        let invalid = |e: ferry::DescError| {
+            warn!("FERRY: prepXfer: {e}");
+            Status::InvalidParam
+        };
+        let local_list = LocalDescList::new(locals.0, locals.1).map_err(invalid)?;
+        let remote_list = RemoteDescList::new(remotes.0, remotes.1).map_err(invalid)?;
+        let prepared = self
+            .runtime
+            .block_on(self.node.prepare_remote(remote_list, self.deadline))
+            .map_err(|e| {
+                warn!(agent, "FERRY: prepXfer: {e}");
+                match e {
+                    ferry::PrepareError::Connect { .. } => Status::RemoteDisconnect,
+                    _ => Status::Backend,
+                }
+            })?;
+        let kind = if read { OpKind::Read } else { OpKind::Write };
+        let n = local.len();
+        let xfer = self
+            .node
+            .make_xfer(kind, &local_list, 0..n, &prepared, 0..n)
+            .map_err(invalid)?;
+        Ok(Request {
+            xfer: Mutex::new(xfer),
+            local: local_ids,
+            remote: remote_ids,
+        })
+    }
+
+    /// `postXfer`: starts the request (returns at once), with `notif` for
+    /// the remote agent behind its data.
+    pub fn post(&self, request: &Request, notif: Option<&[u8]>) -> Status {
+        let mut xfer = request.xfer.lock().unwrap_or_else(|e| e.into_inner());
+        if xfer.status() == XferStatus::InProgress {
+            return Status::RepostActive;
+        }
+        {
+            let tables = self.tables();
+            let stale = request
+                .local
+                .iter()
+                .find(|id| !tables.local.contains_key(id));
+            let unloaded = request
+                .remote
+                .iter()
+                .find(|id| !tables.remote.contains_key(id));
+            if stale.is_some() || unloaded.is_some() {
+                warn!(
+                    "FERRY: postXfer: the request names {} since it was prepared",
+                    if stale.is_some() {
+                        "memory deregistered"
+                    } else {
+                        "an agent's memory unloaded (agent removed?)"
+                    }
+                );
+                return Status::NotFound;
+            }
+        }
+        xfer.set_notification(notif.map(|msg| frame_notif(&self.agent, msg)));
+        match xfer.post(self.deadline) {
+            Ok(()) => Status::InProgress,
+            Err(_) => Status::RepostActive,
+        }
+    }
+
+    /// `checkXfer`: where the request stands; never waits.
+    pub fn check(&self, request: &Request) -> Status {
+        let status = request
+            .xfer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .status();
+        match status {
+            XferStatus::InProgress => Status::InProgress,
+            XferStatus::Done => Status::Success,
+            XferStatus::Ready => Status::InvalidParam,
+            XferStatus::Failed(e) => {
+                warn!("FERRY: transfer failed: {e}");
+                status_of(&e)
+            }
+        }
+    }
+
+    /// `releaseReqH`: `Success` when the request may be freed; one still
+    /// in progress is cancelled and answered `RepostActive` (NIXL keeps
+    /// the handle), since its window may still be moving bytes.
+    pub fn release(&self, request: &Request) -> Status {
+        let xfer = request.xfer.lock().unwrap_or_else(|e| e.into_inner());
+        if xfer.status() == XferStatus::InProgress {
+            xfer.cancel();
+            return Status::RepostActive;
+        }
+        Status::Success
+    }
+
+    /// `estimateXferCost`: ferry's estimate, in microseconds.
+    pub fn estimate(&self, request: &Request) -> (i64, i64) {
+        let xfer = request.xfer.lock().unwrap_or_else(|e| e.into_inner());
+        let estimate = self.node.estimate(&xfer);
+        let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+        (micros(estimate.duration), micros(estimate.margin))
+    }
+
+    /// `getNotifs`: every notification that came, with its sender agent.
+    pub fn notifs(&self, mut each: impl FnMut(&[u8], &[u8])) {
+        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(delivery) = inbox.try_recv() {
+            if delivery.kind != DeliveryKind::Notification {
+                continue;
+            }
+            match unframe_notif(&delivery.body) {
+                Some((agent, msg)) => each(agent, msg),
+                None => {
+                    warn!(from = %delivery.from, "FERRY: a notification not framed by FERRY, dropped")
+                }
+            }
+        }
+    }
+
+    /// `genNotif`: `msg` to agent `agent` on its own.
+    pub fn gen_notif(&self, agent: &str, msg: &[u8]) -> Status {
+        let Some(addr) = self.agent_addr(agent) else {
+            warn!(
+                agent,
+                "FERRY: genNotif to an agent whose metadata was never loaded"
+            );
+            return Status::NotFound;
+        };
+        let body = frame_notif(&self.agent, msg);
+        match self
+            .runtime
+            .block_on(self.node.notify(addr, body, self.deadline))
+        {
+            Ok(()) => Status::Success,
+            Err(e) => {
+                warn!(agent, "FERRY: genNotif: {e}");
+                Status::RemoteDisconnect
+            }
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.runtime.block_on(self.node.shutdown());
+    }
+}
+
+/// Regions and descriptors for `descs`: each descriptor's id looked up by
+/// `lookup` (the memory, its first address and length), its range checked
+/// to lie inside it. Also the ids, each once.
+#[allow(clippy::type_complexity)]
+fn bind<M>(
+    descs: &[Desc],
+    lookup: impl Fn(u64) -> Option<(M, u64, u64)>,
+) -> Result<((Vec<M>, Descs), Vec<u64>), Status> {
+    let mut ids: Vec<u64> = Vec::new();
+    let mut bounds: Vec<(u64, u64)> = Vec::new();
+    let mut regions = Vec::new();
+    let mut out = Descs::with_capacity(descs.len());
+    for (k, desc) in descs.iter().enumerate() {
+        // Requests name few registrations: a short scan beats a map.
+        let index = match ids.iter().position(|&id| id == desc.md) {
+            Some(index) => index,
+            None => {
+                let Some((memory, start, len)) = lookup(desc.md) else {
+                    warn!(
+                        "FERRY: descriptor {k} names memory that is not registered or loaded \
+                         (deregistered or unloaded?)"
+                    );
+                    return Err(Status::NotFound);
+                };
+                ids.push(desc.md);
+                bounds.push((start, len));
+                regions.push(memory);
+                ids.len() - 1
+            }
+        };
+        let (start, len) = bounds[index];
+        let inside = desc
+            .addr
+            .checked_sub(start)
+            .filter(|offset| offset.checked_add(desc.len).is_some_and(|end| end <= len));
+        let Some(offset) = inside else {
+            warn!(
+                "FERRY: descriptor {k} ({:#x}+{}) lies outside its memory ({start:#x}+{len})",
+                desc.addr, desc.len
+            );
+            return Err(Status::InvalidParam);
+        };
+        out.push(index as u32, offset, desc.len);
+    }
+    Ok(((regions, out), ids))
+}
+
+/// NIXL's status for a failed transfer.
+fn status_of(error: &XferError) -> Status {
+    use ferry::SubmitError;
+    match error {
+        XferError::Cancelled { .. } => Status::Canceled,
+        XferError::Submit(SubmitError::Op {
+            error:
+                OpError::ConnectionLost { .. }
+                | OpError::PeerUnreachable { .. }
+                | OpError::UnknownNode { .. },
+            ..
+        }) => Status::RemoteDisconnect,
+        _ => Status::Backend,
+    }
+}
+
+/// A notification as it crosses: the sending agent's name first (NIXL
+/// reports it with the message; the receiver may not have loaded the
+/// sender), as a 2-byte length and its bytes.
+fn frame_notif(agent: &str, msg: &[u8]) -> Bytes {
+    let name = &agent.as_bytes()[..agent.len().min(u16::MAX as usize)];
+    let mut body = Vec::with_capacity(2 + name.len() + msg.len());
+    body.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    body.extend_from_slice(name);
+    body.extend_from_slice(msg);
+    body.into()
+}
+
+/// The sender and message of a framed notification.
+fn unframe_notif(body: &[u8]) -> Option<(&[u8], &[u8])> {
+    let (len, rest) = body.split_first_chunk::<2>()?;
+    let len = usize::from(u16::from_le_bytes(*len));
+    (rest.len() >= len).then(|| rest.split_at(len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notifications_carry_their_sender_and_a_short_body_is_refused() {
+        let body = frame_notif("prefill-0", b"req-17 done");
+        assert_eq!(
+            unframe_notif(&body),
+            Some((&b"prefill-0"[..], &b"req-17 done"[..]))
+        );
+        assert_eq!(
+            unframe_notif(&frame_notif("a", b"")),
+            Some((&b"a"[..], &b""[..]))
+        );
+        assert_eq!(unframe_notif(&[5, 0, b'a']), None);
+        assert_eq!(unframe_notif(&[1]), None);
+    }
+
+    #[test]
+    fn descriptors_bind_to_their_memory_and_leaving_it_is_refused() {
+        let lookup = |md| match md {
+            1 => Some(("a", 0x1000, 0x100)),
+            2 => Some(("b", 0x9000, 0x10)),
+            _ => None,
+        };
+        let descs = [
+            Desc {
+                addr: 0x1010,
+                len: 0x10,
+                md: 1,
+            },
+            Desc {
+                addr: 0x9000,
+                len: 0x10,
+                md: 2,
+            },
+            Desc {
+                addr: 0x1000,
+                len: 0x100,
+                md: 1,
+            },
+        ];
+        let ((regions, bound), ids) = bind(&descs, lookup).unwrap();
+        assert_eq!(regions, ["a", "b"]);
+        assert_eq!(ids, [1, 2]);
+        let triples: Vec<_> = bound.iter().map(|d| (d.region, d.offset, d.len)).collect();
+        assert_eq!(triples, [(0, 0x10, 0x10), (1, 0, 0x10), (0, 0, 0x100)]);
+        for (desc, status) in [
+            (
+                Desc {
+                    addr: 0x1000,
+                    len: 0x101,
+                    md: 1,
+                },
+                Status::InvalidParam,
+            ),
+            (
+                Desc {
+                    addr: 0xfff,
+                    len: 1,
+                    md: 1,
+                },
+                Status::InvalidParam,
+            ),
+            (
+                Desc {
+                    addr: u64::MAX,
+                    len: 2,
+                    md: 1,
+                },
+                Status::InvalidParam,
+            ),
+            (
+                Desc {
+                    addr: 0x1000,
+                    len: 1,
+                    md: 3,
+                },
+                Status::NotFound,
+            ),
+        ] {
+            assert_eq!(bind(&[desc], lookup).err(), Some(status), "{desc:?}");
+        }
+    }
+}
