@@ -49,6 +49,9 @@ cargo run --locked -q --example kv_handoff >/dev/null
 # from PyPI), type-checked, and its pytest suite, which runs the Python
 # kv_handoff example and talks to the `ferry serve` built here.
 scripts/python-tests.sh
+# ferry as a NIXL backend: the FERRY plugin installed into a virtual
+# environment with NIXL 1.5.1 from PyPI, driven through NIXL's Python API.
+scripts/nixl-tests.sh
 
 # Real RDMA: the ibverbs tests inside a soft-RoCE VM (no NIC or KVM needed;
 # downloads Debian's kernel, QEMU and rdma-core into ~/.cache/ferry-rxe once).

@@ -1,12 +1,13 @@
 //! `ferry`: what this host's transports can do (`info`), a node serving a
-//! region (`serve`), the benchmark against one (`bench`), and the nodes
-//! published in etcd (`ls`).
+//! region (`serve`), the benchmark against one (`bench`), the nodes
+//! published in etcd (`ls`), and the NIXL plugin's install (`nixl`).
 
 #![warn(missing_docs)]
 
 mod bench;
 mod discovery;
 mod loopback;
+mod nixl;
 mod register;
 mod rows;
 mod serve;
@@ -48,6 +49,10 @@ enum Command {
     Bench(bench::BenchArgs),
     /// List the nodes published in etcd: transports, regions, lease left.
     Ls(discovery::LsArgs),
+    /// ferry as a NIXL backend: install the FERRY plugin into a Python
+    /// environment's NIXL.
+    #[command(subcommand)]
+    Nixl(nixl::NixlCommand),
 }
 
 /// A user-facing failure: printed as one line, exit status 1.
@@ -262,13 +267,18 @@ fn main() -> ExitCode {
     let threads = match &cli.command {
         Command::Serve(args) => args.threads,
         Command::Bench(args) => args.threads,
-        Command::Info { .. } | Command::Ls(_) => 1,
+        Command::Info { .. } | Command::Ls(_) | Command::Nixl(_) => 1,
     };
     let rt = match runtime(threads) {
         Ok(rt) => rt,
         Err(e) => return fail(e),
     };
     match cli.command {
+        Command::Nixl(command) => {
+            if let Err(Failure(e)) = nixl::run(command) {
+                return fail(e);
+            }
+        }
         Command::Serve(args) => {
             if let Err(Failure(e)) = rt.block_on(serve::serve(args)) {
                 return fail(e);

@@ -1,0 +1,91 @@
+"""A NIXL agent in a process of its own, for the FERRY backend's tests: the
+other side of every transfer, driven one JSON command per line on stdin,
+one JSON answer per line on stdout.
+
+    python nixl_peer.py NAME BACKENDS_JSON PARAMS_JSON
+
+It creates its agent with only the named backends (each with its params),
+prints ``{"metadata": <base64>}``, then answers commands until stdin closes.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import sys
+import time
+
+import numpy as np
+from nixl._api import nixl_agent, nixl_agent_config
+
+
+def pattern(length: int, seed: int) -> np.ndarray:
+    """Bytes that differ per position and seed, the same in every process."""
+    i = np.arange(length, dtype=np.uint64)
+    return ((i * np.uint64(2654435761) + np.uint64(seed * 97 + 13)) >> np.uint64(7)).astype(np.uint8)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def main() -> int:
+    name, backends, params = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    agent = nixl_agent(name, nixl_agent_config(backends=[], capture_telemetry=True))
+    for backend in backends:
+        agent.create_backend(backend, params.get(backend, {}))
+    buf = None
+    reg = None
+
+    def say(answer: dict) -> None:
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+
+    say({"metadata": b64(agent.get_agent_metadata())})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "alloc":
+                buf = pattern(cmd["len"], cmd["seed"])
+                reg = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+                # The agent's metadata now names this memory too.
+                say({"addr": buf.ctypes.data, "len": buf.nbytes, "metadata": b64(agent.get_agent_metadata())})
+            elif op == "add_remote":
+                say({"name": agent.add_remote_agent(base64.b64decode(cmd["metadata"])).decode()})
+            elif op == "notifs":
+                # Waits for `count` messages in all, up to `timeout` seconds,
+                # then a little longer to catch any extra one.
+                got: dict = {}
+                deadline = time.monotonic() + cmd["timeout"]
+                settle = None
+                while time.monotonic() < deadline:
+                    for sender, msgs in agent.get_new_notifs().items():
+                        got.setdefault(sender, []).extend(b64(m) for m in msgs)
+                    if settle is None and sum(len(v) for v in got.values()) >= cmd["count"]:
+                        settle = time.monotonic() + 0.2
+                    if settle is not None and time.monotonic() > settle:
+                        break
+                    time.sleep(0.002)
+                say({"notifs": got})
+            elif op == "digest":
+                say({"digest": hashlib.sha256(buf.tobytes()).hexdigest()})
+            elif op == "fill":
+                buf[:] = pattern(buf.nbytes, cmd["seed"])
+                say({})
+            elif op == "send_notif":
+                agent.send_notif(cmd["agent"], base64.b64decode(cmd["msg"]))
+                say({})
+            elif op == "deregister":
+                agent.deregister_memory(reg)
+                say({})
+            else:
+                say({"error": f"unknown op {op!r}"})
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            say({"error": f"{type(error).__name__}: {error}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

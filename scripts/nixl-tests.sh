@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# ferry as a NIXL backend: a virtual environment of its own with the NIXL
+# people pip install (nixl and nixl-cu12 1.5.1, without their declared torch
+# dependency: host memory needs none), the FERRY plugin built and installed
+# into it with `ferry nixl install`, and the pytest suite in
+# crates/ferry-nixl/pytests (two processes per test, vLLM's and SGLang's
+# call sequences, UCX beside FERRY, bad input). scripts/test.sh runs it; it
+# runs alone too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/install-deps.sh
+# g++: the plugin's C++ side; binutils: nm, for the ABI check.
+ferry_install_deps g++ binutils
+source scripts/target-dir.sh
+
+NIXL=(nixl==1.5.1 nixl-cu12==1.5.1)
+PY_TOOLS=(pytest==9.2.0 numpy==2.4.6)
+venv="$target_dir/nixl-venv"
+python=${FERRY_PYTHON:-python3}
+if ! command -v "$python" >/dev/null || ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
+    ferry_install_deps python3 python3-venv
+    python=python3
+fi
+if [ ! -x "$venv/bin/python" ]; then
+    "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+"${pip[@]}" --no-deps "${NIXL[@]}"
+"${pip[@]}" "${PY_TOOLS[@]}"
+
+cargo build --locked -q -p ferry-cli -p ferry-nixl
+"$target_dir/debug/ferry" nixl install --python "$venv/bin/python" >/dev/null
+# NIXL's own INFO lines would bury pytest's.
+NIXL_LOG_LEVEL=WARN "$venv/bin/python" -m pytest -q -p no:cacheprovider crates/ferry-nixl/pytests
