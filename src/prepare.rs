@@ -8,7 +8,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_core::{DescError, NodeAddr, OpError, RdmaTransportLevel, RemoteBuffer, RemoteDescList};
+use ferry_core::{
+    DescError, Descs, NodeAddr, OpError, RdmaTransportLevel, RemoteBuffer, RemoteDescList,
+};
 use kameo::message::{Context, Message};
 use kameo::reply::DelegatedReply;
 use tokio::time::Instant;
@@ -43,6 +45,20 @@ impl PreparedRemote {
     /// The nodes whose memory the list names, each once.
     pub fn owners(&self) -> &[NodeAddr] {
         &self.owners
+    }
+
+    /// The same regions, as routed, connected and mapped at prepare, with
+    /// other descriptors (checked as [`RemoteDescList::new`] checks them):
+    /// for a caller whose every request names descriptors of its own over
+    /// regions prepared once (NIXL's backend interface), so that a request
+    /// costs no routing, connecting or mapping again.
+    pub fn with_descs(&self, descs: Descs) -> Result<PreparedRemote, DescError> {
+        let list = RemoteDescList::new(self.list.regions().to_vec(), descs)?;
+        Ok(PreparedRemote {
+            list: Arc::new(list),
+            levels: self.levels.clone(),
+            owners: self.owners.clone(),
+        })
     }
 }
 

@@ -7,8 +7,8 @@
 //! NIXL's backend interface is a C++ class; `shim/ferry_nixl.cpp` defines
 //! it against ferry's own declaration of that ABI (`shim/nixl_abi.h`) and
 //! forwards each call over a C interface (`shim/ferry_nixl.h`) to the Rust
-//! engine here ([`engine`]), which drives a [`ferry::Node`] on a runtime of
-//! its own. Routing is ferry's: same-host memory between agents of one
+//! engine here ([`engine`]), which drives a [`ferry::Node`] on the
+//! process's one-worker runtime. Routing is ferry's: same-host memory between agents of one
 //! host, ibverbs where both ends have a device, TCP otherwise.
 //!
 //! Host memory (DRAM) only for now: GPU memory is left to another backend

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# ferry through NIXL's API: the FERRY plugin against NIXL's own UCX backend,
+# on ../shared/peers/nixl/bench.py's workloads (`--backend NAME` runs them
+# on any NIXL backend), over TCP loopback and same-host memory, in one
+# sitting, ROUNDS interleaved rounds, medians. Beside them, each round, the
+# physical references the targets are set against:
+#   tcp  four single-stream iperf3 processes at once (their sum), and
+#   shm  a two-thread memcpy (numpy) of each cell's request size;
+# and, with FERRY_PY=1, ferry's own Python API (python/bench.py, prepared
+# requests) on the same cells.
+#
+# Cells: bw (4K x1024, 64K x1024, 1M x64, 16M x4; write and read, one
+# request in flight) and lat (one 8-byte write per request, p50). Needs the
+# peers' NIXL venv (../shared/peers/nixl/setup.sh); installs the release
+# plugin into it. Run it on an idle machine.
+#
+#   scripts/bench-nixl-backend.sh [ROUNDS [SECONDS]]   (default 3 2)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-3}
+seconds=${2:-2}
+PEERS=${PEERS:-../shared/peers}
+NIXL_PY=${NIXL_PY:-$HOME/.cache/peers-venv/bin/python}
+[ -x "$NIXL_PY" ] || { echo "no NIXL venv at $NIXL_PY: run $PEERS/nixl/setup.sh" >&2; exit 1; }
+command -v iperf3 >/dev/null || { apt-get update -qq && apt-get install -y -qq iperf3 >/dev/null; }
+cargo build --release --locked -q -p ferry-cli -p ferry-nixl
+source scripts/target-dir.sh
+"$target_dir/release/ferry" nixl install --python "$NIXL_PY" \
+    --plugin "$target_dir/release/libplugin_FERRY.so" >&2
+out=$(mktemp -d)
+trap 'rm -rf "$out"; kill $(jobs -p) 2>/dev/null || true' EXIT
+echo "rows in $out/rows" >&2
+
+# "system transport workload op block value" per JSON row on stdin: GB/s
+# for bw, p50 µs for lat.
+pick() {
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    if not line.startswith("{"):
+        continue
+    r = json.loads(line)
+    if not r.get("verified", True):
+        sys.exit(f"unverified row: {line}")
+    w = r.get("workload", "bw")
+    value = r["gbps"] if w == "bw" else r["lat_p50_us"]
+    print(sys.argv[1], sys.argv[2], w, r.get("op"), r["block"], value)
+' "$@"
+}
+
+# Four single-stream iperf3 clients at once over loopback, summed, GB/s.
+iperf3_x4() {
+    local pids=() port
+    for port in 5301 5302 5303 5304; do
+        iperf3 -s -1 -p $port -B 127.0.0.1 >/dev/null 2>&1 &
+        pids+=($!)
+    done
+    sleep 0.3
+    for port in 5301 5302 5303 5304; do
+        iperf3 -c 127.0.0.1 -p $port -P 1 -t "$seconds" -J >"$out/iperf.$port" 2>/dev/null &
+    done
+    wait "${pids[@]}" 2>/dev/null || true
+    wait
+    python3 -c '
+import json, sys
+total = sum(json.load(open(f))["end"]["sum_received"]["bits_per_second"] for f in sys.argv[1:])
+print(total / 8e9)' "$out"/iperf.530?
+}
+
+# A two-thread memcpy of each cell's request between two 256 MiB buffers.
+memcpy_ref() {
+    "$NIXL_PY" - "$seconds" <<'PY'
+import sys, threading, time
+import numpy as np
+seconds = float(sys.argv[1])
+src = np.ones(256 << 20, np.uint8); dst = np.zeros(256 << 20, np.uint8)
+for block, n in ((4096, 1024), (65536, 1024), (1 << 20, 64), (16 << 20, 4)):
+    size = block * n
+    slots = (256 << 20) // size
+    def copy(part, k):
+        a, b = k * size + part * size // 2, k * size + (part + 1) * size // 2
+        np.copyto(dst[a:b], src[a:b])
+    moved, k, start = 0, 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        threads = [threading.Thread(target=copy, args=(p, k)) for p in (0, 1)]
+        [t.start() for t in threads]; [t.join() for t in threads]
+        moved += size; k = (k + 1) % slots
+    gbps = moved / (time.perf_counter() - start) / 1e9
+    for op in ("write", "read"):
+        print("memcpy shm bw", op, block, gbps)
+PY
+}
+
+for round in $(seq "$rounds"); do
+    echo "round $round" >&2
+    for transport in tcp shm; do
+        for backend in UCX FERRY; do
+            for workload in bw lat; do
+                "$NIXL_PY" "$PEERS/nixl/bench.py" --backend $backend --transport $transport \
+                    --workload $workload --op both --duration "$seconds" --no-prog-thread \
+                    2>"$out/err" | pick "$backend" "$transport" >>"$out/rows" ||
+                    { cat "$out/err" >&2; exit 1; }
+            done
+        done
+    done
+    echo "iperf3x4 tcp bw write 0 $(iperf3_x4)" >>"$out/rows"
+    memcpy_ref >>"$out/rows"
+done
+
+python3 - "$out/rows" <<'PY'
+import statistics, sys
+cells = {}
+for line in open(sys.argv[1]):
+    system, transport, workload, op, block, value = line.split()
+    cells.setdefault((transport, workload, op, int(block)), {}).setdefault(system, []).append(float(value))
+iperf = statistics.median(cells.get(("tcp", "bw", "write", 0), {}).get("iperf3x4", [float("nan")]))
+med = lambda xs: statistics.median(xs) if xs else float("nan")
+size = lambda b: f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB" if b >= 1024 else f"{b} B"
+print("| transport | cell | UCX | FERRY | FERRY / UCX | physical | FERRY / physical |")
+print("|---|---|---|---|---|---|---|")
+for (transport, workload, op, block), by in sorted(cells.items()):
+    if "FERRY" not in by:
+        continue
+    u, f = med(by.get("UCX", [])), med(by["FERRY"])
+    if workload == "bw":
+        phys = iperf if transport == "tcp" else med(cells.get(("shm", "bw", op, block), {}).get("memcpy", []))
+        print(f"| {transport} | {op} {size(block)} GB/s | {u:.2f} | {f:.2f} | {f / u:.2f} | {phys:.2f} | {f / phys:.2f} |")
+    else:
+        print(f"| {transport} | {op} 8 B p50 µs | {u:.1f} | {f:.1f} | {f / u:.2f} (lower is better) | | |")
+print()
+print("every round:")
+for key, by in sorted(cells.items()):
+    print(" ", *key, "; ".join(f"{s} " + " ".join(f"{x:.3g}" for x in xs) for s, xs in by.items()))
+PY
