@@ -111,3 +111,43 @@ async fn a_request_of_no_descriptors_still_notifies_the_owner() {
         "one notification per post"
     );
 }
+
+/// `PreparedRemote::with_descs`: other descriptors over the regions one
+/// list prepared, checked as a new list is, and moving their own bytes
+/// (what the NIXL plugin does for every request after the first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_list_takes_other_descriptors_over_its_regions() {
+    use ferry::{DescError, Descs, LocalDescList, RemoteDescList};
+    use std::time::Duration;
+
+    let owner = node().await;
+    let initiator = node().await;
+    let deadline = Duration::from_secs(20);
+    let target = owner.alloc(64 * 1024, Access::ReadWrite).await.unwrap();
+    let mine = initiator.alloc(4096, Access::ReadWrite).await.unwrap();
+    mine.write_at(0, &[7u8; 4096]).unwrap();
+    let first = RemoteDescList::new(vec![target.remote()], Descs::strided(0, 0, 4096, 4096, 1));
+    let prepared = initiator
+        .prepare_remote(first.unwrap(), deadline)
+        .await
+        .unwrap();
+    // Block 9 of the region, never named when it was prepared.
+    let other = prepared
+        .with_descs(Descs::from_triples(&[[0, 9 * 4096, 4096]]).unwrap())
+        .unwrap();
+    assert_eq!(other.levels(), prepared.levels());
+    let locals = LocalDescList::new(vec![mine], Descs::strided(0, 0, 4096, 4096, 1)).unwrap();
+    let xfer = initiator
+        .make_xfer(OpKind::Write, &locals, 0..1, &other, 0..1)
+        .unwrap();
+    xfer.post(deadline).unwrap();
+    xfer.wait().await.unwrap();
+    let bytes = target.to_vec();
+    assert!(bytes[9 * 4096..10 * 4096].iter().all(|&b| b == 7));
+    assert!(bytes[..9 * 4096].iter().all(|&b| b == 0));
+    // Outside the region: refused as a new list would be.
+    assert!(matches!(
+        prepared.with_descs(Descs::from_triples(&[[0, 64 * 1024 - 1, 2]]).unwrap()),
+        Err(DescError::Descriptor { index: 0, .. })
+    ));
+}

@@ -273,9 +273,9 @@ impl FrameReader {
         self
     }
 
-    /// The bound for a wait now: none before a frame's first byte.
-    fn stall(&self, mid_frame: bool) -> Option<&ConnectionPermit> {
-        self.permit.as_deref().filter(|_| mid_frame)
+    /// The bound on a wait inside a frame (owner side).
+    fn stall(&self) -> Option<&ConnectionPermit> {
+        self.permit.as_deref()
     }
 
     pub fn buffered(&self) -> usize {
@@ -301,6 +301,8 @@ impl FrameReader {
             } else {
                 spare.len()
             };
+            // Mid-frame once the header's first bytes are in; before them
+            // the wait is the caller's (idle) to bound.
             let stall = self.permit.as_deref().filter(|_| self.end > self.start);
             let n = recv_raw(
                 stream,
@@ -365,7 +367,7 @@ impl FrameReader {
                 if rest >= LARGE_PAYLOAD {
                     // SAFETY: as above, for the rest of the range.
                     let to = unsafe { (dst as *mut u8).add(done) };
-                    let stall = self.stall(true);
+                    let stall = self.stall();
                     unsafe { recv_exact_raw(stream, to, rest, self.busy_poll, stall) }.await?;
                     break;
                 }
@@ -383,7 +385,7 @@ impl FrameReader {
         self.start = 0;
         self.end = 0;
         let spare = self.buf.as_mut_ptr() as usize;
-        let stall = self.stall(true);
+        let stall = self.stall();
         let n = recv_raw(stream, spare, self.buf.len(), self.busy_poll, stall).await?;
         if n == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
@@ -408,7 +410,7 @@ impl FrameReader {
                 self.buf.as_mut_ptr() as usize,
                 len.min(self.buf.len()),
                 self.busy_poll,
-                self.stall(true),
+                self.stall(),
             )
             .await?;
             if n == 0 {
