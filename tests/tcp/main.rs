@@ -3,6 +3,7 @@
 
 mod bad_input;
 mod common;
+mod idle_race;
 mod in_process;
 mod limits;
 mod malformed;

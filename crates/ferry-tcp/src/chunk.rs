@@ -69,6 +69,9 @@ pub(crate) struct Piece {
     pub(crate) cost: u64,
     pub(crate) submit: Option<Arc<BatchProgress>>,
     pub(crate) endpoint: SocketAddr,
+    /// Sent again once already, on a new connection, after the owner
+    /// closed the one it went on unread (see `connection.rs`): never twice.
+    pub(crate) resent: bool,
 }
 
 impl std::ops::Deref for Chunk {
@@ -100,6 +103,7 @@ impl Chunk {
             local,
             submit: Some(submit.clone()),
             endpoint,
+            resent: false,
         }))
     }
 

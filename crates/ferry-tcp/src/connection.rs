@@ -7,6 +7,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use ferry_control::Channel;
 use ferry_core::{NodeAddr, OpError};
@@ -19,7 +20,7 @@ use crate::chunk::{Chunk, Local};
 use crate::client::ClientConfig;
 use crate::frame::{ClientFrame, REQUEST_LEN, RESPONSE_LEN, Range, RequestKind, Response};
 use crate::io::{FrameReader, IoVecs, extend_from_raw};
-use crate::pool::{PeerTable, release};
+use crate::pool::{PeerTable, release, resend};
 
 /// Chunks sent and not yet answered, by request id.
 type Pending = HashMap<u64, Chunk, BuildHasherDefault<IdHasher>>;
@@ -87,7 +88,10 @@ pub(crate) async fn connect(
     let closed = CancellationToken::new();
     let run = run_connection(stream, rx, closed.clone(), endpoint, config);
     tokio::spawn(async move {
-        run.await;
+        let unread = run.await;
+        if !unread.is_empty() {
+            resend(&pool.0, pool.1, config, unread);
+        }
         // Closed by now (both loops mark it): the pool may be empty.
         release(&pool.0, pool.1, None);
     });
@@ -96,6 +100,16 @@ pub(crate) async fn connect(
 }
 
 /// Drives one connection until either direction fails or every sender is gone.
+///
+/// Returns the chunks to send again on another connection: those the
+/// owner closed this one without reading. An owner closes (or evicts) a
+/// connection only while it waits for its client, and answers what it
+/// read before it waits, so when the connection was idle (nothing in
+/// flight) as the chunks went out, and it ended by the owner's hand (end
+/// of stream or reset) with none of them answered, the owner read none of
+/// them whole: repeating a one-sided READ or WRITE of unchanged bytes is
+/// harmless. Each chunk is sent again once at most; notifications are not
+/// (see below), and what is not sent again is finished as lost.
 ///
 /// At most `window` bytes of requests are in flight (sent and not yet
 /// answered): enough to keep the link busy, and all that a submit which
@@ -107,39 +121,93 @@ async fn run_connection(
     closed: CancellationToken,
     endpoint: SocketAddr,
     config: ClientConfig,
-) {
+) -> Vec<Chunk> {
     let window = config.window.max(1);
     let pending = Mutex::new(Pending::default());
+    // Set when a chunk goes out with nothing in flight, cleared by any
+    // answer: while set, the owner has read nothing sent since it was idle.
+    let unanswered = AtomicBool::new(false);
     let room = Semaphore::new(window as usize);
     let mut reader = FrameReader::new(config.busy_poll);
     let writing = async {
-        let r = write_loop(&stream, &mut rx, &pending, &closed, (&room, window)).await;
+        let r = write_loop(
+            &stream,
+            &mut rx,
+            &pending,
+            &unanswered,
+            &closed,
+            (&room, window),
+        )
+        .await;
         closed.cancel();
         r
     };
     let reading = async {
-        let r = read_loop(&stream, &mut reader, &pending, &closed, (&room, window)).await;
+        let r = read_loop(
+            &stream,
+            &mut reader,
+            &pending,
+            &unanswered,
+            &closed,
+            (&room, window),
+        )
+        .await;
         closed.cancel();
         r
     };
     let (w, r) = tokio::join!(writing, reading);
+    let closed_by_owner = |r: &io::Result<()>| {
+        r.as_ref().err().is_some_and(|e| {
+            matches!(
+                e.kind(),
+                io::ErrorKind::UnexpectedEof
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::BrokenPipe
+            )
+        })
+    };
+    let unread = closed_by_owner(&r)
+        && (w.is_ok() || closed_by_owner(&w))
+        && unanswered.load(Ordering::Acquire);
     if let Err(e) = w.and(r) {
         debug!(%endpoint, error = %e, "data connection lost");
     }
     // Both loops have returned, so nothing reaches region memory through this
     // connection any more: only now may the chunks (and their pins) go.
     let lost = || Err(OpError::ConnectionLost { endpoint });
-    let orphans: Vec<Chunk> = pending
+    // In the order they were sent: a notified batch's notification stays
+    // behind its chunks.
+    let mut orphans: Vec<(u64, Chunk)> = pending
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .drain()
-        .map(|(_, c)| c)
         .collect();
-    orphans.into_iter().for_each(|c| c.finish(lost()));
+    orphans.sort_unstable_by_key(|(id, _)| *id);
+    let mut orphans: Vec<Chunk> = orphans.into_iter().map(|(_, c)| c).collect();
     rx.close();
     while let Ok(chunk) = rx.try_recv() {
-        chunk.finish(lost());
+        orphans.push(chunk);
     }
+    if !unread || orphans.iter().any(|c| c.resent) {
+        orphans.into_iter().for_each(|c| c.finish(lost()));
+        return Vec::new();
+    }
+    // A notification is not sent again: the owner keeps a batch's refused
+    // chunks per connection, and on another one it could deliver the
+    // notification of a batch that failed here. It fails as before; its
+    // batch's data goes again.
+    let (notifications, mut resend): (Vec<Chunk>, Vec<Chunk>) = orphans
+        .into_iter()
+        .partition(|c| matches!(c.frame, ClientFrame::Notify(_)));
+    notifications.into_iter().for_each(|c| c.finish(lost()));
+    if !resend.is_empty() {
+        debug!(%endpoint, chunks = resend.len(), "the owner closed an idle connection as chunks went out, unread: sending them again");
+    }
+    for chunk in &mut resend {
+        chunk.resent = true;
+    }
+    resend
 }
 
 /// Sends queued chunks, as many per `sendmsg` as are queued and fit in the
@@ -148,6 +216,7 @@ async fn write_loop(
     stream: &TcpStream,
     rx: &mut mpsc::Receiver<Chunk>,
     pending: &Mutex<Pending>,
+    unanswered: &AtomicBool,
     closed: &CancellationToken,
     (room, window): (&Semaphore, u32),
 ) -> io::Result<()> {
@@ -220,6 +289,9 @@ async fn write_loop(
         }
         {
             let mut pending = pending.lock().unwrap_or_else(|e| e.into_inner());
+            if pending.is_empty() {
+                unanswered.store(true, Ordering::Release);
+            }
             for mut chunk in batch.drain(..) {
                 next_id += 1;
                 chunk.frame.set_id(next_id);
@@ -329,6 +401,7 @@ async fn read_loop(
     stream: &TcpStream,
     reader: &mut FrameReader,
     pending: &Mutex<Pending>,
+    unanswered: &AtomicBool,
     closed: &CancellationToken,
     (room, window): (&Semaphore, u32),
 ) -> io::Result<()> {
@@ -349,11 +422,12 @@ async fn read_loop(
             ));
         };
         let response = Response::decode(&header).map_err(|e| protocol(&e.to_string()))?;
-        let chunk = pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&response.id())
-            .ok_or_else(|| protocol("response to a request never sent"))?;
+        let chunk = {
+            let mut pending = pending.lock().unwrap_or_else(|e| e.into_inner());
+            unanswered.store(false, Ordering::Release);
+            pending.remove(&response.id())
+        };
+        let chunk = chunk.ok_or_else(|| protocol("response to a request never sent"))?;
         let cost = chunk.cost(window);
         match response {
             Response::ReadData { len, .. } => {

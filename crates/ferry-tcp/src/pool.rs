@@ -94,6 +94,43 @@ pub(crate) fn release(
     }
 }
 
+/// Sends `chunks` again, in order, on one connection of `addr`'s pool
+/// (made anew in `table` if it went): the chunks a connection's owner
+/// closed it without reading (see `connection::run_connection`). A pool
+/// that cannot give a connection finishes them with its error.
+pub(crate) fn resend(
+    table: &std::sync::Weak<PeerTable>,
+    addr: NodeAddr,
+    config: ClientConfig,
+    chunks: Vec<crate::chunk::Chunk>,
+) {
+    let lost = Err(OpError::ConnectionLost {
+        endpoint: addr.endpoint,
+    });
+    let Some(table) = table.upgrade() else {
+        // The client is gone: nobody could send them.
+        chunks.into_iter().for_each(|c| c.finish(lost.clone()));
+        return;
+    };
+    let peer = {
+        let mut peers = table.lock().unwrap_or_else(|e| e.into_inner());
+        let peer = peers
+            .entry(addr)
+            .or_insert_with(|| Arc::new(Peer::new(addr, config.connections, &table)));
+        PeerRef::new(peer.clone())
+    };
+    tokio::spawn(async move {
+        match peer.connection(config).await {
+            Ok(conn) => {
+                for chunk in chunks {
+                    conn.queue(chunk).await;
+                }
+            }
+            Err(e) => chunks.into_iter().for_each(|c| c.finish(Err(e.clone()))),
+        }
+    });
+}
+
 /// Pools by peer. An entry lives while a connection of its pool is open
 /// or a submit is using it: it is released when its last connection closes
 /// (the peer went away, or the connection broke) with no submit using it,
