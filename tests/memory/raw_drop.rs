@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use ferry::prelude::*;
 use ferry::{CloseError, MemoryHolder};
 
-use crate::common::pattern;
 use crate::common::raw::{RawMemory, raw_region, scribble_and_watch, watch_unchanged};
+use crate::common::{pattern, signal};
 use crate::{DEADLINE, node, sharing_peer};
 
 /// Waits until the peer's writes (of `pattern(_, seed)`) land in `memory`.
@@ -24,15 +24,6 @@ async fn landing(memory: &RawMemory, seed: u8) {
         assert!(start.elapsed() < DEADLINE, "the peer's writes do not land");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-}
-
-/// Sends `signal` (`STOP`, `CONT`) to process `pid`.
-fn signal(pid: u32, signal: &str) {
-    let sent = std::process::Command::new("kill")
-        .args([&format!("-{signal}"), &pid.to_string()])
-        .status()
-        .expect("kill(1)");
-    assert!(sent.success(), "kill -{signal} {pid}");
 }
 
 /// Whether every thread of process `pid` is stopped.

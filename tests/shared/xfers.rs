@@ -11,10 +11,10 @@ use std::time::Duration;
 use ferry::prelude::*;
 use ferry::{
     DescError, Descs, LocalDescList, MemoryBlock, PostError, PreparedRemote, RemoteDescList,
-    SLICE_OPS, SLICES_IN_FLIGHT, WINDOW_BYTES, XferError, XferStatus,
+    SLICE_OPS, SLICES_IN_FLIGHT, WINDOW_BYTES, Xfer, XferError, XferStatus,
 };
 
-use crate::common::{LISTEN_ENV, PeerProcess, digest, pattern};
+use crate::common::{LISTEN_ENV, PeerProcess, PeerRegion, digest, pattern, signal};
 
 const BLOCK: u64 = 4096;
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -39,6 +39,33 @@ async fn remote_blocks(node: &Node, handle: &RemoteBuffer, blocks: u32) -> Prepa
     let descs = Descs::strided(0, 0, BLOCK, BLOCK, blocks);
     let list = RemoteDescList::new(vec![handle.clone()], descs).unwrap();
     node.prepare_remote(list, DEADLINE).await.unwrap()
+}
+
+/// A request writing `blocks` local blocks filled with `pattern(.., seeds.1)`
+/// over as many blocks of a new peer region filled with
+/// `pattern(.., seeds.0)`: the region, the local bytes, the prepared
+/// remote list, and the request (not posted).
+#[allow(dead_code)] // tests/ibverbs runs only the first test
+async fn block_writes(
+    node: &Node,
+    peer: &mut PeerProcess,
+    blocks: u32,
+    seeds: (u8, u8),
+) -> (PeerRegion, Vec<u8>, PreparedRemote, Xfer) {
+    let len = BLOCK as usize * blocks as usize;
+    let target = peer.alloc(len, Access::ReadWrite, seeds.0).await;
+    let (_, locals, data) = local_blocks(node, blocks, seeds.1).await;
+    let prepared = remote_blocks(node, &target.handle, blocks).await;
+    let xfer = node
+        .make_xfer(
+            OpKind::Write,
+            &locals,
+            0..blocks as usize,
+            &prepared,
+            0..blocks as usize,
+        )
+        .unwrap();
+    (target, data, prepared, xfer)
 }
 
 /// Status moves Ready → InProgress → Done and never back, a post while in
@@ -165,18 +192,7 @@ pub async fn a_request_lives_posts_again_and_refuses_bad_input(
 pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mut PeerProcess) {
     let blocks = 32 * 1024u32;
     let len = BLOCK as usize * blocks as usize;
-    let target = peer.alloc(len, Access::ReadWrite, 4).await;
-    let (_, locals, data) = local_blocks(node, blocks, 5).await;
-    let prepared = remote_blocks(node, &target.handle, blocks).await;
-    let xfer = node
-        .make_xfer(
-            OpKind::Write,
-            &locals,
-            0..blocks as usize,
-            &prepared,
-            0..blocks as usize,
-        )
-        .unwrap();
+    let (target, data, prepared, xfer) = block_writes(node, peer, blocks, (4, 5)).await;
     xfer.post(DEADLINE).unwrap();
     xfer.cancel();
     let at_cancel = xfer.completed();
@@ -264,19 +280,7 @@ pub async fn a_request_cancelled_against_a_stopped_owner_ends_cancelled(
     peer: &mut PeerProcess,
 ) {
     let blocks = 1024u32;
-    let len = BLOCK as usize * blocks as usize;
-    let target = peer.alloc(len, Access::ReadWrite, 5).await;
-    let (_local, locals, data) = local_blocks(node, blocks, 6).await;
-    let prepared = remote_blocks(node, &target.handle, blocks).await;
-    let xfer = node
-        .make_xfer(
-            OpKind::Write,
-            &locals,
-            0..blocks as usize,
-            &prepared,
-            0..blocks as usize,
-        )
-        .unwrap();
+    let (target, data, _, xfer) = block_writes(node, peer, blocks, (5, 6)).await;
     // One read, so that the connections exist before the stop.
     let scratch = node.alloc(BLOCK, Access::ReadWrite).await.unwrap();
     let first = target.handle.slice(0..BLOCK).unwrap();
@@ -328,16 +332,6 @@ pub async fn a_request_cancelled_against_a_stopped_owner_ends_cancelled(
         touched <= completed + unknown,
         "{touched} blocks changed, {completed} completed and {unknown} unknown"
     );
-}
-
-/// Sends `signal` (`STOP`, `CONT`) to process `pid`.
-#[allow(dead_code)] // a stopped owner stalls only the TCP path
-fn signal(pid: u32, signal: &str) {
-    let sent = std::process::Command::new("kill")
-        .args([&format!("-{signal}"), &pid.to_string()])
-        .status()
-        .expect("kill(1)");
-    assert!(sent.success(), "kill -{signal} {pid}");
 }
 
 #[allow(dead_code)] // tests/ibverbs runs only the first

@@ -347,6 +347,16 @@ impl PeerProcess {
     }
 }
 
+/// Sends `signal` (`STOP`, `CONT`) to process `pid`.
+#[allow(dead_code)] // the suites that stop a peer: tcp and memory
+pub fn signal(pid: u32, signal: &str) {
+    let sent = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .expect("kill(1)");
+    assert!(sent.success(), "kill -{signal} {pid}");
+}
+
 /// Runs one batch of `sizes.len()` ops against a fresh peer region, covering
 /// it back to back: even ops write local bytes there, odd ops read the
 /// peer's bytes here (disjoint ranges, since ops of a batch run
