@@ -22,9 +22,7 @@ cargo build --release --locked -q -p ferry-cli
 source scripts/target-dir.sh
 ferry=$target_dir/release/ferry
 venv="$target_dir/python-venv"
-if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
-fi
+ferry_make_venv "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check maturin==1.16.0 numpy==2.4.6
 CARGO_TARGET_DIR="$target_dir" VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
     maturin develop --release --manifest-path python/Cargo.toml --locked -q

@@ -29,3 +29,18 @@ ferry_install_deps() {
         return 1
     fi
 }
+
+# Makes a Python virtual environment at $1 unless one is there, with
+# $FERRY_PYTHON (default python3), installing Debian's python3-venv when
+# that Python cannot make one (Debian splits venv and ensurepip out of
+# python3).
+ferry_make_venv() {
+    local venv=$1 python=${FERRY_PYTHON:-python3}
+    if ! command -v "$python" >/dev/null || ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
+        ferry_install_deps python3 python3-venv
+        python=python3
+    fi
+    if [ ! -x "$venv/bin/python" ]; then
+        "$python" -m venv "$venv"
+    fi
+}

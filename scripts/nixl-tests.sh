@@ -16,14 +16,7 @@ source scripts/target-dir.sh
 NIXL=(nixl==1.5.1 nixl-cu12==1.5.1)
 PY_TOOLS=(pytest==9.2.0 numpy==2.4.6)
 venv="$target_dir/nixl-venv"
-python=${FERRY_PYTHON:-python3}
-if ! command -v "$python" >/dev/null || ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
-    ferry_install_deps python3 python3-venv
-    python=python3
-fi
-if [ ! -x "$venv/bin/python" ]; then
-    "$python" -m venv "$venv"
-fi
+ferry_make_venv "$venv"
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" --no-deps "${NIXL[@]}"
 "${pip[@]}" "${PY_TOOLS[@]}"

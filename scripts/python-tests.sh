@@ -14,15 +14,7 @@ source scripts/target-dir.sh
 # The tools, pinned: a new release of one cannot break a run.
 PY_TOOLS=(maturin==1.16.0 pytest==9.2.0 numpy==2.4.6 mypy==2.4.1)
 venv="$target_dir/python-venv"
-python=${FERRY_PYTHON:-python3}
-if ! command -v "$python" >/dev/null || ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
-    # Debian splits venv and ensurepip out of python3.
-    ferry_install_deps python3 python3-venv
-    python=python3
-fi
-if [ ! -x "$venv/bin/python" ]; then
-    "$python" -m venv "$venv"
-fi
+ferry_make_venv "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "${PY_TOOLS[@]}"
 
 # The extension crate is a workspace of its own (python/Cargo.toml), built
