@@ -368,11 +368,6 @@ impl ConnectionPermit {
         })
     }
 
-    /// The bound on a client's silence mid-frame.
-    pub fn frame_timeout(&self) -> Duration {
-        self.admission.limits.frame_timeout
-    }
-
     /// [`Self::while_idle`] with its own time limit (the hello's).
     pub(crate) async fn idle_within<F: Future>(
         &self,

@@ -20,12 +20,14 @@ use std::time::Duration;
 
 use ferry::prelude::*;
 use ferry::{
-    Bytes, DeliveryKind, Descs, Inbox, LocalDescList, MemoryBlock, NodeAddr, OpError,
-    RemoteDescList, Xfer, XferError, XferStatus,
+    DeliveryKind, Inbox, LocalDescList, MemoryBlock, NodeAddr, OpError, RemoteDescList, Xfer,
+    XferError, XferStatus,
 };
 use tokio::runtime::Runtime;
 use tracing::warn;
 
+use crate::descs::{Desc, bind};
+use crate::notif::{frame_notif, unframe_notif};
 use crate::options::Options;
 
 /// NIXL's status codes (`nixl_status_t`), as this engine answers them.
@@ -58,19 +60,6 @@ pub enum Status {
 
 /// `nixl_mem_t`'s host memory.
 const DRAM_SEG: i32 = 0;
-
-/// One descriptor of a transfer: bytes, and the id of the registration or
-/// loaded handle NIXL says it lies in.
-#[derive(Clone, Copy, Debug)]
-#[repr(C)]
-pub struct Desc {
-    /// First byte's address (in the owner's process).
-    pub addr: u64,
-    /// Length.
-    pub len: u64,
-    /// Metadata id; 0 for none.
-    pub md: u64,
-}
 
 /// What the ids name.
 #[derive(Default)]
@@ -365,28 +354,30 @@ impl Engine {
             );
             return Err(Status::InvalidParam);
         }
-        let (locals, local_ids, remotes, remote_ids, prepared) = {
+        let (locals, remotes, prepared) = {
             let tables = self.tables();
-            let (locals, local_ids) = bind(local, |md| {
+            let locals = bind(local, |md| {
                 let region = tables.local.get(&md)?;
                 Some((region.clone(), region.memory().addr(), region.len()))
             })?;
-            let (remotes, remote_ids) = bind(remote, |md| {
+            let remotes = bind(remote, |md| {
                 let (owner, handle) = tables.remote.get(&md)?;
                 (owner == agent).then(|| (handle.clone(), handle.addr(), handle.len()))
             })?;
-            let prepared = tables.prepared.get(&remote_ids).cloned();
-            (locals, local_ids, remotes, remote_ids, prepared)
+            let prepared = tables.prepared.get(&remotes.ids).cloned();
+            (locals, remotes, prepared)
         };
         let invalid = |e: ferry::DescError| {
             warn!("FERRY: prepXfer: {e}");
             Status::InvalidParam
         };
-        let local_list = LocalDescList::new(locals.0, locals.1).map_err(invalid)?;
+        let local_list = LocalDescList::new(locals.memory, locals.descs).map_err(invalid)?;
+        let remote_ids = remotes.ids;
         let prepared = match prepared {
-            Some(prepared) => prepared.with_descs(remotes.1).map_err(invalid)?,
+            Some(prepared) => prepared.with_descs(remotes.descs).map_err(invalid)?,
             None => {
-                let remote_list = RemoteDescList::new(remotes.0, remotes.1).map_err(invalid)?;
+                let remote_list =
+                    RemoteDescList::new(remotes.memory, remotes.descs).map_err(invalid)?;
                 let prepared = self
                     .runtime
                     .block_on(self.node.prepare_remote(remote_list, self.deadline))
@@ -414,7 +405,7 @@ impl Engine {
             .map_err(invalid)?;
         Ok(Request {
             xfer: Mutex::new(xfer),
-            local: local_ids,
+            local: locals.ids,
             remote: remote_ids,
         })
     }
@@ -544,53 +535,6 @@ impl Drop for Engine {
     }
 }
 
-/// Regions and descriptors for `descs`: each descriptor's id looked up by
-/// `lookup` (the memory, its first address and length), its range checked
-/// to lie inside it. Also the ids, each once.
-#[allow(clippy::type_complexity)]
-fn bind<M>(
-    descs: &[Desc],
-    lookup: impl Fn(u64) -> Option<(M, u64, u64)>,
-) -> Result<((Vec<M>, Descs), Vec<u64>), Status> {
-    let mut ids: Vec<u64> = Vec::new();
-    let mut bounds: Vec<(u64, u64)> = Vec::new();
-    let mut regions = Vec::new();
-    let mut out = Descs::with_capacity(descs.len());
-    for (k, desc) in descs.iter().enumerate() {
-        // Requests name few registrations: a short scan beats a map.
-        let index = match ids.iter().position(|&id| id == desc.md) {
-            Some(index) => index,
-            None => {
-                let Some((memory, start, len)) = lookup(desc.md) else {
-                    warn!(
-                        "FERRY: descriptor {k} names memory that is not registered or loaded \
-                         (deregistered or unloaded?)"
-                    );
-                    return Err(Status::NotFound);
-                };
-                ids.push(desc.md);
-                bounds.push((start, len));
-                regions.push(memory);
-                ids.len() - 1
-            }
-        };
-        let (start, len) = bounds[index];
-        let inside = desc
-            .addr
-            .checked_sub(start)
-            .filter(|offset| offset.checked_add(desc.len).is_some_and(|end| end <= len));
-        let Some(offset) = inside else {
-            warn!(
-                "FERRY: descriptor {k} ({:#x}+{}) lies outside its memory ({start:#x}+{len})",
-                desc.addr, desc.len
-            );
-            return Err(Status::InvalidParam);
-        };
-        out.push(index as u32, offset, desc.len);
-    }
-    Ok(((regions, out), ids))
-}
-
 /// NIXL's status for a failed transfer.
 fn status_of(error: &XferError) -> Status {
     use ferry::SubmitError;
@@ -604,111 +548,5 @@ fn status_of(error: &XferError) -> Status {
             ..
         }) => Status::RemoteDisconnect,
         _ => Status::Backend,
-    }
-}
-
-/// A notification as it crosses: the sending agent's name first (NIXL
-/// reports it with the message; the receiver may not have loaded the
-/// sender), as a 2-byte length and its bytes.
-fn frame_notif(agent: &str, msg: &[u8]) -> Bytes {
-    let name = &agent.as_bytes()[..agent.len().min(u16::MAX as usize)];
-    let mut body = Vec::with_capacity(2 + name.len() + msg.len());
-    body.extend_from_slice(&(name.len() as u16).to_le_bytes());
-    body.extend_from_slice(name);
-    body.extend_from_slice(msg);
-    body.into()
-}
-
-/// The sender and message of a framed notification.
-fn unframe_notif(body: &[u8]) -> Option<(&[u8], &[u8])> {
-    let (len, rest) = body.split_first_chunk::<2>()?;
-    let len = usize::from(u16::from_le_bytes(*len));
-    (rest.len() >= len).then(|| rest.split_at(len))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn notifications_carry_their_sender_and_a_short_body_is_refused() {
-        let body = frame_notif("prefill-0", b"req-17 done");
-        assert_eq!(
-            unframe_notif(&body),
-            Some((&b"prefill-0"[..], &b"req-17 done"[..]))
-        );
-        assert_eq!(
-            unframe_notif(&frame_notif("a", b"")),
-            Some((&b"a"[..], &b""[..]))
-        );
-        assert_eq!(unframe_notif(&[5, 0, b'a']), None);
-        assert_eq!(unframe_notif(&[1]), None);
-    }
-
-    #[test]
-    fn descriptors_bind_to_their_memory_and_leaving_it_is_refused() {
-        let lookup = |md| match md {
-            1 => Some(("a", 0x1000, 0x100)),
-            2 => Some(("b", 0x9000, 0x10)),
-            _ => None,
-        };
-        let descs = [
-            Desc {
-                addr: 0x1010,
-                len: 0x10,
-                md: 1,
-            },
-            Desc {
-                addr: 0x9000,
-                len: 0x10,
-                md: 2,
-            },
-            Desc {
-                addr: 0x1000,
-                len: 0x100,
-                md: 1,
-            },
-        ];
-        let ((regions, bound), ids) = bind(&descs, lookup).unwrap();
-        assert_eq!(regions, ["a", "b"]);
-        assert_eq!(ids, [1, 2]);
-        let triples: Vec<_> = bound.iter().map(|d| (d.region, d.offset, d.len)).collect();
-        assert_eq!(triples, [(0, 0x10, 0x10), (1, 0, 0x10), (0, 0, 0x100)]);
-        for (desc, status) in [
-            (
-                Desc {
-                    addr: 0x1000,
-                    len: 0x101,
-                    md: 1,
-                },
-                Status::InvalidParam,
-            ),
-            (
-                Desc {
-                    addr: 0xfff,
-                    len: 1,
-                    md: 1,
-                },
-                Status::InvalidParam,
-            ),
-            (
-                Desc {
-                    addr: u64::MAX,
-                    len: 2,
-                    md: 1,
-                },
-                Status::InvalidParam,
-            ),
-            (
-                Desc {
-                    addr: 0x1000,
-                    len: 1,
-                    md: 3,
-                },
-                Status::NotFound,
-            ),
-        ] {
-            assert_eq!(bind(&[desc], lookup).err(), Some(status), "{desc:?}");
-        }
     }
 }

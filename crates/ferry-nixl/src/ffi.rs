@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use crate::engine::{Desc, Engine, Request, Status};
+use crate::descs::Desc;
+use crate::engine::{Engine, Request, Status};
 
 /// The C++ side's byte sink (appends to a `std::string`).
 type Sink = extern "C" fn(ctx: *mut c_void, bytes: *const u8, len: usize);

@@ -18,8 +18,10 @@
 // NIXL finds plugins by file name: the library must be `libplugin_FERRY`.
 #![allow(non_snake_case)]
 
+pub mod descs;
 pub mod engine;
 mod ffi;
+mod notif;
 pub mod options;
 
 use std::ffi::c_void;

@@ -1,0 +1,155 @@
+//! NIXL's descriptors in ferry's terms: each one names its memory by a
+//! metadata id; bound, a request's descriptors become a region list and
+//! offsets into it, every range checked to lie inside its memory.
+
+use ferry::Descs;
+use tracing::warn;
+
+use crate::engine::Status;
+
+/// One descriptor of a transfer: bytes, and the id of the registration or
+/// loaded handle NIXL says it lies in (`ferry_desc` in `shim/ferry_nixl.h`).
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct Desc {
+    /// First byte's address (in the owner's process).
+    pub addr: u64,
+    /// Length.
+    pub len: u64,
+    /// Metadata id; 0 for none.
+    pub md: u64,
+}
+
+/// Descriptors bound to the memory they lie in ([`bind`]).
+pub(crate) struct Bound<M> {
+    /// Each registration or handle the descriptors name, once, in order of
+    /// first use: the list's regions.
+    pub(crate) memory: Vec<M>,
+    /// The descriptors, as (region index, offset, length) into `memory`.
+    pub(crate) descs: Descs,
+    /// The metadata id of each of `memory`.
+    pub(crate) ids: Vec<u64>,
+}
+
+/// Binds `descs`: each descriptor's id looked up by `lookup` (the memory,
+/// its first address and length), its range checked to lie inside it.
+pub(crate) fn bind<M>(
+    descs: &[Desc],
+    lookup: impl Fn(u64) -> Option<(M, u64, u64)>,
+) -> Result<Bound<M>, Status> {
+    let mut ids: Vec<u64> = Vec::new();
+    let mut bounds: Vec<(u64, u64)> = Vec::new();
+    let mut regions = Vec::new();
+    let mut out = Descs::with_capacity(descs.len());
+    for (k, desc) in descs.iter().enumerate() {
+        // Requests name few registrations: a short scan beats a map.
+        let index = match ids.iter().position(|&id| id == desc.md) {
+            Some(index) => index,
+            None => {
+                let Some((memory, start, len)) = lookup(desc.md) else {
+                    warn!(
+                        "FERRY: descriptor {k} names memory that is not registered or loaded \
+                         (deregistered or unloaded?)"
+                    );
+                    return Err(Status::NotFound);
+                };
+                ids.push(desc.md);
+                bounds.push((start, len));
+                regions.push(memory);
+                ids.len() - 1
+            }
+        };
+        let (start, len) = bounds[index];
+        let inside = desc
+            .addr
+            .checked_sub(start)
+            .filter(|offset| offset.checked_add(desc.len).is_some_and(|end| end <= len));
+        let Some(offset) = inside else {
+            warn!(
+                "FERRY: descriptor {k} ({:#x}+{}) lies outside its memory ({start:#x}+{len})",
+                desc.addr, desc.len
+            );
+            return Err(Status::InvalidParam);
+        };
+        out.push(index as u32, offset, desc.len);
+    }
+    Ok(Bound {
+        memory: regions,
+        descs: out,
+        ids,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptors_bind_to_their_memory_and_leaving_it_is_refused() {
+        let lookup = |md| match md {
+            1 => Some(("a", 0x1000, 0x100)),
+            2 => Some(("b", 0x9000, 0x10)),
+            _ => None,
+        };
+        let descs = [
+            Desc {
+                addr: 0x1010,
+                len: 0x10,
+                md: 1,
+            },
+            Desc {
+                addr: 0x9000,
+                len: 0x10,
+                md: 2,
+            },
+            Desc {
+                addr: 0x1000,
+                len: 0x100,
+                md: 1,
+            },
+        ];
+        let bound = bind(&descs, lookup).unwrap();
+        assert_eq!(bound.memory, ["a", "b"]);
+        assert_eq!(bound.ids, [1, 2]);
+        let triples: Vec<_> = (bound.descs.iter())
+            .map(|d| (d.region, d.offset, d.len))
+            .collect();
+        assert_eq!(triples, [(0, 0x10, 0x10), (1, 0, 0x10), (0, 0, 0x100)]);
+        for (desc, status) in [
+            (
+                Desc {
+                    addr: 0x1000,
+                    len: 0x101,
+                    md: 1,
+                },
+                Status::InvalidParam,
+            ),
+            (
+                Desc {
+                    addr: 0xfff,
+                    len: 1,
+                    md: 1,
+                },
+                Status::InvalidParam,
+            ),
+            (
+                Desc {
+                    addr: u64::MAX,
+                    len: 2,
+                    md: 1,
+                },
+                Status::InvalidParam,
+            ),
+            (
+                Desc {
+                    addr: 0x1000,
+                    len: 1,
+                    md: 3,
+                },
+                Status::NotFound,
+            ),
+        ] {
+            assert_eq!(bind(&[desc], lookup).err(), Some(status), "{desc:?}");
+        }
+    }
+}
