@@ -25,6 +25,14 @@ NIXL_PY=${NIXL_PY:-$HOME/.cache/peers-venv/bin/python}
 command -v iperf3 >/dev/null || { apt-get update -qq && apt-get install -y -qq iperf3 >/dev/null; }
 cargo build --release --locked -q -p ferry-cli -p ferry-nixl
 source scripts/target-dir.sh
+if [ "${FERRY_PY:-0}" = 1 ]; then
+    source scripts/install-deps.sh
+    ferry_venv="$target_dir/python-venv"
+    ferry_make_venv "$ferry_venv"
+    "$ferry_venv/bin/python" -m pip install -q --disable-pip-version-check maturin==1.16.0 numpy==2.4.6
+    CARGO_TARGET_DIR="$target_dir" VIRTUAL_ENV="$ferry_venv" PATH="$ferry_venv/bin:$PATH" \
+        maturin develop --release --manifest-path python/Cargo.toml --locked -q
+fi
 "$target_dir/release/ferry" nixl install --python "$NIXL_PY" \
     --plugin "$target_dir/release/libplugin_FERRY.so" >&2
 out=$(mktemp -d)
@@ -32,7 +40,8 @@ trap 'rm -rf "$out"; kill $(jobs -p) 2>/dev/null || true' EXIT
 echo "rows in $out/rows" >&2
 
 # "system transport workload op block value" per JSON row on stdin: GB/s
-# for bw, p50 µs for lat.
+# for bw, p50 µs for lat. Rows must be verified, except ferry's Python
+# bench's (it does not compare bytes; the suite's Python tests do).
 pick() {
     python3 -c '
 import json, sys
@@ -40,7 +49,7 @@ for line in sys.stdin:
     if not line.startswith("{"):
         continue
     r = json.loads(line)
-    if not r.get("verified", True):
+    if not r.get("verified", True) and sys.argv[1] != "ferry-py":
         sys.exit(f"unverified row: {line}")
     w = r.get("workload", "bw")
     value = r["gbps"] if w == "bw" else r["lat_p50_us"]
@@ -102,6 +111,14 @@ for round in $(seq "$rounds"); do
                     { cat "$out/err" >&2; exit 1; }
             done
         done
+        if [ "${FERRY_PY:-0}" = 1 ]; then
+            [ $transport = tcp ] && ferry_transport=tcp || ferry_transport=memory
+            for workload in bw lat; do
+                "$ferry_venv/bin/python" python/bench.py --transport $ferry_transport \
+                    --workload $workload --mode prepared --duration "$seconds" 2>"$out/err" |
+                    pick ferry-py "$transport" >>"$out/rows" || { cat "$out/err" >&2; exit 1; }
+            done
+        fi
     done
     echo "iperf3x4 tcp bw write 0 $(iperf3_x4)" >>"$out/rows"
     memcpy_ref >>"$out/rows"
@@ -116,17 +133,22 @@ for line in open(sys.argv[1]):
 iperf = statistics.median(cells.get(("tcp", "bw", "write", 0), {}).get("iperf3x4", [float("nan")]))
 med = lambda xs: statistics.median(xs) if xs else float("nan")
 size = lambda b: f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB" if b >= 1024 else f"{b} B"
-print("| transport | cell | UCX | FERRY | FERRY / UCX | physical | FERRY / physical |")
-print("|---|---|---|---|---|---|---|")
+py = any("ferry-py" in by for by in cells.values())
+print("| transport | cell | UCX | FERRY | FERRY / UCX | physical | FERRY / physical |"
+      + (" ferry Python | FERRY / ferry Python |" if py else ""))
+print("|---|---|---|---|---|---|---|" + ("---|---|" if py else ""))
 for (transport, workload, op, block), by in sorted(cells.items()):
     if "FERRY" not in by:
         continue
-    u, f = med(by.get("UCX", [])), med(by["FERRY"])
+    u, f, p = med(by.get("UCX", [])), med(by["FERRY"]), med(by.get("ferry-py", []))
     if workload == "bw":
         phys = iperf if transport == "tcp" else med(cells.get(("shm", "bw", op, block), {}).get("memcpy", []))
-        print(f"| {transport} | {op} {size(block)} GB/s | {u:.2f} | {f:.2f} | {f / u:.2f} | {phys:.2f} | {f / phys:.2f} |")
+        line = f"| {transport} | {op} {size(block)} GB/s | {u:.2f} | {f:.2f} | {f / u:.2f} | {phys:.2f} | {f / phys:.2f} |"
+        line += f" {p:.2f} | {f / p:.2f} |" if py else ""
     else:
-        print(f"| {transport} | {op} 8 B p50 µs | {u:.1f} | {f:.1f} | {f / u:.2f} (lower is better) | | |")
+        line = f"| {transport} | {op} 8 B p50 µs | {u:.1f} | {f:.1f} | {f / u:.2f} (lower is better) | | |"
+        line += f" {p:.1f} | {f / p:.2f} (lower is better) |" if py else ""
+    print(line)
 print()
 print("every round:")
 for key, by in sorted(cells.items()):

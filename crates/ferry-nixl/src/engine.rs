@@ -131,7 +131,8 @@ impl Engine {
             .name(format!("nixl-{agent}"))
             .listen(options.listen)
             .memory(options.memory)
-            .ibverbs(options.ibverbs);
+            .ibverbs(options.ibverbs)
+            .tcp_busy_poll(options.tcp_busy_poll);
         if let Some(advertise) = options.advertise {
             builder = builder.advertise(advertise);
         }
@@ -493,7 +494,9 @@ impl Engine {
     /// `getNotifs`: every notification that came, with its sender agent.
     pub fn notifs(&self, mut each: impl FnMut(&[u8], &[u8])) {
         let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        let mut none = true;
         while let Some(delivery) = inbox.try_recv() {
+            none = false;
             if delivery.kind != DeliveryKind::Notification {
                 continue;
             }
@@ -503,6 +506,12 @@ impl Engine {
                     warn!(from = %delivery.from, "FERRY: a notification not framed by FERRY, dropped")
                 }
             }
+        }
+        if none {
+            // Callers poll this in a loop, as they poll checkXfer (NIXL's
+            // UCX backend moves bytes inside it): give the core to the
+            // runtime's worker, which moves them here.
+            std::thread::yield_now();
         }
     }
 

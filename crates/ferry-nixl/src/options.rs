@@ -20,6 +20,12 @@ pub struct Options {
     pub advertise: Option<SocketAddr>,
     /// TCP data connections per peer, if not ferry's default.
     pub tcp_connections: Option<usize>,
+    /// How long a TCP data connection polls for answers before it sleeps.
+    /// None by default, unlike a ferry node's 100 µs: NIXL's caller spins
+    /// in checkXfer on one core already, and a second spinner took the
+    /// core the peer's worker needed (an 8-byte write's p50 through NIXL
+    /// was 285 µs with ferry's window, 96 without).
+    pub tcp_busy_poll: Duration,
     /// Each transfer's deadline: NIXL has none of its own, so a stopped
     /// peer would keep a request in progress forever.
     pub deadline: Duration,
@@ -44,6 +50,11 @@ pub const DEFAULTS: &[(&str, &str, &str)] = &[
         "TCP data connections per peer (ferry's default if empty)",
     ),
     (
+        "tcp_busy_poll_us",
+        "0",
+        "microseconds a TCP data connection polls for answers before it sleeps",
+    ),
+    (
         "deadline_ms",
         "30000",
         "each transfer's deadline: ERR from check_xfer_state past it",
@@ -53,6 +64,11 @@ pub const DEFAULTS: &[(&str, &str, &str)] = &[
 impl Options {
     /// Parses NIXL's parameters; an unknown key or a bad value is an error
     /// naming it, so a typo does not silently fall back to a default.
+    ///
+    /// A key NIXL did not pass is read from the environment
+    /// (`FERRY_NIXL_<KEY>`, e.g. `FERRY_NIXL_DEADLINE_MS`) before its
+    /// default: vLLM and SGLang create their backends without parameters,
+    /// so the environment is the only way their users can set one.
     pub fn parse(params: &HashMap<String, String>) -> Result<Options, String> {
         if let Some(key) = params
             .keys()
@@ -64,9 +80,22 @@ impl Options {
                 known.join(", ")
             ));
         }
+        Options::parse_with(params, |key| std::env::var(env_name(key)).ok())
+    }
+
+    /// [`Options::parse`] with `env` standing in for the environment.
+    fn parse_with(
+        params: &HashMap<String, String>,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Options, String> {
+        let from_env: HashMap<&str, String> = DEFAULTS
+            .iter()
+            .filter_map(|(key, _, _)| Some((*key, env(key)?)))
+            .collect();
         let get = |key: &str| {
             params
                 .get(key)
+                .or_else(|| from_env.get(key))
                 .map(String::as_str)
                 .or_else(|| DEFAULTS.iter().find(|d| d.0 == key).map(|d| d.1))
                 .unwrap_or("")
@@ -86,6 +115,11 @@ impl Options {
                 "" => None,
                 n => Some(n.parse().map_err(|e| bad("tcp_connections", &e))?),
             },
+            tcp_busy_poll: Duration::from_micros(
+                get("tcp_busy_poll_us")
+                    .parse()
+                    .map_err(|e| bad("tcp_busy_poll_us", &e))?,
+            ),
             deadline: Duration::from_millis(
                 get("deadline_ms")
                     .parse()
@@ -110,6 +144,11 @@ impl Options {
     }
 }
 
+/// The environment variable that sets option `key` where NIXL passes none.
+pub fn env_name(key: &str) -> String {
+    format!("FERRY_NIXL_{}", key.to_ascii_uppercase())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,6 +167,7 @@ mod tests {
         assert_eq!(options.listen, "127.0.0.1:0".parse().unwrap());
         assert_eq!(options.advertise, None);
         assert_eq!(options.deadline, Duration::from_secs(30));
+        assert_eq!(options.tcp_busy_poll, Duration::ZERO);
     }
 
     #[test]
@@ -136,11 +176,21 @@ mod tests {
             ("transports", "tcp"),
             ("deadline_ms", "1500"),
             ("tcp_connections", "2"),
+            ("tcp_busy_poll_us", "20"),
         ]))
         .unwrap();
         assert!(options.tcp && !options.memory && !options.ibverbs);
         assert_eq!(options.deadline, Duration::from_millis(1500));
         assert_eq!(options.tcp_connections, Some(2));
+        assert_eq!(options.tcp_busy_poll, Duration::from_micros(20));
+        let env = |key: &str| match key {
+            "deadline_ms" => Some("2500".to_string()),
+            "transports" => Some("tcp".to_string()),
+            _ => None,
+        };
+        let from_env = Options::parse_with(&params(&[("transports", "memory")]), env).unwrap();
+        assert_eq!(from_env.deadline, Duration::from_millis(2500));
+        assert!(from_env.memory && !from_env.tcp, "a parameter beats the environment");
         for (pairs, names) in [
             (&[("transport", "tcp")][..], "transport"),
             (&[("transports", "udp")][..], "udp"),
