@@ -190,7 +190,10 @@ mod tests {
         };
         let from_env = Options::parse_with(&params(&[("transports", "memory")]), env).unwrap();
         assert_eq!(from_env.deadline, Duration::from_millis(2500));
-        assert!(from_env.memory && !from_env.tcp, "a parameter beats the environment");
+        assert!(
+            from_env.memory && !from_env.tcp,
+            "a parameter beats the environment"
+        );
         for (pairs, names) in [
             (&[("transport", "tcp")][..], "transport"),
             (&[("transports", "udp")][..], "udp"),
