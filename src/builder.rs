@@ -6,7 +6,10 @@ use std::sync::Arc;
 
 use ferry_control::inbox::{DEFAULT_INBOX_CAPACITY, DEFAULT_MAX_MESSAGE};
 use ferry_control::rpc::DEFAULT_MAX_RPC_PAYLOAD;
-use ferry_control::{ConnectionLimits, Endpoint, EndpointConfig, EndpointError, Messages, Rpc};
+use ferry_control::{
+    ClusterSecret, ConnectionLimits, Dialer, Endpoint, EndpointConfig, EndpointError, Messages,
+    Rpc, SecretError,
+};
 use ferry_core::{NodeId, RdmaTransportLevel, RegionIds};
 use ferry_ibverbs::{IbvBackend, IbvConfig, IbvDevice};
 use ferry_memory::MemoryBackend;
@@ -53,6 +56,11 @@ pub enum NodeError {
         /// The variable's value.
         value: String,
     },
+    /// The cluster secret in the environment (`FERRY_CLUSTER_SECRET`,
+    /// `FERRY_CLUSTER_SECRET_FILE`) cannot be used: too short, or its file
+    /// unreadable.
+    #[error("the cluster secret: {0}")]
+    Secret(#[from] SecretError),
     /// etcd discovery could not start: etcd did not answer and the
     /// configuration requires it.
     #[cfg(feature = "etcd")]
@@ -75,6 +83,7 @@ pub struct NodeBuilder {
     message_max_len: usize,
     inbox_capacity: usize,
     name: Option<String>,
+    cluster_secret: Option<ClusterSecret>,
     #[cfg(feature = "etcd")]
     etcd: Option<ferry_discovery::etcd::EtcdConfig>,
 }
@@ -94,6 +103,7 @@ impl Default for NodeBuilder {
             message_max_len: DEFAULT_MAX_MESSAGE,
             inbox_capacity: DEFAULT_INBOX_CAPACITY,
             name: None,
+            cluster_secret: None,
             #[cfg(feature = "etcd")]
             etcd: None,
         }
@@ -286,6 +296,19 @@ impl NodeBuilder {
         self
     }
 
+    /// The cluster secret this node proves and requires: every connection
+    /// to its endpoint and from it (control sessions, TCP data, same-host
+    /// sockets) is then authenticated both ways, and peers without the
+    /// same secret are refused ([`ferry_control::auth`] says how, and the
+    /// README's "Who may talk to a node" what it protects). Without one,
+    /// the secret comes from `FERRY_CLUSTER_SECRET` or the file
+    /// `FERRY_CLUSTER_SECRET_FILE` names, if set; with neither, the node
+    /// takes any peer that reaches it, as before.
+    pub fn cluster_secret(mut self, secret: ClusterSecret) -> Self {
+        self.cluster_secret = Some(secret);
+        self
+    }
+
     /// The address to advertise: the builder's, else `FERRY_ADVERTISE`'s.
     fn advertised(&self) -> Result<Option<SocketAddr>, NodeError> {
         if self.advertise.is_some() {
@@ -305,6 +328,12 @@ impl NodeBuilder {
     /// endpoint cannot (see [`NodeError`]).
     pub async fn spawn(self) -> Result<Node, NodeError> {
         let id = NodeId::random();
+        let secret = match &self.cluster_secret {
+            Some(secret) => Some(secret.clone()),
+            None => ClusterSecret::from_env()?,
+        };
+        let authenticated = secret.is_some();
+        let dialer = Dialer::new(id, secret);
         let disabled_by_env = std::env::var(DISABLE_IBVERBS_ENV).is_ok_and(|v| v == "1");
         let device = match (self.ibverbs, disabled_by_env) {
             (false, _) => Err("disabled by the node builder".to_string()),
@@ -315,7 +344,9 @@ impl NodeBuilder {
         let memory = match (self.memory, memory_off_by_env) {
             (false, _) => Err("disabled by the node builder".to_string()),
             (true, true) => Err(format!("disabled by {DISABLE_MEMORY_ENV}=1")),
-            (true, false) => MemoryBackend::start(id).map_err(|e| e.to_string()),
+            (true, false) => {
+                MemoryBackend::start(id, dialer.secret_cell()).map_err(|e| e.to_string())
+            }
         };
         for &level in &self.required {
             let missing = match level {
@@ -342,7 +373,9 @@ impl NodeBuilder {
                 Some(ferry_discovery::etcd::Etcd::connect_lazily(config.clone()).await?)
             }
         };
-        let endpoint = Endpoint::bind(self.listen, self.advertised()?, id, self.endpoint).await?;
+        let endpoint =
+            Endpoint::bind_with_dialer(self.listen, self.advertised()?, self.endpoint, dialer)
+                .await?;
         crate::advertise::warn_if_foreign(endpoint.local().endpoint.ip());
         let rpc = Rpc::start(&endpoint, self.rpc_max_payload)?;
         let messages = Messages::start(&endpoint, self.message_max_len, self.inbox_capacity)?;
@@ -396,6 +429,9 @@ impl NodeBuilder {
         let names = Arc::new(Names::new(self.name.clone(), addr, running));
         crate::names::serve(&endpoint, &names)?;
         endpoint.start();
+        if authenticated {
+            info!(node = %id, "every peer must prove the cluster secret");
+        }
         #[cfg(feature = "etcd")]
         if let Some(etcd) = etcd {
             names.start_etcd(etcd);

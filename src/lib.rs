@@ -56,8 +56,8 @@ pub use estimate::{Estimate, EstimateMethod};
 /// The node's endpoint and control plane, for direct use of its sessions.
 pub use ferry_control as control;
 pub use ferry_control::{
-    ConnectionLimits, DEFAULT_PEER_TIMEOUT, DEFAULT_SILENT_GRACE, Delivery, DeliveryKind,
-    EndpointConfig, Inbox, MessageError, RpcError, RpcRequest,
+    AuthFailure, ClusterSecret, ConnectionLimits, DEFAULT_PEER_TIMEOUT, DEFAULT_SILENT_GRACE,
+    Delivery, DeliveryKind, EndpointConfig, Inbox, MessageError, RpcError, RpcRequest, SecretError,
 };
 pub use ferry_core::{
     Access, ByteOffset, CloseError, Closing, Generation, IbvRemote, LocalSlice, MemoryBlock,

@@ -452,6 +452,34 @@ impl Node {
         self.0.router.addr()
     }
 
+    /// Proves and requires `secret` from now on (`None`: none), on every
+    /// channel: connections opened or accepted later. Those already open
+    /// stay. To roll a new secret through a running cluster, node by node
+    /// (see [`ferry_control::auth`]): every node to the old one also
+    /// accepting the new ([`ferry_control::ClusterSecret::also_accept`]), then every node
+    /// to the new one also accepting the old, then to the new one alone.
+    pub fn set_cluster_secret(&self, secret: Option<ferry_control::ClusterSecret>) {
+        self.0.router.endpoint.dialer().set_secret(secret);
+    }
+
+    /// Whether this node requires a cluster secret of its peers.
+    pub fn has_cluster_secret(&self) -> bool {
+        self.0.router.endpoint.dialer().secret().is_some()
+    }
+
+    /// Connections refused for the cluster secret since the node started
+    /// (its endpoint's and its same-host socket's): peers without it, with
+    /// another, or with a wrong or replayed proof.
+    pub fn auth_refusals(&self) -> u64 {
+        let memory = self
+            .0
+            .router
+            .memory
+            .as_ref()
+            .map_or(0, |m| m.auth_refusals());
+        self.0.router.endpoint.auth_refusals() + memory
+    }
+
     /// The node's manager actor: it accepts [`ferry_core::Submit`] and
     /// routes each op exactly as [`Node::submit`] does. Hand it to worker
     /// actors.

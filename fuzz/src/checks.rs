@@ -13,6 +13,7 @@
 //! every seed and regression input without cargo-fuzz.
 
 use bytes::{Bytes, BytesMut};
+use ferry_control::HelloStatus;
 use ferry_control::frame::{self, ControlCodec, Frame};
 use ferry_control::hello::{HELLO_LEN, Hello, HelloReply};
 use ferry_core::{Descs, RemoteBuffer, RemoteDescList};
@@ -142,18 +143,32 @@ fn control_round_trip(frame: Frame) {
     assert!(wire.is_empty(), "the codec consumed the whole frame");
 }
 
-/// The endpoint's hello and its reply, as consecutive 24-byte frames.
+/// The endpoint's hellos (56-byte frames) and, read again as replies, the
+/// same bytes in 88-byte frames: a 24-byte header, and the nonce and tag
+/// that follow one that takes the connection.
 pub fn hello(data: &[u8]) -> usize {
     let mut decoded = 0;
-    for chunk in data.chunks_exact(HELLO_LEN) {
-        let bytes: &[u8; HELLO_LEN] = chunk.try_into().unwrap();
-        if let Ok(hello) = Hello::decode(bytes) {
+    for chunk in data.chunks_exact(Hello::LEN) {
+        if let Ok(hello) = Hello::decode(chunk.try_into().unwrap()) {
             assert_eq!(Hello::decode(&hello.encode()), Ok(hello));
             decoded += 1;
         }
-        if let Ok(reply) = HelloReply::decode(bytes) {
-            assert_eq!(HelloReply::decode(&reply.encode()), Ok(reply));
-        }
+    }
+    for chunk in data.chunks_exact(HelloReply::LEN) {
+        let Ok(reply) = HelloReply::decode(chunk[..HELLO_LEN].try_into().unwrap()) else {
+            continue;
+        };
+        let reply = match reply.status {
+            HelloStatus::Ok => reply.with_tail(chunk[HELLO_LEN..].try_into().unwrap()),
+            _ => reply,
+        };
+        let bytes = reply.encode();
+        let again = HelloReply::decode(bytes[..HELLO_LEN].try_into().unwrap()).unwrap();
+        let again = match again.status {
+            HelloStatus::Ok => again.with_tail(bytes[HELLO_LEN..].try_into().unwrap()),
+            _ => again,
+        };
+        assert_eq!(again, reply);
     }
     decoded
 }

@@ -223,19 +223,33 @@ pub fn seeds() -> Vec<Seed> {
     }
     out.push(seed("control_stream", "session", wire.to_vec()));
 
-    // Endpoint hello, then the server's reply.
-    let mut hellos = Hello {
+    // Endpoint hellos and replies: a refused one, and one between nodes
+    // that prove a cluster secret (its reply's tag made by one).
+    let secret = ferry_control::ClusterSecret::new("a seed's cluster secret").unwrap();
+    let hello = Hello {
         version: VERSION,
         channel: Channel::CONTROL,
         node: me.id,
+        proves: true,
+        nonce: [0x5a; 32],
     }
-    .encode()
-    .to_vec();
+    .encode();
+    let mut hellos = hello.to_vec();
+    let mut reply = HelloReply {
+        version: VERSION,
+        status: HelloStatus::Ok,
+        node: me_v6.id,
+        proves: true,
+        nonce: [0xa5; 32],
+        tag: [0; 32],
+    };
+    reply.tag = secret.server_tag(&[&hello, &reply.header(), &reply.nonce]);
+    hellos.extend_from_slice(&reply.encode());
     hellos.extend_from_slice(
         &HelloReply {
-            version: VERSION,
-            status: HelloStatus::BadChannel,
-            node: me_v6.id,
+            status: HelloStatus::SecretRequired,
+            proves: false,
+            ..reply
         }
         .encode(),
     );

@@ -17,6 +17,7 @@ __all__ = [
     "PeerUnreachable",
     "ConnectionLost",
     "PeerBusy",
+    "AuthFailed",
     "UnknownNode",
     "AccessDenied",
     "ReadOnly",
@@ -72,6 +73,11 @@ class ConnectionLost(FerryError, ConnectionError):
 
 class PeerBusy(FerryError, ConnectionError):
     """The peer is at its connection limit."""
+
+
+class AuthFailed(FerryError, PermissionError):
+    """The peer and this node do not hold the same cluster secret (one has
+    none, or another): nothing was sent."""
 
 
 class UnknownNode(FerryError, ConnectionError):

@@ -84,6 +84,7 @@ class NativeNode:
         tcp_connections: Optional[int],
         etcd: Optional[str] = None,
         cluster: Optional[str] = None,
+        cluster_secret: Optional[bytes] = None,
     ) -> None: ...
     @property
     def addr(self) -> AddrTuple: ...

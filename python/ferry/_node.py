@@ -161,6 +161,11 @@ class Node:
     ``memory`` and ``ibverbs`` turn those transports off (they also follow
     ``FERRY_DISABLE_MEMORY=1`` and ``FERRY_DISABLE_IBVERBS=1``); TCP always
     runs.
+
+    ``cluster_secret`` (bytes or str, at least 16 bytes; else
+    ``FERRY_CLUSTER_SECRET`` or the file ``FERRY_CLUSTER_SECRET_FILE``
+    names): every connection to and from this node proves it, both ways,
+    and peers without it are refused with :class:`AuthFailed`.
     """
 
     def __init__(
@@ -174,11 +179,13 @@ class Node:
         tcp_connections: Optional[int] = None,
         etcd: Optional[str] = None,
         cluster: str = "default",
+        cluster_secret: Union[bytes, str, None] = None,
     ) -> None:
         if forked():
             raise FerryError("ferry cannot start a node in a process forked from one that ran it")
+        secret = cluster_secret.encode() if isinstance(cluster_secret, str) else cluster_secret
         self._native = _ferry.NativeNode(
-            name, listen, advertise, memory, ibverbs, tcp_connections, etcd, cluster
+            name, listen, advertise, memory, ibverbs, tcp_connections, etcd, cluster, secret
         )
         node_started()
         _OPEN.add(self)

@@ -87,6 +87,7 @@ pub fn op(error: &OpError) -> Raise {
         OpError::NoSharedTransport => "NoSharedTransport",
         OpError::Protocol(_) => "ProtocolError",
         OpError::PeerBusy { .. } => "PeerBusy",
+        OpError::AuthFailed { .. } => "AuthFailed",
         // A variant added later: still a ferry error, with its text.
         #[allow(unreachable_patterns)]
         _ => "FerryError",
@@ -183,6 +184,7 @@ pub fn message(error: &MessageError) -> Raise {
         MessageError::Unreachable { .. } => "PeerUnreachable",
         MessageError::ConnectionLost { .. } => "ConnectionLost",
         MessageError::Busy { .. } => "PeerBusy",
+        MessageError::AuthFailed { .. } => "AuthFailed",
         MessageError::ShutDown => "ShutDown",
         MessageError::NodeStopped => "ConnectionLost",
         _ => "FerryError",
@@ -199,6 +201,7 @@ pub fn rpc(error: &RpcError) -> Raise {
         RpcError::Unreachable { .. } => "PeerUnreachable",
         RpcError::ConnectionLost { .. } | RpcError::NodeStopped => "ConnectionLost",
         RpcError::Busy { .. } => "PeerBusy",
+        RpcError::AuthFailed { .. } => "AuthFailed",
         RpcError::TooLarge { .. } | RpcError::AnswerTooLarge { .. } => "TooLarge",
         RpcError::BadName(_) => "InvalidArgument",
         RpcError::NameTaken(_) => "InvalidArgument",

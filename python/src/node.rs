@@ -85,7 +85,7 @@ impl NativeNode {
     /// Spawns a node. `memory`/`ibverbs`: run those transports (when the
     /// host has them); TCP always runs.
     #[new]
-    #[pyo3(signature = (name, listen, advertise, memory, ibverbs, tcp_connections, etcd=None, cluster=None))]
+    #[pyo3(signature = (name, listen, advertise, memory, ibverbs, tcp_connections, etcd=None, cluster=None, cluster_secret=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -97,6 +97,7 @@ impl NativeNode {
         tcp_connections: Option<usize>,
         etcd: Option<String>,
         cluster: Option<String>,
+        cluster_secret: Option<Vec<u8>>,
     ) -> PyResult<Self> {
         let parse = |text: &str| {
             text.parse::<SocketAddr>()
@@ -114,6 +115,10 @@ impl NativeNode {
         }
         if let Some(n) = tcp_connections {
             builder = builder.tcp_connections(n);
+        }
+        if let Some(secret) = cluster_secret {
+            let secret = ferry::ClusterSecret::new(secret).map_err(|e| errors::invalid(e.to_string()))?;
+            builder = builder.cluster_secret(secret);
         }
         if let Some(endpoint) = etcd {
             let mut config = ferry::EtcdConfig::new(endpoint);

@@ -294,7 +294,8 @@ async fn reset_connections(hub: &Hub) {
         (Channel::CONTROL, &[0u8; 5][..]),
         (Channel::TCP_DATA, &[1u8; 9]),
     ] {
-        let mut stream = ferry::control::connect(hub.node.addr(), me, channel)
+        let mut stream = ferry::control::Dialer::new(me, None)
+            .connect(hub.node.addr(), channel)
             .await
             .unwrap();
         stream.write_all(half_frame).await.unwrap();

@@ -4,6 +4,7 @@
 mod messages;
 mod notifications;
 mod rpc;
+mod secret;
 
 use std::time::Duration;
 

@@ -328,11 +328,26 @@ async fn hello(stream: &mut TcpStream, version: u16) -> HelloReply {
         version,
         channel: Channel::TCP_DATA,
         node: NodeId::random(),
+        proves: false,
+        nonce: [1; 32],
+    }
+    .encode();
+    // A node of another version sends another length: its header, which
+    // is all a refusal reads.
+    let len = if version == VERSION {
+        hello.len()
+    } else {
+        HELLO_LEN
     };
-    stream.write_all(&hello.encode()).await.unwrap();
-    let mut reply = [0; HELLO_LEN];
-    stream.read_exact(&mut reply).await.unwrap();
-    HelloReply::decode(&reply).unwrap()
+    stream.write_all(&hello[..len]).await.unwrap();
+    let mut header = [0; HELLO_LEN];
+    stream.read_exact(&mut header).await.unwrap();
+    let reply = HelloReply::decode(&header).unwrap();
+    if reply.status == HelloStatus::Ok {
+        let mut tail = [0; HelloReply::LEN - HELLO_LEN];
+        stream.read_exact(&mut tail).await.unwrap();
+    }
+    reply
 }
 
 async fn response(stream: &mut TcpStream) -> Response {

@@ -125,11 +125,17 @@ async fn hello_on(server: SocketAddr, from: &str, channel: Channel) -> Option<Tc
         version: VERSION,
         channel,
         node: NodeId::random(),
+        proves: false,
+        nonce: [1; 32],
     };
     let exchange = async {
         stream.write_all(&hello.encode()).await?;
         let mut reply = [0; HELLO_LEN];
         stream.read_exact(&mut reply).await?;
+        if HelloReply::decode(&reply).unwrap().status == HelloStatus::Ok {
+            let mut tail = [0; HelloReply::LEN - HELLO_LEN];
+            stream.read_exact(&mut tail).await?;
+        }
         Ok::<_, std::io::Error>(reply)
     };
     match tokio::time::timeout(T, exchange)

@@ -134,14 +134,16 @@ async fn open(owner: NodeAddr, channel: Channel, me: NodeId) -> (TcpStream, Hell
         version: VERSION,
         channel,
         node: me,
+        proves: false,
+        nonce: [9; 32],
     };
     s.write_all(&hello.encode()).await.unwrap();
-    let mut reply = [0; HELLO_LEN];
+    let mut reply = [0; HelloReply::LEN];
     tokio::time::timeout(WAIT, s.read_exact(&mut reply))
         .await
         .expect("hello reply")
         .unwrap();
-    let reply = HelloReply::decode(&reply).unwrap();
+    let reply = HelloReply::decode(reply[..HELLO_LEN].try_into().unwrap()).unwrap();
     assert_eq!(reply.node, owner.id);
     (s, reply)
 }

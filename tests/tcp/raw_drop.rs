@@ -28,11 +28,14 @@ async fn data_connection(node: &Node, me: NodeId) -> TcpStream {
         version: VERSION,
         channel: Channel::TCP_DATA,
         node: me,
+        proves: false,
+        nonce: [1; 32],
     };
     s.write_all(&hello.encode()).await.unwrap();
-    let mut reply = [0; HELLO_LEN];
+    let mut reply = [0; HelloReply::LEN];
     s.read_exact(&mut reply).await.unwrap();
-    assert_eq!(HelloReply::decode(&reply).unwrap().node, node.addr().id);
+    let header = reply[..HELLO_LEN].try_into().unwrap();
+    assert_eq!(HelloReply::decode(header).unwrap().node, node.addr().id);
     s
 }
 

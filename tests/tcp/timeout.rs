@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use ferry::control::HelloStatus;
-use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
+use ferry::control::hello::{Hello, HelloReply, VERSION};
 use ferry::prelude::*;
 use ferry::tcp::frame::{REQUEST_LEN, Request, Response};
 use ferry::{Generation, NodeId, RegionId};
@@ -20,13 +20,16 @@ const LEN: u64 = 256 * 1024;
 /// request the initiator sent.
 async fn accept_as(listener: &TcpListener, id: NodeId) -> (TcpStream, Request) {
     let (mut s, _) = listener.accept().await.unwrap();
-    let mut hello = [0; HELLO_LEN];
+    let mut hello = [0; Hello::LEN];
     s.read_exact(&mut hello).await.unwrap();
     assert_eq!(Hello::decode(&hello).unwrap().version, VERSION);
     let reply = HelloReply {
         version: VERSION,
         status: HelloStatus::Ok,
         node: id,
+        proves: false,
+        nonce: [2; 32],
+        tag: [0; 32],
     };
     s.write_all(&reply.encode()).await.unwrap();
     let mut req = [0; REQUEST_LEN];

@@ -81,6 +81,12 @@ pub struct ServeArgs {
     /// wakes the owner on each, and a few on a software device).
     #[arg(long)]
     pub notify_coalesce_ms: Option<u64>,
+    /// A file holding the cluster secret every peer must prove (its first
+    /// line; a second line is a next secret also accepted, for a roll-out).
+    /// Without it, FERRY_CLUSTER_SECRET or FERRY_CLUSTER_SECRET_FILE, if
+    /// set. Never on the command line, where `ps` shows it.
+    #[arg(long)]
+    pub cluster_secret_file: Option<std::path::PathBuf>,
 }
 
 fn parse_advertise(text: &str) -> Result<std::net::SocketAddr, String> {
@@ -116,6 +122,10 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
     }
     if let Some(us) = args.busy_poll_us {
         builder = builder.tcp_busy_poll(std::time::Duration::from_micros(us));
+    }
+    if let Some(path) = &args.cluster_secret_file {
+        let secret = ferry::ClusterSecret::from_file(path).map_err(|e| Failure(e.to_string()))?;
+        builder = builder.cluster_secret(secret);
     }
     if let Some(ms) = args.notify_coalesce_ms {
         builder = builder.ibverbs_config(ferry::ibverbs::IbvConfig {

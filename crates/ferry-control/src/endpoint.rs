@@ -24,8 +24,8 @@ use tracing::{debug, info, warn};
 use crate::limits::{Admission, ConnectionLimits, ConnectionPermit, IdleClose};
 use crate::session::{self, ServiceFuture, ServiceHandler};
 use crate::{
-    Channel, ControlError, DEFAULT_MAX_FRAME, EndpointError, Request, Service, ServiceError,
-    Session,
+    Channel, ControlError, DEFAULT_MAX_FRAME, Dialer, EndpointError, Request, Service,
+    ServiceError, Session,
 };
 
 /// Tuning of the endpoint.
@@ -108,6 +108,11 @@ impl Drop for Owner {
 /// so that dropping the last `Endpoint` ends them.
 pub(crate) struct Shared {
     pub local: NodeAddr,
+    /// How this node says hello, with its cluster secret, if any.
+    pub dialer: Dialer,
+    /// Connections refused for the cluster secret, and when they were
+    /// last logged.
+    auth_refusals: crate::auth::Refusals,
     pub config: EndpointConfig,
     pub shutdown: CancellationToken,
     admission: Arc<Admission>,
@@ -208,6 +213,22 @@ impl Endpoint {
         node: NodeId,
         config: EndpointConfig,
     ) -> Result<Endpoint, EndpointError> {
+        Self::bind_with_dialer(listen, advertise, config, Dialer::new(node, None)).await
+    }
+
+    /// [`Endpoint::bind`], for the node `dialer` says hello as, with its
+    /// cluster secret: every connection the endpoint accepts, and every one
+    /// its data planes open with [`Endpoint::dialer`] (control, data
+    /// channels, identify), must prove the same secret in its hello and is
+    /// refused otherwise (see [`crate::auth`]). [`Dialer::set_secret`]
+    /// changes it later, for both directions.
+    pub async fn bind_with_dialer(
+        listen: SocketAddr,
+        advertise: Option<SocketAddr>,
+        config: EndpointConfig,
+        dialer: Dialer,
+    ) -> Result<Endpoint, EndpointError> {
+        let node = dialer.id();
         if let Some(advertise) = advertise
             && advertise.ip().is_unspecified()
         {
@@ -230,6 +251,8 @@ impl Endpoint {
         let local = NodeAddr { id: node, endpoint };
         let shared = Arc::new(Shared {
             local,
+            dialer,
+            auth_refusals: crate::auth::Refusals::default(),
             config,
             shutdown: CancellationToken::new(),
             admission: Admission::new(config.limits, bound),
@@ -248,6 +271,19 @@ impl Endpoint {
     /// This node as peers reach it: its id and advertised endpoint.
     pub fn local(&self) -> NodeAddr {
         self.0.shared.local
+    }
+
+    /// How this node says hello to peers' endpoints (its id, and its
+    /// cluster secret): what data planes open their connections with.
+    pub fn dialer(&self) -> Dialer {
+        self.0.shared.dialer.clone()
+    }
+
+    /// Connections this endpoint refused for the cluster secret since it
+    /// started: without one, with another, or with a wrong or replayed
+    /// proof (see [`crate::auth`]).
+    pub fn auth_refusals(&self) -> u64 {
+        self.0.shared.auth_refusals.count()
     }
 
     /// The endpoint's configuration.
@@ -375,8 +411,8 @@ impl Endpoint {
             return Ok(session);
         }
         let open = async {
-            let stream = crate::hello::connect(peer, shared.local.id, Channel::CONTROL).await?;
-            session::start(shared, stream, Some(peer), None).await
+            let stream = shared.dialer.connect(peer, Channel::CONTROL).await?;
+            session::start(shared, stream, session::Side::Opened(peer)).await
         };
         let (session, _task) = tokio::select! {
             opened = tokio::time::timeout_at(deadline, open) => opened.map_err(|_| timed_out())??,
@@ -481,11 +517,12 @@ async fn serve_connection(
     let hello = permit
         .idle_within(
             shared.config.limits.hello_timeout,
-            crate::hello::accept(&mut stream, me, serves),
+            crate::hello::accept(&mut stream, me, shared.dialer.secret().as_ref(), serves),
         )
         .await;
     let hello = match hello {
         Ok(Ok(hello)) => hello,
+        Ok(Err(e)) if e.is_auth() => return shared.auth_refusals.refused(&remote, &e),
         Ok(Err(e)) => return debug!(%remote, error = %e, "hello failed"),
         Err(IdleClose::TimedOut(_)) => {
             return debug!(%remote, "no hello within the deadline; disconnected");
@@ -499,7 +536,14 @@ async fn serve_connection(
         let permit = Arc::new(permit);
         let opened = tokio::time::timeout(
             shared.config.limits.hello_timeout,
-            session::start(shared, stream, None, Some(permit.clone())),
+            session::start(
+                shared,
+                stream,
+                session::Side::Accepted {
+                    hello: hello.node,
+                    permit: permit.clone(),
+                },
+            ),
         )
         .await;
         match opened {

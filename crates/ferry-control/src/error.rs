@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use ferry_core::{NodeId, OpError};
 
-use crate::{Channel, HelloStatus, Service};
+use crate::{AuthFailure, Channel, HelloStatus, Service};
 
 /// Why talking to a peer's endpoint failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -45,6 +45,16 @@ pub enum ControlError {
         endpoint: SocketAddr,
         /// What its hello reply said, if it sent one.
         status: Option<HelloStatus>,
+    },
+    /// The two nodes do not hold the same cluster secret (see
+    /// [`crate::auth`]): the connection was closed before anything of its
+    /// channel crossed.
+    #[error("{endpoint} refused: {reason}")]
+    AuthFailed {
+        /// The peer's endpoint.
+        endpoint: SocketAddr,
+        /// Which side lacks what.
+        reason: AuthFailure,
     },
     /// The peer broke the protocol; the session (or connection) was closed.
     #[error("protocol violation on the session with {endpoint}: {reason}")]
@@ -105,6 +115,7 @@ impl ControlError {
             ControlError::Unreachable { endpoint, .. }
             | ControlError::WrongNode { endpoint, .. }
             | ControlError::Refused { endpoint, .. }
+            | ControlError::AuthFailed { endpoint, .. }
             | ControlError::Protocol { endpoint, .. }
             | ControlError::SessionClosed { endpoint }
             | ControlError::Timeout { endpoint, .. }
@@ -129,6 +140,10 @@ impl From<ControlError> for OpError {
                 expected, endpoint, ..
             } => OpError::UnknownNode { expected, endpoint },
             ControlError::SessionClosed { endpoint } => OpError::ConnectionLost { endpoint },
+            ControlError::AuthFailed { endpoint, reason } => OpError::AuthFailed {
+                endpoint,
+                reason: reason.to_string(),
+            },
             ControlError::Timeout { endpoint, .. } => OpError::PeerUnreachable {
                 endpoint,
                 reason: e.to_string(),

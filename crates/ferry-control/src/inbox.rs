@@ -87,6 +87,15 @@ pub enum MessageError {
         /// Why.
         reason: String,
     },
+    /// The peer and this node do not hold the same cluster secret: nothing
+    /// was sent.
+    #[error("{peer} refused: {reason}")]
+    AuthFailed {
+        /// The peer's endpoint.
+        peer: SocketAddr,
+        /// Which side lacks what.
+        reason: crate::AuthFailure,
+    },
     /// The session ended before the peer confirmed delivery.
     #[error("connection to {peer} lost before the message was confirmed")]
     ConnectionLost {
@@ -514,6 +523,7 @@ fn send_error(e: ControlError, timeout: Duration) -> MessageError {
             after: timeout,
         },
         ControlError::SessionClosed { .. } => MessageError::ConnectionLost { peer },
+        ControlError::AuthFailed { reason, .. } => MessageError::AuthFailed { peer, reason },
         ControlError::Busy { .. } => MessageError::Busy { peer },
         ControlError::Failed { message, .. } => MessageError::Refused {
             peer,

@@ -18,6 +18,7 @@
 
 #![warn(missing_docs)]
 
+pub mod auth;
 mod endpoint;
 mod error;
 pub mod frame;
@@ -29,10 +30,11 @@ mod session;
 pub mod socket;
 pub mod wire;
 
+pub use auth::{AuthFailure, ClusterSecret, SecretError};
 pub use endpoint::{Connection, Endpoint, EndpointConfig};
 pub use error::{ControlError, EndpointError};
 pub use frame::{DEFAULT_MAX_FRAME, Service};
-pub use hello::{Channel, HelloStatus, connect, identify};
+pub use hello::{Channel, Dialer, HelloStatus};
 pub use inbox::{
     Delivery, DeliveryKind, Inbox, MessageError, Messages, NotificationSink, OfferError,
 };

@@ -51,6 +51,15 @@ type Handler = Arc<dyn Fn(RpcRequest) -> RpcFuture + Send + Sync>;
 /// Why a call failed, or a handler could not be registered.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RpcError {
+    /// The peer and this node do not hold the same cluster secret: nothing
+    /// was sent.
+    #[error("{peer} refused: {reason}")]
+    AuthFailed {
+        /// The peer's endpoint.
+        peer: SocketAddr,
+        /// Which side lacks what.
+        reason: crate::AuthFailure,
+    },
     /// The peer has no handler of that name.
     #[error("{peer} has no RPC handler named '{name}'")]
     NoSuchHandler {
@@ -330,6 +339,7 @@ fn call_error(e: ControlError, name: &str, timeout: Duration) -> RpcError {
             name: name.into(),
         },
         ControlError::Busy { .. } => RpcError::Busy { peer },
+        ControlError::AuthFailed { reason, .. } => RpcError::AuthFailed { peer, reason },
         // A handler that panicked, or a malformed request.
         ControlError::Failed { message, .. } => RpcError::Failed {
             peer,

@@ -302,14 +302,33 @@ impl Inner {
     }
 }
 
+/// Which end of a session this node is.
+pub(crate) enum Side {
+    /// It opened the session, to this peer (whose id the hello checked).
+    Opened(NodeAddr),
+    /// The peer opened it, as node `hello` (the id its hello named, and
+    /// proved where the nodes hold a cluster secret), on an accepted
+    /// connection that holds `permit` (evictable while the peer stalls
+    /// mid-frame).
+    Accepted {
+        hello: ferry_core::NodeId,
+        permit: Arc<crate::ConnectionPermit>,
+    },
+}
+
 /// Sends our `Open`, reads the peer's, and agrees on a version. The opener
 /// speaks first; `expected` (ours to open) is the node the hello proved.
+/// The node the peer's `Open` names must be the one its hello named
+/// (`hello`, for a session the peer opened): the session, its deliveries
+/// and its calls carry that id, so a peer proving the cluster secret as
+/// one node cannot speak as another.
 async fn handshake(
     read: &mut FramedRead<OwnedReadHalf, ControlCodec>,
     write: &mut FramedWrite<OwnedWriteHalf, ControlCodec>,
     me: NodeAddr,
     remote: std::net::SocketAddr,
     expected: Option<NodeAddr>,
+    hello: Option<ferry_core::NodeId>,
 ) -> Result<(NodeAddr, u16), ControlError> {
     let protocol = |reason: String| ControlError::Protocol {
         endpoint: remote,
@@ -359,6 +378,14 @@ async fn handshake(
             node.id, expected.id
         )));
     }
+    if let Some(hello) = hello
+        && node.id != hello
+    {
+        return Err(protocol(format!(
+            "the session opened as node {} but its hello named node {hello}",
+            node.id
+        )));
+    }
     let version = SESSION_VERSIONS.1.min(max_version);
     if version < SESSION_VERSIONS.0.max(min_version) {
         return Err(protocol(format!(
@@ -370,16 +397,17 @@ async fn handshake(
 }
 
 /// Opens a session on `stream` (after a successful control hello) and runs
-/// it in a task of its own. `expected` is the peer for a session this node
-/// opens; `None` for one the peer opened, which comes with the accepted
-/// connection's `permit` (evictable while the peer stalls mid-frame).
-/// Returns the session and the task.
+/// it in a task of its own, as this node's `side` of it. Returns the
+/// session and the task.
 pub(crate) async fn start(
     shared: &Arc<Shared>,
     stream: TcpStream,
-    expected: Option<NodeAddr>,
-    permit: Option<Arc<crate::ConnectionPermit>>,
+    side: Side,
 ) -> Result<(Session, tokio::task::JoinHandle<()>), ControlError> {
+    let (expected, hello, permit) = match side {
+        Side::Opened(peer) => (Some(peer), None, None),
+        Side::Accepted { hello, permit } => (None, Some(hello), Some(permit)),
+    };
     let remote = stream
         .peer_addr()
         .unwrap_or_else(|_| expected.map_or(shared.local.endpoint, |p| p.endpoint));
@@ -390,7 +418,8 @@ pub(crate) async fn start(
     let max_frame = shared.config.max_frame;
     let mut read = FramedRead::new(read, ControlCodec::new(max_frame));
     let mut write = FramedWrite::new(write, ControlCodec::new(max_frame));
-    let (peer, version) = handshake(&mut read, &mut write, shared.local, remote, expected).await?;
+    let (peer, version) =
+        handshake(&mut read, &mut write, shared.local, remote, expected, hello).await?;
     let (outgoing, queue) = mpsc::channel(OUTGOING_QUEUE);
     let inner = Arc::new(Inner {
         id: shared.next_session_id(),

@@ -222,10 +222,13 @@ async fn raw_session_up_to(to: &Endpoint, max_version: u16) -> TcpStream {
         version: VERSION,
         channel: Channel::CONTROL,
         node: NodeId::random(),
+        proves: false,
+        nonce: [3; 32],
     };
     raw.write_all(&hello.encode()).await.unwrap();
-    let mut reply = [0; HELLO_LEN];
+    let mut reply = [0; HelloReply::LEN];
     raw.read_exact(&mut reply).await.unwrap();
+    let reply: [u8; HELLO_LEN] = reply[..HELLO_LEN].try_into().unwrap();
     assert_eq!(HelloReply::decode(&reply).unwrap().status, HelloStatus::Ok);
     let mut framed = Framed::new(raw, ControlCodec::default());
     framed
@@ -298,9 +301,11 @@ async fn sessions_of_incompatible_versions_are_refused_with_the_reason() {
         version: VERSION,
         channel: Channel::CONTROL,
         node: NodeId::random(),
+        proves: false,
+        nonce: [3; 32],
     };
     raw.write_all(&hello.encode()).await.unwrap();
-    let mut reply = [0; HELLO_LEN];
+    let mut reply = [0; HelloReply::LEN];
     raw.read_exact(&mut reply).await.unwrap();
     let mut framed = Framed::new(raw, ControlCodec::default());
     let future = SESSION_VERSIONS.1 + 1;
@@ -362,7 +367,8 @@ async fn data_channels_go_to_their_handler_and_others_are_refused() {
     ));
     b.start();
     let me = NodeId::random();
-    let mut stream = ferry_control::connect(b.local(), me, Channel::TCP_DATA)
+    let mut stream = ferry_control::Dialer::new(me, None)
+        .connect(b.local(), Channel::TCP_DATA)
         .await
         .unwrap();
     stream.write_all(&[41]).await.unwrap();
@@ -372,7 +378,8 @@ async fn data_channels_go_to_their_handler_and_others_are_refused() {
     assert_eq!(seen.load(Ordering::SeqCst), 1);
 
     assert_eq!(
-        ferry_control::connect(b.local(), me, Channel(77))
+        ferry_control::Dialer::new(me, None)
+            .connect(b.local(), Channel(77))
             .await
             .err(),
         Some(ControlError::Refused {
@@ -589,7 +596,8 @@ async fn at_a_bound_with_nothing_idle_a_new_connection_is_told_busy() {
     let a = endpoint().await;
     let session = a.session(b.local(), T).await.unwrap();
     for _ in 0..20 {
-        let refused = ferry_control::connect(b.local(), NodeId::random(), Channel::TCP_DATA)
+        let refused = ferry_control::Dialer::new(NodeId::random(), None)
+            .connect(b.local(), Channel::TCP_DATA)
             .await
             .unwrap_err();
         let endpoint = b.local().endpoint;

@@ -133,6 +133,16 @@ pub enum OpError {
         /// What the owner said, for people.
         reason: String,
     },
+    /// The owner and this node do not hold the same cluster secret (one
+    /// has none, or another): nothing was sent. Not transient: the
+    /// configuration of one of the two is wrong.
+    #[error("peer {endpoint} refused: {reason}")]
+    AuthFailed {
+        /// The owner's endpoint.
+        endpoint: SocketAddr,
+        /// Which side lacks what, for people.
+        reason: String,
+    },
 }
 
 /// [`OpError::StaleGeneration`]'s text: a handle older than the slot

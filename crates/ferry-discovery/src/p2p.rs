@@ -6,9 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use ferry_control::{
-    Channel, ControlError, Endpoint, EndpointError, Service, ServiceError, identify,
-};
+use ferry_control::{Channel, ControlError, Endpoint, EndpointError, Service, ServiceError};
 use ferry_core::NodeAddr;
 use tokio::time::Instant;
 
@@ -83,7 +81,7 @@ pub async fn fetch(
         endpoint: address,
         after: timeout,
     };
-    let id = tokio::time::timeout_at(deadline, identify(address, endpoint.local().id))
+    let id = tokio::time::timeout_at(deadline, endpoint.dialer().identify(address))
         .await
         .map_err(|_| timed_out.clone())??;
     let peer = NodeAddr {

@@ -50,10 +50,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_control::NotificationSink;
-use ferry_core::{MemoryBlock, NodeAddr, NodeId, PAGE_SIZE};
+use ferry_core::{MemoryBlock, NodeAddr, PAGE_SIZE};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
+use crate::auth::SocketAuth;
 use crate::shared::{alloc, map_sealed, mapping_of};
 use crate::socket::Packets;
 use crate::wire::{LaneAck, LaneOpen};
@@ -158,9 +159,10 @@ impl LaneSender {
     /// `Ok(None)` if the owner takes no notifications this way (an owner
     /// built before lanes closes the socket at the unknown packet).
     pub async fn open(
-        owner: NodeId,
+        owner: NodeAddr,
         from: NodeAddr,
         deadline: Instant,
+        auth: &SocketAuth,
     ) -> io::Result<Option<LaneSender>> {
         let block =
             alloc(ring_len(SLOTS, SLOT_LEN) as u64).map_err(|e| io::Error::other(e.to_string()))?;
@@ -170,7 +172,14 @@ impl LaneSender {
             slots: SLOTS,
             slot_len: SLOT_LEN,
         };
-        let socket = Packets::connect(&crate::socket_name(owner))?;
+        let socket = Packets::connect(&crate::socket_name(owner.id))?;
+        if let Some(secret) = &auth.secret() {
+            let proving = crate::auth::prove(&socket, auth.me, secret, owner);
+            tokio::time::timeout_at(deadline, proving)
+                .await
+                .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
+                .map_err(|e| io::Error::other(e.to_string()))?;
+        }
         let open = LaneOpen {
             from,
             slots: SLOTS,

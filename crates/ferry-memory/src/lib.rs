@@ -44,6 +44,7 @@
 
 #![warn(missing_docs)]
 
+mod auth;
 mod copy;
 mod drain;
 mod gate;
@@ -63,6 +64,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_control::NotificationSink;
+use ferry_control::auth::Refusals;
+use ferry_control::hello::SecretCell;
 use ferry_core::{
     MemRemote, MemoryBlock, NodeAddr, NodeId, OpError, RdmaOp, RegisterError, RegisterRegion,
     RemoteBuffer, SubmitError, random_u128,
@@ -124,6 +127,8 @@ struct Inner {
     /// listener); taken by [`MemoryBackend::shutdown`].
     server: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     sweeper: tokio::task::JoinHandle<()>,
+    /// Peers' sockets refused for the cluster secret.
+    refusals: Arc<Refusals>,
 }
 
 impl Drop for Inner {
@@ -142,7 +147,13 @@ pub struct MemoryBackend(Arc<Inner>);
 impl MemoryBackend {
     /// Starts sharing regions for node `node` (listening on its socket).
     /// Needs a tokio runtime.
-    pub fn start(node: NodeId) -> Result<Self, MemoryError> {
+    ///
+    /// With a secret in `secret` (the node's endpoint's, shared), every same-host socket (region requests, notification
+    /// lanes) proves it both ways before anything else crosses, and peers
+    /// without it are refused (`ferry_control::auth`).
+    pub fn start(node: NodeId, secret: SecretCell) -> Result<Self, MemoryError> {
+        let auth = Arc::new(auth::SocketAuth { me: node, secret });
+        let refusals = Arc::new(Refusals::default());
         let boot_id = boot_id().ok_or(MemoryError::NoBootId)?;
         let listener = socket::Listener::bind(&socket_name(node))?;
         let gates = gate::Gates::new();
@@ -159,8 +170,10 @@ impl MemoryBackend {
             exports.clone(),
             Arc::clone(&served),
             Arc::clone(&lanes),
+            auth.clone(),
+            refusals.clone(),
         ));
-        let links = Arc::new(peer::Links::default());
+        let links = Arc::new(peer::Links::new(auth));
         let sweeper = {
             let links = Arc::downgrade(&links);
             tokio::spawn(async move {
@@ -180,7 +193,14 @@ impl MemoryBackend {
             lanes,
             server: std::sync::Mutex::new(Some(server)),
             sweeper,
+            refusals,
         })))
+    }
+
+    /// Same-host sockets refused for the cluster secret since the start
+    /// (a peer without it, with another, or with a wrong proof).
+    pub fn auth_refusals(&self) -> u64 {
+        self.0.refusals.count()
     }
 
     /// Stops the transport for good, in both directions: no peer is

@@ -29,11 +29,13 @@ use std::sync::{Arc, Mutex};
 use ferry_core::{Access, Generation, MemoryBlock, RegionId, token_grants};
 use tracing::{debug, warn};
 
+use crate::auth::{self, SocketAuth};
 use crate::gate::{Gate, Gates, Pidfd};
 use crate::lane::{OwnerLanes, serve_lane};
 use crate::shared::{alive, mapping_of};
 use crate::socket::{Listener, Packets};
-use crate::wire::{Answer, LaneOpen, Refusal, Reply, Request};
+use crate::wire::{Answer, LaneAck, LaneOpen, Refusal, Reply, Request};
+use ferry_control::auth::Refusals;
 
 /// A region shared with same-host peers.
 struct Export {
@@ -336,6 +338,8 @@ pub(crate) async fn serve(
     exports: Arc<Exports>,
     served: Arc<AtomicUsize>,
     lanes: Arc<OwnerLanes>,
+    auth: Arc<SocketAuth>,
+    refusals: Arc<Refusals>,
 ) {
     let mut peers = tokio::task::JoinSet::new();
     loop {
@@ -354,7 +358,13 @@ pub(crate) async fn serve(
                     continue;
                 }
                 debug!(pid = ?peer.peer_pid(), "memory transport: a same-host peer connected");
-                peers.spawn(answer_peer(peer, exports.clone(), lanes.clone()));
+                peers.spawn(answer_peer(
+                    peer,
+                    exports.clone(),
+                    lanes.clone(),
+                    auth.clone(),
+                    refusals.clone(),
+                ));
                 served.store(peers.len(), Ordering::Relaxed);
             }
             Err(e) => {
@@ -367,28 +377,71 @@ pub(crate) async fn serve(
 }
 
 /// Answers one peer's socket: region requests, until it asks for a
-/// notification lane, which the socket then carries (`lane.rs`).
-async fn answer_peer(peer: Packets, exports: Arc<Exports>, lanes: Arc<OwnerLanes>) {
-    let mut buf = [0u8; LaneOpen::LEN];
+/// notification lane, which the socket then carries (`lane.rs`). Where this
+/// node has a cluster secret, the peer proves it first (`auth.rs`), and a
+/// lane it opens must name the node it proved it is.
+async fn answer_peer(
+    peer: Packets,
+    exports: Arc<Exports>,
+    lanes: Arc<OwnerLanes>,
+    auth: Arc<SocketAuth>,
+    refusals: Arc<Refusals>,
+) {
+    let mut buf = [0u8; 64];
+    const _: () = assert!(LaneOpen::LEN <= 64 && Request::LEN <= 64);
     let mut asker = Asker {
         socket: &peer,
         lane: None,
     };
+    let pid = peer.peer_pid().unwrap_or(0);
+    let from = || format!("same-host process {pid}");
+    // The node the peer proved it is; `None` until then, and for good
+    // where this node has no secret.
+    let mut proven = None;
     loop {
-        let (answer, fd) = match peer.recv(&mut buf).await {
+        let (n, fd) = match peer.recv(&mut buf).await {
             Ok((0, _)) | Err(_) => return,
-            Ok((n, fd)) => match Request::decode(&buf[..n]) {
-                Some(request) => {
-                    let (reply, fd) = exports.answer(&request, &mut asker);
-                    (Answer::to(&request, reply), fd)
+            Ok(got) => got,
+        };
+        let packet = &buf[..n];
+        if auth::is_hello(packet) {
+            match auth::check(&peer, packet, &auth).await {
+                Ok(node) if proven.is_none() => {
+                    proven = Some(node);
+                    continue;
                 }
-                None => match LaneOpen::decode(&buf[..n]) {
-                    Some(open) => {
-                        return serve_lane(peer, open, fd, lanes).await;
-                    }
-                    // Neither: nothing to answer to; the peer broke.
-                    None => return,
-                },
+                Ok(_) => return,
+                Err(e) => return refusals.refused(&from(), &e),
+            }
+        }
+        let unproven = auth.secret().is_some() && proven.is_none();
+        let (answer, fd) = match Request::decode(packet) {
+            Some(request) if unproven => {
+                refusals.refused(&from(), &"a region request without the cluster secret");
+                let refused = Reply::Refused(Refusal::Unauthenticated);
+                let _ = peer
+                    .send(&Answer::to(&request, refused).encode(), None)
+                    .await;
+                return;
+            }
+            Some(request) => {
+                let (reply, fd) = exports.answer(&request, &mut asker);
+                (Answer::to(&request, reply), fd)
+            }
+            None => match LaneOpen::decode(packet) {
+                Some(open) if unproven || proven.is_some_and(|node| node != open.from.id) => {
+                    refusals.refused(
+                        &from(),
+                        &"a notification lane without the cluster secret, or for another node",
+                    );
+                    let _ = peer.send(&LaneAck::Refused.encode(), None).await;
+                    return;
+                }
+                Some(open) => {
+                    return serve_lane(peer, open, fd, lanes).await;
+                }
+                // Neither: nothing to answer to; the peer broke.
+                None => return,
             },
         };
         use std::os::fd::AsFd;

@@ -27,12 +27,13 @@ use ferry_core::{
 };
 
 use crate::DataPathNotification;
+use crate::auth::SocketAuth;
 use crate::gate::Table;
 use crate::lane::{self, LaneSender, Pushed};
 use crate::mapping::Mapping;
 use crate::pvm::{Grant, Probe, probe};
 use crate::socket::Packets;
-use crate::wire::{Answer, Reply, Request};
+use crate::wire::{Answer, Refusal, Reply, Request};
 
 /// A region as granted by its owner: mapped here, or reached over
 /// `process_vm`.
@@ -105,6 +106,12 @@ pub(crate) struct Link {
     lane: tokio::sync::OnceCell<Option<Arc<LaneSender>>>,
     /// Until when a lane that could not be opened is not asked for again.
     lane_retry: Mutex<Option<Instant>>,
+    /// This node, and the cluster secret the socket proves, if any.
+    auth: Arc<SocketAuth>,
+    /// How proving it went (once, before the socket's first request): a
+    /// failure stays, and the socket is shut, so that the owner does not
+    /// wait for a proof and every op through the link is told why.
+    proved: tokio::sync::OnceCell<Result<(), OpError>>,
 }
 
 impl Link {
@@ -123,7 +130,7 @@ impl Link {
         }
         let open_by = deadline.min(tokio::time::Instant::now() + lane::OPEN_WAIT);
         let opening = self.lane.get_or_try_init(|| async {
-            LaneSender::open(self.owner.id, from, open_by)
+            LaneSender::open(self.owner, from, open_by, &self.auth)
                 .await
                 .map(|lane| lane.map(Arc::new))
         });
@@ -277,6 +284,17 @@ impl Link {
         if let Some(mapping) = cached() {
             return mapping;
         }
+        if let Some(secret) = &self.auth.secret() {
+            let proving = async {
+                let proved =
+                    crate::auth::prove(&self.packets, self.auth.me, secret, self.owner).await;
+                if proved.is_err() {
+                    self.packets.shutdown();
+                }
+                proved
+            };
+            self.proved.get_or_init(|| proving).await.clone()?;
+        }
         let request = Request {
             region: remote.region(),
             generation: remote.generation(),
@@ -309,6 +327,12 @@ impl Link {
             }
         };
         if let Reply::Refused(refusal) = reply {
+            if refusal == Refusal::Unauthenticated {
+                return Err(OpError::AuthFailed {
+                    endpoint: self.owner.endpoint,
+                    reason: ferry_control::AuthFailure::SecretRequired.to_string(),
+                });
+            }
             return Err(refusal.error(remote.generation()));
         }
         let fd = fd.ok_or_else(|| OpError::Protocol("a grant without a descriptor".into()))?;
@@ -395,14 +419,26 @@ enum LinkState {
 /// first [`Links::sweep`] after its socket closed (the owner stopped or
 /// died) with no copy using it, and an unreachable verdict after
 /// [`UNREACHABLE_FOR`].
-#[derive(Default)]
-pub(crate) struct Links(Mutex<HashMap<NodeId, LinkState>>);
+pub(crate) struct Links {
+    links: Mutex<HashMap<NodeId, LinkState>>,
+    /// Who this node is, and the secret its sockets prove.
+    auth: Arc<SocketAuth>,
+}
 
 impl Links {
+    /// No links yet; each one proves `auth`'s secret, if any, when it
+    /// connects.
+    pub fn new(auth: Arc<SocketAuth>) -> Self {
+        Links {
+            links: Mutex::default(),
+            auth,
+        }
+    }
+
     /// The link to `owner`, connecting on first use; `None` when it cannot
     /// be reached this way (remembered for [`UNREACHABLE_FOR`]).
     pub fn get(&self, owner: NodeAddr) -> Option<Arc<Link>> {
-        let mut links = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
         match links.get(&owner.id) {
             Some(LinkState::Up(link)) => return Some(link.clone()),
             Some(LinkState::Unreachable(since)) if since.elapsed() < UNREACHABLE_FOR => {
@@ -423,6 +459,8 @@ impl Links {
                 mapped: Mutex::default(),
                 lane: tokio::sync::OnceCell::new(),
                 lane_retry: Mutex::default(),
+                auth: self.auth.clone(),
+                proved: tokio::sync::OnceCell::new(),
             })),
             // Nobody listens under that name here (another host, another
             // network namespace, memory off, or it stopped): remembered.
@@ -447,7 +485,12 @@ impl Links {
 
     /// The link to `owner` if one is up, without connecting.
     pub fn known(&self, owner: NodeId) -> Option<Arc<Link>> {
-        match self.0.lock().unwrap_or_else(|e| e.into_inner()).get(&owner) {
+        match self
+            .links
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&owner)
+        {
             Some(LinkState::Up(link)) => Some(link.clone()),
             _ => None,
         }
@@ -457,7 +500,7 @@ impl Links {
     /// last copy through them ends. Ops that still name it find it
     /// unreachable (and remember that for a while).
     pub fn drop_link(&self, owner: NodeId) {
-        self.0
+        self.links
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(owner, LinkState::Unreachable(Instant::now()));
@@ -466,14 +509,14 @@ impl Links {
     /// Forgets every owner (this node is shutting down); mappings go when
     /// the last copy through them ends.
     pub fn clear(&self) {
-        let links = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+        let links = std::mem::take(&mut *self.links.lock().unwrap_or_else(|e| e.into_inner()));
         drop(links);
     }
 
     /// Owners with an entry here (linked, or remembered unreachable). For
     /// leak checks and `ferry info`.
     pub fn len(&self) -> usize {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.links.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// Unmaps regions their owners stopped sharing, and every region of
@@ -485,7 +528,7 @@ impl Links {
         let mut unmap: Vec<Target> = Vec::new();
         let mut gone: Vec<Arc<Link>> = Vec::new();
         {
-            let mut links = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
             // Owners gone, and verdicts of unreachable that expired, leave.
             let dead = links.extract_if(|_, state| match state {
                 LinkState::Up(link) => !link.is_alive(),

@@ -159,6 +159,13 @@ impl Packets {
         }
     }
 
+    /// Shuts the socket both ways: the peer sees it closed at once, and
+    /// [`Packets::is_closed`] says so here.
+    pub fn shutdown(&self) {
+        // SAFETY: a plain syscall on the socket's open descriptor.
+        unsafe { libc::shutdown(self.0.as_raw_fd(), libc::SHUT_RDWR) };
+    }
+
     /// The socket's descriptor.
     pub fn fd(&self) -> BorrowedFd<'_> {
         use std::os::fd::AsFd;

@@ -181,6 +181,8 @@ pub enum Refusal {
     /// The owner already serves `process_vm` to as many processes as its
     /// gate table has lanes.
     NoLane,
+    /// The owner requires its cluster secret, and the peer proved none.
+    Unauthenticated,
 }
 
 impl Refusal {
@@ -199,6 +201,10 @@ impl Refusal {
             }
             Refusal::NoLane => OpError::Protocol(
                 "the owner serves process_vm to too many processes to take another".into(),
+            ),
+            // The link names the owner's endpoint instead (`peer.rs`).
+            Refusal::Unauthenticated => OpError::Protocol(
+                "the same-host owner requires a cluster secret and this node has none".into(),
             ),
         }
     }
@@ -243,6 +249,7 @@ impl Reply {
                     Refusal::ReadOnly => (4, 0),
                     Refusal::BadRequest => (5, 0),
                     Refusal::NoLane => (6, 0),
+                    Refusal::Unauthenticated => (7, 0),
                 };
                 out[0] = code;
                 out[4..8].copy_from_slice(&current.to_le_bytes());
@@ -268,6 +275,7 @@ impl Reply {
             4 => Reply::Refused(Refusal::ReadOnly),
             5 => Reply::Refused(Refusal::BadRequest),
             6 => Reply::Refused(Refusal::NoLane),
+            7 => Reply::Refused(Refusal::Unauthenticated),
             PROCESS_VM => Reply::ProcessVm {
                 base: u64_at(8),
                 len: u64_at(16),
@@ -402,6 +410,7 @@ mod tests {
             }),
             Reply::Refused(Refusal::ReadOnly),
             Reply::Refused(Refusal::NoLane),
+            Reply::Refused(Refusal::Unauthenticated),
             Reply::ProcessVm {
                 base: 0x7f00_0000_1000,
                 len: 5,

@@ -136,6 +136,10 @@ impl Engine {
         if let Some(advertise) = options.advertise {
             builder = builder.advertise(advertise);
         }
+        if let Some(path) = &options.cluster_secret_file {
+            let secret = ferry::ClusterSecret::from_file(path).map_err(|e| e.to_string())?;
+            builder = builder.cluster_secret(secret);
+        }
         if let Some(n) = options.tcp_connections {
             builder = builder.tcp_connections(n);
         }

@@ -29,6 +29,9 @@ pub struct Options {
     /// Each transfer's deadline: NIXL has none of its own, so a stopped
     /// peer would keep a request in progress forever.
     pub deadline: Duration,
+    /// The file holding the cluster secret every peer must prove, if any
+    /// (else ferry's own `FERRY_CLUSTER_SECRET`, if set).
+    pub cluster_secret_file: Option<std::path::PathBuf>,
 }
 
 /// Every option, its default, and what it means: `get_plugin_params`.
@@ -53,6 +56,11 @@ pub const DEFAULTS: &[(&str, &str, &str)] = &[
         "tcp_busy_poll_us",
         "0",
         "microseconds a TCP data connection polls for answers before it sleeps",
+    ),
+    (
+        "cluster_secret_file",
+        "",
+        "file holding the cluster secret every peer must prove (none if empty)",
     ),
     (
         "deadline_ms",
@@ -120,6 +128,10 @@ impl Options {
                     .parse()
                     .map_err(|e| bad("tcp_busy_poll_us", &e))?,
             ),
+            cluster_secret_file: match get("cluster_secret_file") {
+                "" => None,
+                path => Some(path.into()),
+            },
             deadline: Duration::from_millis(
                 get("deadline_ms")
                     .parse()

@@ -284,6 +284,7 @@ impl TcpBackend {
         })?;
         let peers = Peers::new(ClientConfig {
             local,
+            dialer: endpoint.dialer(),
             connections: config.connections_per_peer,
             chunk_size: config.chunk_size,
             queue_depth: config.queue_depth,

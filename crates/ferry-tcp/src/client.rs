@@ -23,10 +23,12 @@ use crate::gather::Gather;
 use crate::pool::{Peer, PeerRef, PeerTable};
 
 /// Initiator tuning; see `TcpConfig` for what each knob trades.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct ClientConfig {
     /// This node, as notifications name their sender.
     pub local: NodeAddr,
+    /// How connections say hello (with the cluster secret, if any).
+    pub dialer: ferry_control::Dialer,
     pub connections: usize,
     pub chunk_size: usize,
     pub queue_depth: usize,
@@ -101,7 +103,7 @@ impl Peers {
         let peer = self.peer(addr);
         let mut failed = None;
         for slot in 0..peer.size() {
-            let opening = peer.open(slot, self.config);
+            let opening = peer.open(slot, self.config.clone());
             match tokio::time::timeout_at(deadline, opening).await {
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => failed = Some(e),
@@ -243,7 +245,7 @@ impl Peers {
         let enqueue = async {
             let ops_len = ops.len();
             let tag = notification.as_ref().map_or(0, |n| n.tag);
-            let mut route = Route::new(self.config, notification.is_some());
+            let mut route = Route::new(self.config.clone(), notification.is_some());
             // Consecutive small ops of one region, to go as one request.
             let mut gather: Option<Gather> = None;
             // As many bytes as one chunk: a run of 4 or 64 KiB ops then
@@ -344,7 +346,7 @@ impl Peers {
                 let conn = match route.pinned.remove(owner) {
                     Some(conn) => conn,
                     // Only zero-length ops for this owner: nothing to follow.
-                    None => self.peer(*owner).connection(self.config).await,
+                    None => self.peer(*owner).connection(self.config.clone()).await,
                 };
                 match conn {
                     Ok(conn) => conn.queue(chunk).await,
@@ -397,7 +399,7 @@ impl Route {
     async fn send(&mut self, peer: &PeerRef, chunk: Chunk, len: u64) {
         if self.notified {
             if let Entry::Vacant(slot) = self.pinned.entry(peer.addr) {
-                slot.insert(peer.connection(self.config).await);
+                slot.insert(peer.connection(self.config.clone()).await);
             }
             match &self.pinned[&peer.addr] {
                 Ok(conn) => conn.queue(chunk).await,
@@ -412,7 +414,7 @@ impl Route {
             *addr == peer.addr && *sent < RUN_BYTES && !conn.closed.is_cancelled()
         });
         if !reuse {
-            match peer.connection(self.config).await {
+            match peer.connection(self.config.clone()).await {
                 Ok(conn) => self.current = Some((peer.addr, conn, 0)),
                 Err(e) => {
                     chunk.finish(Err(e.clone()));

@@ -82,11 +82,11 @@ pub(crate) async fn connect(
     config: ClientConfig,
     pool: (std::sync::Weak<PeerTable>, NodeAddr),
 ) -> Result<Conn, OpError> {
-    let stream = ferry_control::connect(addr, config.local.id, Channel::TCP_DATA).await?;
+    let stream = config.dialer.connect(addr, Channel::TCP_DATA).await?;
     let endpoint = addr.endpoint;
     let (tx, rx) = mpsc::channel(config.queue_depth.max(1));
     let closed = CancellationToken::new();
-    let run = run_connection(stream, rx, closed.clone(), endpoint, config);
+    let run = run_connection(stream, rx, closed.clone(), endpoint, config.clone());
     tokio::spawn(async move {
         let unread = run.await;
         if !unread.is_empty() {

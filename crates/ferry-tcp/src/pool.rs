@@ -208,17 +208,17 @@ impl Peer {
                 _ => {
                     if let Some(conn) = self.instead_of(slot) {
                         drop(guard);
-                        self.grow(slot, config);
+                        self.grow(slot, config.clone());
                         return Ok(conn);
                     }
                     let release = (self.table.clone(), self.addr);
-                    match connect(self.addr, config, release).await {
+                    match connect(self.addr, config.clone(), release).await {
                         Ok(conn) => {
                             let conn = guard.insert(conn).clone();
                             drop(guard);
                             (0..self.slots.len())
                                 .filter(|&other| other != slot)
-                                .for_each(|other| self.grow(other, config));
+                                .for_each(|other| self.grow(other, config.clone()));
                             return Ok(conn);
                         }
                         Err(e) => Some(e),

@@ -8,9 +8,9 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use ferry_control::{Connection, ConnectionPermit, IdleClose, Messages, OfferError};
-use ferry_core::{MemoryHold, MemoryHolder};
+use ferry_core::{MemoryHold, MemoryHolder, NodeId};
 use tokio::net::TcpStream;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::frame::{
     ClientFrame, Notify, NotifyOutcome, REQUEST_LEN, RESPONSE_LEN, Range, Ranges, Refusal,
@@ -58,7 +58,7 @@ pub(crate) async fn serve_connection(
     // `ConnectionLimits::frame_timeout`), reads and response writes alike.
     let permit = Arc::new(permit);
     let reader = FrameReader::new(busy_poll).mid_frame_bound(permit.clone());
-    match serve(&stream, reader, &table, &inbox, &permit, &peer).await {
+    match serve(&stream, reader, &table, &inbox, &permit, &peer, node).await {
         Ok(None) => {}
         Ok(Some(idle)) => debug!(%remote, "data connection closed: {idle}"),
         Err(e) => debug!(%remote, error = %e, "data connection closed with an error"),
@@ -73,6 +73,7 @@ async fn serve(
     inbox: &Weak<Messages>,
     permit: &ConnectionPermit,
     peer: &MemoryHolder,
+    node: NodeId,
 ) -> io::Result<Option<IdleClose>> {
     let mut failed_tags = HashSet::new();
     let mut out = Outgoing::default();
@@ -137,6 +138,17 @@ async fn serve(
                     tag: ranges.tag,
                 };
                 (asked, checked)
+            }
+            Ok(ClientFrame::Notify(notify)) if notify.from.id != node => {
+                // The sender a notification names is the node this
+                // connection's hello named (and, with a cluster secret,
+                // proved): a peer cannot speak as another node. Refused
+                // and hung up on, as for a malformed frame.
+                warn!(hello = %node, claimed = %notify.from.id,
+                    "a notification naming another node than the connection's; disconnected");
+                out.refuse(notify.id, 0, Refusal::Malformed, 0);
+                out.flush(stream, permit).await?;
+                return Err(invalid("a notification naming another node"));
             }
             Ok(ClientFrame::Notify(notify)) => {
                 let outcome =

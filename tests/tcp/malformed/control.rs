@@ -22,9 +22,12 @@ pub(super) async fn hello_round(rng: &mut fastrand::Rng, owner: NodeAddr, sent: 
         version: VERSION,
         channel: Channel::IDENTIFY,
         node: NodeId(rng.u128(..)),
+        proves: false,
+        nonce: [7; 32],
     }
     .encode();
-    let expected = match rng.u8(..5) {
+    let mut len = hello.len();
+    let expected = match rng.u8(..6) {
         0 => {
             rng.fill(&mut hello);
             if hello[..4] == MAGIC.to_le_bytes() {
@@ -33,7 +36,7 @@ pub(super) async fn hello_round(rng: &mut fastrand::Rng, owner: NodeAddr, sent: 
             None
         }
         1 => {
-            let cut = rng.usize(..HELLO_LEN);
+            let cut = rng.usize(..Hello::LEN);
             s.write_all(&hello[..cut]).await.unwrap();
             s.shutdown().await.unwrap();
             assert!(rest(&mut s).await.is_empty());
@@ -43,21 +46,31 @@ pub(super) async fn hello_round(rng: &mut fastrand::Rng, owner: NodeAddr, sent: 
         2 => {
             let version = rng.u16(..);
             hello[4..6].copy_from_slice(&version.to_le_bytes());
+            // A node of another version sends another length: the header,
+            // all a refusal reads.
+            len = HELLO_LEN;
             (version != VERSION).then_some(HelloStatus::BadVersion)
         }
         3 => {
             hello[6] = rng.u8(4..);
             Some(HelloStatus::BadChannel)
         }
+        // An authenticated hello (a node with a cluster secret): this node
+        // has none, and says so.
+        4 => {
+            hello[7] = 1;
+            rng.fill(&mut hello[HELLO_LEN..]);
+            Some(HelloStatus::NoSecret)
+        }
         _ => Some(HelloStatus::Ok),
     };
-    s.write_all(&hello).await.unwrap();
+    s.write_all(&hello[..len]).await.unwrap();
     let answer = rest(&mut s).await;
     match expected {
         None if hello[..4] != MAGIC.to_le_bytes() => assert!(answer.is_empty()),
         // A random version that happens to be this one: an identify.
         expected => {
-            let reply = HelloReply::decode(&answer[..].try_into().unwrap()).unwrap();
+            let reply = HelloReply::decode(answer[..HELLO_LEN].try_into().unwrap()).unwrap();
             assert_eq!(reply.status, expected.unwrap_or(HelloStatus::Ok));
             assert_eq!(reply.node, owner.id);
         }

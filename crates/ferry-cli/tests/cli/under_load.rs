@@ -234,12 +234,18 @@ async fn hello_only(server: SocketAddr, from: IpAddr) -> Option<TcpStream> {
         version: VERSION,
         channel: Channel::TCP_DATA,
         node: NodeId::random(),
+        proves: false,
+        nonce: [1; 32],
     }
     .encode();
     let exchange = async {
         stream.write_all(&hello).await?;
         let mut reply = [0; HELLO_LEN];
         stream.read_exact(&mut reply).await?;
+        if HelloReply::decode(&reply).unwrap().status == HelloStatus::Ok {
+            let mut tail = [0; HelloReply::LEN - HELLO_LEN];
+            stream.read_exact(&mut tail).await?;
+        }
         Ok::<_, std::io::Error>(reply)
     };
     let reply = tokio::time::timeout(PROMPT, exchange)

@@ -2,7 +2,7 @@
 //! with an inbox, talking over the same abstract sockets as two processes.
 
 use ferry_control::{DeliveryKind, Endpoint, EndpointConfig, Inbox, Messages};
-use ferry_core::OpError;
+use ferry_core::{NodeId, OpError};
 
 use super::*;
 use crate::{DataPathNotification, MemoryBackend};
@@ -14,7 +14,7 @@ const WAIT: Duration = Duration::from_secs(10);
 /// an inbox of `capacity` (none when 0), and that node's address.
 async fn node(capacity: usize) -> (MemoryBackend, NodeAddr, Option<(Arc<Messages>, Inbox)>) {
     let id = NodeId::random();
-    let backend = MemoryBackend::start(id).unwrap();
+    let backend = MemoryBackend::start(id, Default::default()).unwrap();
     let endpoint = Endpoint::bind(
         "127.0.0.1:0".parse().unwrap(),
         None,
@@ -200,7 +200,7 @@ async fn a_scribbled_ring_ends_its_lane_and_nothing_else() {
     let (_owner, owner_addr, inbox) = node(8).await;
     let (_messages, mut inbox) = inbox.unwrap();
     let (_, from, _) = node(0).await;
-    let lane = LaneSender::open(owner_addr.id, from, deadline())
+    let lane = LaneSender::open(owner_addr, from, deadline(), &no_secret(from))
         .await
         .unwrap()
         .expect("a lane");
@@ -208,7 +208,7 @@ async fn a_scribbled_ring_ends_its_lane_and_nothing_else() {
     assert_eq!(next(&mut inbox, from).await, b"fine"[..]);
     // A length over the slot's, then a count past the ring's.
     for scribble in [0, 1] {
-        let lane = LaneSender::open(owner_addr.id, from, deadline())
+        let lane = LaneSender::open(owner_addr, from, deadline(), &no_secret(from))
             .await
             .unwrap()
             .expect("a lane");
@@ -232,4 +232,11 @@ async fn a_scribbled_ring_ends_its_lane_and_nothing_else() {
     assert!(inbox.try_recv().is_none());
     assert_eq!(lane.push(b"still").unwrap(), Pushed::Accepted);
     assert_eq!(next(&mut inbox, from).await, b"still"[..]);
+}
+
+fn no_secret(from: NodeAddr) -> crate::auth::SocketAuth {
+    crate::auth::SocketAuth {
+        me: from.id,
+        secret: Default::default(),
+    }
 }
