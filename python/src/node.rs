@@ -117,7 +117,8 @@ impl NativeNode {
             builder = builder.tcp_connections(n);
         }
         if let Some(secret) = cluster_secret {
-            let secret = ferry::ClusterSecret::new(secret).map_err(|e| errors::invalid(e.to_string()))?;
+            let secret =
+                ferry::ClusterSecret::new(secret).map_err(|e| errors::invalid(e.to_string()))?;
             builder = builder.cluster_secret(secret);
         }
         if let Some(endpoint) = etcd {
