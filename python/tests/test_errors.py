@@ -484,3 +484,32 @@ def test_argument_errors(node: ferry.Node) -> None:
         other.close()  # twice: nothing
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("transport", ["memory", "tcp"])
+def test_a_node_without_the_cluster_secret_is_refused_with_auth_failed(
+    monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
+    """Nodes holding one cluster secret move bytes; one without it, or with
+    another, gets :class:`AuthFailed` and the owner's bytes stay."""
+    if transport == "tcp":
+        monkeypatch.setenv("FERRY_DISABLE_MEMORY", "1")
+    secret = b"the python suite's secret, 32 B"
+    with ferry.Node(cluster_secret=secret) as owner, ferry.Node(cluster_secret=secret.decode()) as peer:
+        target = owner.alloc(4096)
+        u8(target)[:] = 7
+        src = peer.alloc(4096)
+        u8(src)[:] = 9
+        peer.write(src, target.remote())
+        assert (u8(target) == 9).all()
+        u8(target)[:] = 7
+        for other in (None, b"another cluster's secret, 32 B!"):
+            with ferry.Node(cluster_secret=other) as stranger:
+                src = stranger.alloc(4096)
+                with pytest.raises(ferry.AuthFailed):
+                    stranger.write(src, target.remote())
+                with pytest.raises(ferry.AuthFailed):
+                    stranger.send_message(owner.addr, b"forged")
+        assert (u8(target) == 7).all()
+    with pytest.raises(ferry.InvalidArgument):
+        ferry.Node(cluster_secret=b"short")

@@ -2,13 +2,13 @@
 
 use std::time::{Duration, Instant};
 
-use ferry::NodeId;
 use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
 use ferry::control::{Channel, HelloStatus};
 use ferry::prelude::*;
 use ferry::tcp::frame::{
     MAX_CHUNK, Notify, NotifyOutcome, RESPONSE_LEN, Refusal, Request, RequestKind, Response,
 };
+use ferry::{NodeAddr, NodeId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -323,11 +323,15 @@ async fn peer_killed_mid_transfer_fails_before_the_deadline() {
     assert!(back.to_vec() == target.original());
 }
 
+/// The node id raw clients here say hello as, which their notifications
+/// must name (the node binds a notification's sender to its connection's).
+const RAW_CLIENT: NodeId = NodeId(0xc1_1e47);
+
 async fn hello(stream: &mut TcpStream, version: u16) -> HelloReply {
     let hello = Hello {
         version,
         channel: Channel::TCP_DATA,
-        node: NodeId::random(),
+        node: RAW_CLIENT,
         proves: false,
         nonce: [1; 32],
     }
@@ -479,7 +483,10 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
         tag,
         len,
         discard,
-        from: node.addr(),
+        from: NodeAddr {
+            id: RAW_CLIENT,
+            endpoint: node.addr().endpoint,
+        },
     };
     let mut s = TcpStream::connect(endpoint).await.unwrap();
     hello(&mut s, VERSION).await;

@@ -117,6 +117,10 @@ async fn hello_only(server: SocketAddr, from: &str) -> Option<TcpStream> {
 
 /// A client from `from` that says a hello for `channel`: `Some` if the
 /// server took it.
+/// The node id raw clients here say hello as, which their control
+/// sessions' `Open` must name (the node binds it to the hello's).
+const RAW_CLIENT: NodeId = NodeId(0x5e55_1011);
+
 async fn hello_on(server: SocketAddr, from: &str, channel: Channel) -> Option<TcpStream> {
     let socket = TcpSocket::new_v4().unwrap();
     socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
@@ -124,7 +128,7 @@ async fn hello_on(server: SocketAddr, from: &str, channel: Channel) -> Option<Tc
     let hello = Hello {
         version: VERSION,
         channel,
-        node: NodeId::random(),
+        node: RAW_CLIENT,
         proves: false,
         nonce: [1; 32],
     };
@@ -313,7 +317,7 @@ async fn stalled_client(server: SocketAddr, stall: Stall) -> Option<TcpStream> {
                 min_version: SESSION_VERSIONS.0,
                 max_version: SESSION_VERSIONS.1,
                 node: NodeAddr {
-                    id: NodeId::random(),
+                    id: RAW_CLIENT,
                     endpoint: "127.0.0.1:9".parse().unwrap(),
                 },
             };
