@@ -136,6 +136,9 @@ struct Info {
     /// Bounds a node's endpoint puts on the connections it accepts here.
     connection_limits: Limits,
     liveness: Liveness,
+    /// Whether a node started here requires a cluster secret of its
+    /// peers (`FERRY_CLUSTER_SECRET` or `FERRY_CLUSTER_SECRET_FILE` set).
+    cluster_secret: bool,
     devices: Vec<DeviceReport>,
 }
 
@@ -157,6 +160,7 @@ async fn info() -> Result<Info, Failure> {
             }
         })
         .collect();
+    let cluster_secret = node.has_cluster_secret();
     node.shutdown().await;
     let limits = ConnectionLimits::default();
     Ok(Info {
@@ -173,6 +177,7 @@ async fn info() -> Result<Info, Failure> {
             keepalive_interval_s: (ferry::DEFAULT_PEER_TIMEOUT.as_secs() / 5).max(1) as f64,
             silent_grace_s: ferry::DEFAULT_SILENT_GRACE.as_secs_f64(),
         },
+        cluster_secret,
         devices: describe_devices().unwrap_or_default(),
     })
 }
@@ -204,6 +209,14 @@ fn print_info(info: &Info) {
          a peer process that dies is seen at once; RDMA transfers still completing go on \
          for up to {} s after that",
         liveness.peer_timeout_s, liveness.keepalive_interval_s, liveness.silent_grace_s
+    );
+    println!(
+        "cluster secret: {}",
+        if info.cluster_secret {
+            "set: every peer must prove it (README, \"Who may talk to a node\")"
+        } else {
+            "none: any process that reaches the port is taken at its word"
+        }
     );
     if info.devices.is_empty() {
         println!("RDMA devices: none");
