@@ -289,7 +289,8 @@ impl Xfer {
 
     /// Posts it, to be done within `timeout`: the node moves it from here
     /// on (a task of the node's runtime; this returns at once, also outside
-    /// the runtime), and the status says when it is done. A request that is
+    /// the runtime, though a small same-host request may already be done
+    /// when it does), and the status says when it is done. A request that is
     /// done or failed may be posted again, and moves its bytes again.
     pub fn post(&self, timeout: Duration) -> Result<(), PostError> {
         // Under the cancellation's lock: a `cancel` from another thread
@@ -311,10 +312,26 @@ impl Xfer {
         drop(current);
         self.state.completed.store(0, Ordering::Relaxed);
         let (job, state) = (self.job.clone(), self.state.clone());
-        self.job
-            .router
-            .runtime
-            .spawn(drive(job, state, cancel, timeout));
+        let runtime = &self.job.router.runtime;
+        let mut driving = Box::pin(drive(job, state, cancel, timeout));
+        // A request to same-host owners is polled once here, on the
+        // caller's thread, before the runtime takes it: a small copy
+        // through a mapping already held finishes at once (the request is
+        // done when this returns), instead of waiting for a worker to wake
+        // and start it (25 µs of an 8-byte same-host write through NIXL).
+        // The task polls it again with its own waker, so nothing that
+        // became ready meanwhile is missed. Not over TCP: there the
+        // connection's task is woken either way, and a second wake-up for
+        // the spawned driver made an 8-byte write slower.
+        let same_host = (self.job.remote.levels().iter()).all(|l| *l == RdmaTransportLevel::Memory);
+        if same_host {
+            let _context = runtime.enter();
+            let mut once = std::task::Context::from_waker(std::task::Waker::noop());
+            if driving.as_mut().poll(&mut once).is_ready() {
+                return Ok(());
+            }
+        }
+        runtime.spawn(driving);
         Ok(())
     }
 
