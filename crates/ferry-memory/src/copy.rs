@@ -109,9 +109,16 @@ fn copy(batch: &Batch, planned: &Planned, offset: usize, len: usize) -> Result<(
 pub(crate) async fn run(batch: Arc<Batch>) -> Vec<Result<(), Fail>> {
     let total: u64 = batch.planned.iter().map(|p| batch.op(p).len()).sum();
     if total < INLINE {
-        return (batch.planned.iter())
-            .map(|p| copy(&batch, p, 0, batch.op(p).len() as usize))
-            .collect();
+        let whole = (0..batch.planned.len()).map(|i| Piece {
+            planned: i,
+            offset: 0,
+            len: batch.op(&batch.planned[i]).len() as usize,
+        });
+        let mut outcome = vec![Ok(()); batch.planned.len()];
+        for (i, result) in copy_run(&batch, whole.collect()) {
+            outcome[i] = result;
+        }
+        return outcome;
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = (total / PER_THREAD).clamp(1, cores.min(MAX_THREADS) as u64);
@@ -139,15 +146,7 @@ pub(crate) async fn run(batch: Arc<Batch>) -> Vec<Result<(), Fail>> {
     }
     let tasks = runs.into_iter().map(|run| {
         let batch = batch.clone();
-        tokio::task::spawn_blocking(move || {
-            run.into_iter()
-                .map(|piece| {
-                    let planned = &batch.planned[piece.planned];
-                    let result = copy(&batch, planned, piece.offset, piece.len);
-                    (piece.planned, result)
-                })
-                .collect::<Vec<_>>()
-        })
+        tokio::task::spawn_blocking(move || copy_run(&batch, run))
     });
     let mut outcome = vec![Ok(()); batch.planned.len()];
     for done in futures_join(tasks).await {
@@ -165,6 +164,75 @@ pub(crate) async fn run(batch: Arc<Batch>) -> Vec<Result<(), Fail>> {
         }
     }
     outcome
+}
+
+/// Copies `run`'s pieces in order; each piece's planned op and how it
+/// went. Consecutive pieces through one `process_vm` grant go in one
+/// vectored call each (up to [`pvm::IOVECS`] pieces and [`pvm::PIECE`]
+/// bytes, one gated step): a request of 1,024 4 KiB blocks in memory NIXL
+/// registered took 1,024 system calls, a third of its time, before.
+fn copy_run(batch: &Batch, run: Vec<Piece>) -> Vec<(usize, Result<(), Fail>)> {
+    let mut out = Vec::with_capacity(run.len());
+    let mut at = 0;
+    while at < run.len() {
+        let group = vectored_group(batch, &run[at..]);
+        if group > 1 {
+            let pieces = &run[at..at + group];
+            let (grant, kind) = grant_of(batch, &pieces[0]).expect("a process_vm piece");
+            let segments: Vec<_> = pieces.iter().map(|p| segment(batch, p)).collect();
+            if let Some(result) = grant.copy_vectored(kind, &segments) {
+                out.extend(pieces.iter().map(|p| (p.planned, result)));
+                at += group;
+                continue;
+            }
+            // Stopped short (a fault somewhere): piece by piece, which
+            // says which op failed. Repeating a copy is harmless.
+        }
+        for piece in &run[at..at + group.max(1)] {
+            let planned = &batch.planned[piece.planned];
+            out.push((piece.planned, copy(batch, planned, piece.offset, piece.len)));
+        }
+        at += group.max(1);
+    }
+    out
+}
+
+/// The grant and op kind of a `process_vm` piece.
+fn grant_of<'a>(batch: &'a Batch, piece: &Piece) -> Option<(&'a Arc<Grant>, OpKind)> {
+    let planned = &batch.planned[piece.planned];
+    match &planned.at {
+        Located::ProcessVm { grant, .. } => Some((grant, batch.op(planned).kind)),
+        Located::Mapped { .. } => None,
+    }
+}
+
+/// How many of `pieces`, from the first, go in one vectored call: those
+/// through the first one's grant with its op kind, within the call's
+/// bounds (0 if the first is not a `process_vm` piece).
+fn vectored_group(batch: &Batch, pieces: &[Piece]) -> usize {
+    let Some((first, kind)) = pieces.first().and_then(|p| grant_of(batch, p)) else {
+        return 0;
+    };
+    let mut bytes = 0;
+    pieces
+        .iter()
+        .take(crate::pvm::IOVECS)
+        .take_while(|p| {
+            bytes += p.len;
+            bytes <= crate::pvm::PIECE
+                && grant_of(batch, p).is_some_and(|(g, k)| Arc::ptr_eq(g, first) && k == kind)
+        })
+        .count()
+}
+
+/// A `process_vm` piece's local address, remote address and length.
+fn segment(batch: &Batch, piece: &Piece) -> (*mut u8, u64, usize) {
+    let planned = &batch.planned[piece.planned];
+    let Located::ProcessVm { remote, .. } = planned.at else {
+        unreachable!("grouped by grant_of")
+    };
+    let local = batch.op(planned).local.as_ptr().wrapping_add(piece.offset);
+    (local, remote + piece.offset as u64, piece.len)
 }
 
 /// Awaits every task (no extra dependency for one join).

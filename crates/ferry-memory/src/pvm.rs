@@ -20,6 +20,8 @@ use crate::gate::{GATES, LANES, Table};
 
 /// The most one step copies: a deregistration waits at most this long.
 pub(crate) const PIECE: usize = 1 << 20;
+/// The most segments one vectored call takes (the kernel's `UIO_MAXIOV`).
+pub(crate) const IOVECS: usize = 1024;
 
 /// What a probe of an owner found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,6 +159,68 @@ impl Grant {
             done += piece;
         }
         Ok(())
+    }
+}
+
+impl Grant {
+    /// Copies every `(local, remote, len)` segment between this process
+    /// and the owner in one vectored call, as one gated step: at most
+    /// [`IOVECS`] segments and [`PIECE`] bytes (the caller's bound). `None`
+    /// when the kernel moved fewer bytes than asked (a fault in one
+    /// segment, or a short copy): the caller copies them one by one,
+    /// which says which failed.
+    pub fn copy_vectored(
+        &self,
+        kind: OpKind,
+        segments: &[(*mut u8, u64, usize)],
+    ) -> Option<Result<(), Fail>> {
+        debug_assert!(segments.len() <= IOVECS);
+        if kind == OpKind::Write && !self.writable {
+            return Some(Err(Fail::ReadOnly));
+        }
+        let total: usize = segments.iter().map(|s| s.2).sum();
+        let local: Vec<libc::iovec> = (segments.iter())
+            .map(|&(at, _, len)| libc::iovec {
+                iov_base: at.cast(),
+                iov_len: len,
+            })
+            .collect();
+        let remote: Vec<libc::iovec> = (segments.iter())
+            .map(|&(_, at, len)| libc::iovec {
+                iov_base: at as *mut libc::c_void,
+                iov_len: len,
+            })
+            .collect();
+        let counter = self.table.in_flight(self.lane, self.gate);
+        counter.fetch_add(1, Ordering::SeqCst);
+        let moved = if self.table.live(self.gate).load(Ordering::SeqCst) == self.stamp {
+            // SAFETY: each local iovec is a range of an op's local region,
+            // kept alive by the batch for the call; the remote iovecs are
+            // only dereferenced by the kernel in the owner, which checks
+            // them; the counts are the vectors' lengths (at most IOVECS).
+            let n = unsafe {
+                let (l, r) = (local.as_ptr(), remote.as_ptr());
+                let (ln, rn) = (local.len() as libc::c_ulong, remote.len() as libc::c_ulong);
+                match kind {
+                    OpKind::Read => libc::process_vm_readv(self.pid, l, ln, r, rn, 0),
+                    OpKind::Write => libc::process_vm_writev(self.pid, l, ln, r, rn, 0),
+                }
+            };
+            match n {
+                n if n >= 0 && n as usize == total => Some(Ok(())),
+                n if n >= 0 => None,
+                _ => match std::io::Error::last_os_error().raw_os_error() {
+                    Some(libc::EPERM | libc::EACCES) => Some(Err(Fail::Refused)),
+                    Some(libc::ESRCH) => Some(Err(Fail::Gone)),
+                    // EINTR, EFAULT, ...: one by one, with its retries.
+                    _ => None,
+                },
+            }
+        } else {
+            Some(Err(Fail::Dead))
+        };
+        counter.fetch_sub(1, Ordering::SeqCst);
+        moved
     }
 }
 
