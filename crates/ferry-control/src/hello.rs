@@ -59,7 +59,7 @@ impl Channel {
     /// The node's control session (see [`crate::Session`]).
     pub const CONTROL: Channel = Channel(2);
     /// Asks only who the node is: the hello reply carries its id, and the
-    /// connection ends there (see [`identify`]). Served by whoever handles
+    /// connection ends there (see [`Dialer::identify`]). Served by whoever handles
     /// it on the endpoint (`ferry-discovery`).
     pub const IDENTIFY: Channel = Channel(3);
 }
