@@ -274,6 +274,12 @@ fn server_transcript<'a>(hello: &'a [u8], reply_header: &'a [u8], nonce: &'a Tag
     [hello, reply_header, nonce]
 }
 
+/// What the client's tag covers: the client's hello, and the whole reply
+/// (header, then nonce and tag as sent).
+fn client_transcript<'a>(hello: &'a [u8], reply_header: &'a [u8], tail: &'a [u8]) -> [&'a [u8]; 3] {
+    [hello, reply_header, tail]
+}
+
 /// How this node says hello: its id, and the cluster secret it proves, if
 /// any. Cheap to clone; every data plane that opens connections to peers'
 /// endpoints holds one ([`crate::Endpoint::dialer`]).
@@ -422,8 +428,7 @@ impl Dialer {
                 let key = secret
                     .check_server(&transcript, &reply.tag)
                     .ok_or(auth(AuthFailure::WrongSecret))?;
-                let full = [&hello[..], &header, &tail];
-                let proof = secret.client_tag(key, &full);
+                let proof = secret.client_tag(key, &client_transcript(&hello, &header, &tail));
                 stream.write_all(&proof).await.map_err(hung_up)?;
             }
             // A server of this version answers `NoSecret` first.
@@ -526,7 +531,8 @@ pub(crate) async fn accept(
         if stream.read_exact(&mut proof).await.is_err() {
             return Err(Declined::BadProof);
         }
-        if !secret.check_client(&[&hello[..], &reply_header, &sent[HELLO_LEN..]], &proof) {
+        let transcript = client_transcript(&hello, &reply_header, &sent[HELLO_LEN..]);
+        if !secret.check_client(&transcript, &proof) {
             return Err(Declined::BadProof);
         }
     }
