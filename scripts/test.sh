@@ -60,3 +60,6 @@ tests/rxe/ferry-tests.sh
 # cut, flap, block TCP on, and whose owner they kill (tests/rxe_wire; about
 # 1.5 minutes).
 tests/rxe/wire-tests.sh
+# The same two VMs with two rails each (a second wire and soft-RoCE device):
+# striping, probing which rails reach, per-pair MTU (tests/rxe_wire/rails.rs).
+tests/rxe/wire-tests.sh --rails 2

@@ -256,7 +256,8 @@ impl NodeBuilder {
         self
     }
 
-    /// Which device, port and GID the ibverbs backend uses.
+    /// Which rails (device ports), GID and queue-pair settings the ibverbs
+    /// backend uses.
     pub fn ibverbs_config(mut self, config: IbvConfig) -> Self {
         self.ibverbs_config = config;
         self

@@ -61,7 +61,7 @@ pub use ferry_control::{
 };
 pub use ferry_core::{
     Access, ByteOffset, CloseError, Closing, Generation, IbvRemote, LocalSlice, MemoryBlock,
-    MemoryHolder, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RdmaBackend, RdmaOp,
+    MemoryHolder, NodeAddr, NodeId, OpError, OpKind, PAGE_SIZE, RailKeys, RdmaBackend, RdmaOp,
     RdmaTransportLevel, Region, RegionId, RegisterError, RemoteBuffer, RemoteTransports, Submit,
     SubmitError, TransportInfo, TransportLevel,
 };

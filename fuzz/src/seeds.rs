@@ -20,7 +20,7 @@ use ferry_control::frame::{ControlCodec, Frame, Service, Status};
 use ferry_control::hello::{Hello, HelloReply, VERSION};
 use ferry_control::{Channel, HelloStatus};
 use ferry_core::{
-    Access, Descs, Generation, IbvRemote, MemRemote, MemoryBlock, NodeAddr, NodeId,
+    Access, Descs, Generation, IbvRemote, MemRemote, MemoryBlock, NodeAddr, NodeId, RailKeys,
     RdmaTransportLevel, RegionId, RegionIds, RegionParts, RemoteBuffer, RemoteDescList,
     RemoteTransports, TcpRemote,
 };
@@ -66,8 +66,7 @@ fn handle(owner: NodeAddr, slots: &RegionIds) -> RemoteBuffer {
         transports: RemoteTransports {
             tcp: Some(TcpRemote { token: 0x1111 }),
             ibverbs: Some(IbvRemote {
-                rkey: 0x2222,
-                gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+                rkeys: RailKeys::new(&[0x2222, 0x2223]).expect("two rails"),
             }),
             memory: Some(MemRemote {
                 boot_id: 0x3333,

@@ -38,11 +38,12 @@ fn ferry_peer() {
     }
 }
 
-/// The handle with a wrong rkey: the NIC must refuse it.
+/// The handle with a wrong rkey on every rail: the NIC must refuse it.
 fn with_wrong_rkey(handle: &RemoteBuffer) -> RemoteBuffer {
     forge(handle, |j| {
-        let rkey = j["transports"]["ibverbs"]["rkey"].as_u64().unwrap();
-        j["transports"]["ibverbs"]["rkey"] = (rkey ^ 0x5a5a).into();
+        for rkey in j["transports"]["ibverbs"]["rkeys"].as_array_mut().unwrap() {
+            *rkey = (rkey.as_u64().unwrap() ^ 0x5a5a).into();
+        }
     })
 }
 
@@ -209,7 +210,7 @@ async fn an_explicit_gid_index_is_used_and_a_bad_one_is_reported() {
         .unwrap()
         .ibverbs
         .expect(NEEDS_DEVICE);
-    assert_eq!(info.gid_index, index);
+    assert_eq!(info.rails[0].gid_index, index);
     let mut peer = PeerProcess::spawn().await;
     let nic = Some(RdmaTransportLevel::Nic);
     common::write_then_read_back(&node, &mut peer, 4096, 1, nic).await;
@@ -507,7 +508,8 @@ async fn a_write_posted_through_the_raw_handles_lands() {
         .transport_info()
         .await
         .expect("backend running");
-    assert!(!info.context().is_null() && !info.pd().is_null());
+    let rail = &info.rails[0];
+    assert!(!rail.context().is_null() && !rail.pd().is_null());
     let qp = info
         .qps
         .iter()
@@ -518,7 +520,10 @@ async fn a_write_posted_through_the_raw_handles_lands() {
         .iter()
         .find(|k| (k.id, k.generation) == (src.id(), src.generation()))
         .expect("src is registered");
-    let rkey = target.handle.transports().ibverbs.unwrap().rkey;
+    let rkeys = target.handle.transports().ibverbs.unwrap().rkeys;
+    let rkey = rkeys
+        .get(usize::from(qp.remote_rail))
+        .expect("a key per rail");
     // SAFETY: the QP, PD and context stay alive while `info` does; `src`
     // stays registered until after the write is seen to have landed; the
     // wr_id carries the foreign bit, as the info's docs require.
@@ -526,7 +531,10 @@ async fn a_write_posted_through_the_raw_handles_lands() {
         let mut sge = sys::ibv_sge {
             addr: src.memory().addr(),
             length: len as u32,
-            lkey: keys.lkey,
+            lkey: keys
+                .lkeys
+                .get(usize::from(qp.rail))
+                .expect("a key per rail"),
         };
         let mut wr: sys::ibv_send_wr = std::mem::zeroed();
         wr.wr_id = ibverbs::FOREIGN_WR_ID_BIT | 1;

@@ -20,7 +20,8 @@ fn view(outer: &Region, at: u64, len: u64) -> MemoryBlock {
 }
 
 fn rkey(region: &Region) -> u32 {
-    region.remote().transports().ibverbs.expect("ibverbs").rkey
+    let rkeys = region.remote().transports().ibverbs.expect("ibverbs").rkeys;
+    rkeys.get(0).expect("a key on rail 0")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,7 +2,7 @@
 # tests/rxe/run.sh — run a command inside a throw-away QEMU VM that has a real
 # ibverbs device: soft-RoCE (rdma_rxe) on Debian 12's stock kernel.
 #
-# usage: tests/rxe/run.sh [--bin PATH]... [--perf] [--two] [--] [GUEST_COMMAND...]
+# usage: tests/rxe/run.sh [--bin PATH]... [--perf] [--two [--rails 2]] [--] [GUEST_COMMAND...]
 #
 # Why a VM: CI hosts have no RDMA NIC and their kernels are built without
 # InfiniBand, so ibverbs code paths can only be exercised against rxe in a
@@ -27,7 +27,9 @@
 # carries rxe0's RoCE traffic and everything ferry sends, and is what tests
 # make lossy (tc netem), take down or cut; "mgmt" is never touched, and
 # carries a command agent in VM a (`on-peer CMD` in VM b runs CMD there).
-# GUEST_COMMAND runs in VM b; VM a stops when it is done.
+# GUEST_COMMAND runs in VM b; VM a stops when it is done. With --rails 2
+# each VM gets a third wire, "wire1", and a second soft-RoCE device, rxe1,
+# on it: two rails, for ferry's multi-NIC tests.
 #
 # See tests/rxe/README.md for options, environment variables and timings.
 set -Eeuo pipefail
@@ -69,7 +71,7 @@ log() { echo "[rxe $(date +%T)] $*" >&2; }
 die() { log "error: $*"; exit 125; }
 usage() {
     cat <<EOF
-usage: tests/rxe/run.sh [--bin PATH]... [--perf] [--two] [--] [GUEST_COMMAND...]
+usage: tests/rxe/run.sh [--bin PATH]... [--perf] [--two [--rails 2]] [--] [GUEST_COMMAND...]
 
   --bin PATH   copy a host-built binary (and the libraries ldd lists) into the
                guest's /opt/ferry/bin, which is on the guest's PATH; repeatable
@@ -77,6 +79,8 @@ usage: tests/rxe/run.sh [--bin PATH]... [--perf] [--two] [--] [GUEST_COMMAND...]
                64 KiB, 1 MiB; ib_write_lat at 8 B), printing "PERF ..." lines
   --two        boot two VMs joined by a virtual wire; the command runs in VM b,
                VM a serves as the peer (on-peer CMD runs CMD there)
+  --rails 2    with --two: a second wire (wire1, 10.88.1.x) and a second
+               soft-RoCE device (rxe1) on it in each VM: two rails
   GUEST_COMMAND  a command line for the guest's sh (words are joined with
                spaces); default: $SMOKE
 
@@ -92,12 +96,14 @@ EOF
 BINS=()
 PERF=0
 VMS=1
+RAILS=1
 while [ $# -gt 0 ]; do
     case $1 in
         --bin)   [ $# -ge 2 ] || die "--bin needs a path"; BINS+=("$2"); shift 2 ;;
         --bin=*) BINS+=("${1#--bin=}"); shift ;;
         --perf)  PERF=1; shift ;;
         --two)   VMS=2; shift ;;
+        --rails) [ $# -ge 2 ] || die "--rails needs a count"; RAILS=$2; shift 2 ;;
         -h|--help) usage; exit 0 ;;
         --)      shift; break ;;
         -*)      die "unknown option $1 (try --help)" ;;
@@ -108,6 +114,7 @@ GUEST_CMD=${*:-$SMOKE}
 # One VM: 1 vCPU makes two busy-polling processes share a CPU (~25x slower).
 # Two VMs hold one ferry process each, and the host has 2 cores for both.
 [ -n "$SMP" ] || SMP=$((3 - VMS))
+case $RAILS in 1) ;; 2) [ "$VMS" = 2 ] || die "--rails 2 needs --two" ;; *) die "--rails takes 1 or 2" ;; esac
 [[ $TIMEOUT =~ ^[0-9]+$ ]] || die "FERRY_RXE_TIMEOUT must be a number of seconds"
 for b in "${BINS[@]}"; do
     if [ ! -f "$b" ] || [ ! -x "$b" ]; then die "--bin $b: not an executable file"; fi
@@ -309,7 +316,7 @@ for g in rxe-pair on-peer peer-agent; do
 done
 echo "root:x:0:0:root:/root:/bin/sh" > "$R/etc/passwd"
 echo "root:x:0:" > "$R/etc/group"
-echo "FERRY_RXE_PERF=$PERF" > "$R/ferry/config"
+printf 'FERRY_RXE_PERF=%s\nFERRY_RXE_RAILS=%s\n' "$PERF" "$RAILS" > "$R/ferry/config"
 printf '%s\n' "$GUEST_CMD" > "$R/ferry/cmd.sh"
 
 INITRD=$WORK/initramfs.cpio.gz
@@ -355,12 +362,12 @@ else
     # round trip that needed user space in both VMs (a TCP request and its
     # answer, perftest's ib_send_lat) took ~48 ms instead of ~1 ms, most
     # likely Nagle and delayed ACKs on the host TCP stream under the frames.
-    free_ports() {  # the first of four consecutive free UDP ports
+    free_ports() {  # the first of six consecutive free UDP ports
         local p i busy
         while :; do
             p=$((20000 + RANDOM % 20000)) busy=0
             # /proc/net/udp lists local ports in hex; skip any in use.
-            for i in 0 1 2 3; do
+            for i in 0 1 2 3 4 5; do
                 grep -qi ":$(printf '%04X' $((p + i))) " /proc/net/udp /proc/net/udp6 2>/dev/null && busy=1
             done
             [ $busy = 1 ] || break
@@ -369,6 +376,7 @@ else
     }
     WIRE_PORT=$(free_ports)   # VM a's end, then VM b's
     MGMT_PORT=$((WIRE_PORT + 2))
+    WIRE1_PORT=$((WIRE_PORT + 4))
     nics() {  # nics a|b: both wires, MACs that name the role
         local n=1 mine=0 theirs=1
         [ "$1" = a ] || { n=2; mine=1; theirs=0; }
@@ -376,6 +384,9 @@ else
              "-device virtio-net-pci,netdev=wire,mac=52:54:00:88:00:0$n,romfile=" \
              "-netdev socket,id=mgmt,udp=127.0.0.1:$((MGMT_PORT + theirs)),localaddr=127.0.0.1:$((MGMT_PORT + mine))" \
              "-device virtio-net-pci,netdev=mgmt,mac=52:54:00:99:00:0$n,romfile="
+        [ "$RAILS" = 1 ] ||
+            echo "-netdev socket,id=wire1,udp=127.0.0.1:$((WIRE1_PORT + theirs)),localaddr=127.0.0.1:$((WIRE1_PORT + mine))" \
+                 "-device virtio-net-pci,netdev=wire1,mac=52:54:00:89:00:0$n,romfile="
     }
     LOG_A=${LOG%.log}-a.log
     # shellcheck disable=SC2046  # nics prints a word list on purpose

@@ -4,11 +4,21 @@
 # --two): the suite runs in VM b, its peers in VM a. Exits non-zero if any
 # in-guest test fails. Extra arguments are passed to the test binary (e.g. a
 # test name filter).
+#
+# With --rails 2 first, each VM gets a second wire and a second soft-RoCE
+# device, and only the two-rail tests (tests/rxe_wire/rails.rs) run; without
+# it, everything else does, on one rail.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+rails=1
+if [ "${1:-}" = --rails ]; then
+    rails=$2
+    shift 2
+fi
+if [ "$rails" = 2 ]; then select='rails::'; else select='--skip rails::'; fi
 
 # cargo names each test binary it builds on stderr (see ferry-tests.sh).
-built=$(cargo test --locked -p ferry --test rxe_wire --no-run 2>&1)
+built=$(cargo test --locked -p ferry --test rxe_wire --no-run 2>&1) || { echo "$built" >&2; exit 1; }
 echo "$built" >&2
 path=$(sed -n 's|.*Executable .* (\([^)]*/rxe_wire-[0-9a-f]*\))|\1|p' <<<"$built" | tail -n 1)
 [ -n "$path" ] || { echo "wire-tests: no test binary named rxe_wire was built" >&2; exit 1; }
@@ -16,5 +26,5 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 cp "$path" "$stage/rxe_wire"   # both VMs run it under its plain name
 
-exec tests/rxe/run.sh --two --bin "$stage/rxe_wire" -- \
-    "rxe_wire --include-ignored --test-threads=1 --nocapture $*"
+exec tests/rxe/run.sh --two --rails "$rails" --bin "$stage/rxe_wire" -- \
+    "rxe_wire --include-ignored --test-threads=1 --nocapture $select $*"

@@ -17,6 +17,7 @@ mod faults;
 #[path = "../shared/notified_batches.rs"]
 mod notified_batches;
 mod peer;
+mod rails;
 mod transfers;
 
 use std::time::Duration;

@@ -42,7 +42,7 @@ pub fn on_peer(cmd: &str) -> String {
 }
 
 /// Runs `cmd` here, which must succeed.
-fn here(cmd: &str) {
+pub fn here(cmd: &str) {
     let out = std::process::Command::new("sh")
         .args(["-c", cmd])
         .output()
@@ -55,7 +55,7 @@ fn here(cmd: &str) {
 }
 
 /// Runs `cmd` in both VMs.
-fn both(cmd: &str) {
+pub fn both(cmd: &str) {
     here(cmd);
     on_peer(cmd);
 }

@@ -220,14 +220,45 @@ fn print_info(info: &Info) {
     );
     if info.devices.is_empty() {
         println!("RDMA devices: none");
+    } else {
+        let active: Vec<String> = info
+            .devices
+            .iter()
+            .flat_map(|d| {
+                d.ports
+                    .iter()
+                    .filter(|p| p.active)
+                    .map(move |p| format!("{}:{}", d.name, p.port))
+            })
+            .collect();
+        println!(
+            "rails: a node uses every active port ({}) unless {} names others",
+            active.join(", "),
+            ferry::ibverbs::RAILS_ENV
+        );
     }
     for device in &info.devices {
         for port in &device.ports {
             let state = if port.active { "active" } else { "down" };
             let kind = if device.software { ", software" } else { "" };
+            let numa = device
+                .numa_node
+                .map_or("NUMA node unknown".to_string(), |n| {
+                    format!("NUMA node {n}")
+                });
             println!(
-                "{} port {}: {state}, {}{kind}, MTU {}, max message {} B",
-                device.name, port.port, port.link_layer, port.active_mtu, port.max_message
+                "{} port {}: {state}, {}{kind}, {}, MTU {}, max message {} B, {numa}, netdev {}",
+                device.name,
+                port.port,
+                port.link_layer,
+                if port.rate.is_empty() {
+                    "rate unknown"
+                } else {
+                    &port.rate
+                },
+                port.active_mtu,
+                port.max_message,
+                port.netdev.as_deref().unwrap_or("-"),
             );
             for gid in &port.gids {
                 let kind = if gid.kind.is_empty() {

@@ -81,6 +81,11 @@ pub struct ServeArgs {
     /// wakes the owner on each, and a few on a software device).
     #[arg(long)]
     pub notify_coalesce_ms: Option<u64>,
+    /// The RDMA rails to use, e.g. `mlx5_0:1,mlx5_1` (a device alone: all
+    /// its active ports); by default every active port of every device,
+    /// or what FERRY_IBV_RAILS names.
+    #[arg(long)]
+    pub rails: Option<String>,
     /// A file holding the cluster secret every peer must prove (its first
     /// line; a second line is a next secret also accepted, for a roll-out).
     /// Without it, FERRY_CLUSTER_SECRET or FERRY_CLUSTER_SECRET_FILE, if
@@ -127,12 +132,14 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
         let secret = ferry::ClusterSecret::from_file(path).map_err(|e| Failure(e.to_string()))?;
         builder = builder.cluster_secret(secret);
     }
+    let mut ibverbs = ferry::ibverbs::IbvConfig::default();
     if let Some(ms) = args.notify_coalesce_ms {
-        builder = builder.ibverbs_config(ferry::ibverbs::IbvConfig {
-            notify_coalesce: Some(std::time::Duration::from_millis(ms)),
-            ..Default::default()
-        });
+        ibverbs.notify_coalesce = Some(std::time::Duration::from_millis(ms));
     }
+    if let Some(list) = &args.rails {
+        ibverbs.rails = Some(ferry::ibverbs::RailName::parse_list(list).map_err(Failure)?);
+    }
+    builder = builder.ibverbs_config(ibverbs);
     let lease_ttl = std::time::Duration::from_secs(args.lease_ttl);
     let builder = args.etcd.apply(builder, Some(lease_ttl))?;
     let node = builder.spawn().await?;

@@ -39,14 +39,84 @@ impl std::fmt::Debug for TcpRemote {
 }
 
 /// What the ibverbs backend needs to reach a region: the rkey of its memory
-/// region on the owner's device, and that device's GID (for information; the
-/// queue-pair exchange carries the address actually used).
+/// region on each of the owner's rails (a rail is one port of one RDMA
+/// device; see `ferry_ibverbs`). The queue-pair exchange carries the
+/// addresses; a handle carries only keys, a few bytes per rail.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct IbvRemote {
-    /// The remote key of the region's memory registration.
-    pub rkey: u32,
-    /// The owner device's GID, in network byte order.
-    pub gid: [u8; 16],
+    /// The remote key on each of the owner's rails, by rail index.
+    pub rkeys: RailKeys,
+}
+
+/// Most rails one node uses: more than the 8 NICs of today's largest GPU
+/// servers, few enough for a key per rail to stay in a handle by value.
+pub const MAX_RAILS: usize = 8;
+
+/// One memory key per rail, by rail index: what a region's registration is
+/// called on each of a node's rails (rails of one device share a key).
+/// Serialized as a list of the keys.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RailKeys {
+    len: u8,
+    keys: [u32; MAX_RAILS],
+}
+
+impl RailKeys {
+    /// The keys, rail 0 first; `None` if there are more than [`MAX_RAILS`].
+    pub fn new(keys: &[u32]) -> Option<Self> {
+        let mut out = RailKeys {
+            len: u8::try_from(keys.len()).ok()?,
+            keys: [0; MAX_RAILS],
+        };
+        out.keys.get_mut(..keys.len())?.copy_from_slice(keys);
+        Some(out)
+    }
+
+    /// The key on `rail`, if the registration has that rail.
+    pub fn get(&self, rail: usize) -> Option<u32> {
+        self.as_slice().get(rail).copied()
+    }
+
+    /// All keys, rail 0 first.
+    pub fn as_slice(&self) -> &[u32] {
+        &self.keys[..usize::from(self.len)]
+    }
+
+    /// How many rails have a key.
+    pub fn len(&self) -> usize {
+        usize::from(self.len)
+    }
+
+    /// Whether no rail has a key.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::fmt::Debug for RailKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.as_slice().iter().map(|k| format!("{k:#x}")))
+            .finish()
+    }
+}
+
+impl Serialize for RailKeys {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.as_slice().serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for RailKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let keys = Vec::<u32>::deserialize(deserializer)?;
+        RailKeys::new(&keys).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "{} rail keys: a node has at most {MAX_RAILS} rails",
+                keys.len()
+            ))
+        })
+    }
 }
 
 /// What the same-host memory transport needs to reach a region: the owner's
@@ -428,6 +498,25 @@ mod tests {
         let at_end = forged(u64::MAX - 100, 100);
         assert_eq!(at_end.check_address_range(), Ok(()));
         assert_eq!(at_end.slice(90..100).unwrap().addr(), u64::MAX - 10);
+    }
+
+    #[test]
+    fn rail_keys_travel_as_a_short_list_and_refuse_too_many() {
+        let keys = RailKeys::new(&[0x11, 0x22]).unwrap();
+        assert_eq!(
+            (keys.get(1), keys.get(2), keys.len()),
+            (Some(0x22), None, 2)
+        );
+        let json = serde_json::to_value(IbvRemote { rkeys: keys }).unwrap();
+        assert_eq!(json, serde_json::json!({"rkeys": [0x11, 0x22]}));
+        assert_eq!(
+            serde_json::from_value::<IbvRemote>(json).unwrap().rkeys,
+            keys
+        );
+        assert!(RailKeys::new(&[0; MAX_RAILS + 1]).is_none());
+        let too_many = serde_json::json!({"rkeys": vec![1; MAX_RAILS + 1]});
+        let error = serde_json::from_value::<IbvRemote>(too_many).unwrap_err();
+        assert!(error.to_string().contains("at most 8 rails"), "{error}");
     }
 
     #[test]

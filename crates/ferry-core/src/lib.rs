@@ -37,7 +37,9 @@ pub use descs::{
     op_at, ops_between,
 };
 pub use error::{OpError, RegisterError, SubmitError};
-pub use handle::{Access, IbvRemote, MemRemote, RemoteBuffer, RemoteTransports, TcpRemote};
+pub use handle::{
+    Access, IbvRemote, MAX_RAILS, MemRemote, RailKeys, RemoteBuffer, RemoteTransports, TcpRemote,
+};
 pub use ids::{Generation, NodeAddr, NodeId, RegionId, random_u128, tokens_equal};
 pub use memory::{MemoryBlock, PAGE_SIZE};
 pub use message::{RegisterRegion, Submit, TransportInfo, TransportLevel};

@@ -73,6 +73,17 @@ impl BatchProgress {
             .sum()
     }
 
+    /// Adds `extra` pieces to op `op`, which was counted as fewer: for a
+    /// transport that decides how to split an op only once it knows the
+    /// paths it takes. Call it before any piece of the op is posted, so
+    /// the op cannot have finished already.
+    pub fn add_pieces(&self, op: usize, extra: u32) {
+        if extra > 0 {
+            self.op_pieces[op].fetch_add(extra, Ordering::AcqRel);
+            self.remaining.fetch_add(extra as usize, Ordering::AcqRel);
+        }
+    }
+
     /// Records the outcome of one piece of op `op`.
     pub fn piece_done(&self, op: usize, result: Result<(), OpError>) {
         if let Err(e) = result {

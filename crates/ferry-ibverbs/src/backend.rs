@@ -1,5 +1,6 @@
-//! `IbvManagerActor`: owns the device, protection domain, memory regions and
-//! queue pairs of this node's RDMA data plane; `IbvBackend`, its handle.
+//! `IbvManagerActor`: owns the rails (devices, protection domains, ports),
+//! memory regions and queue pairs of this node's RDMA data plane;
+//! `IbvBackend`, its handle.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -9,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use ferry_control::{Endpoint, EndpointError, NotificationSink, Request, Service, ServiceError};
 use ferry_core::{
-    DataPathNotification, Generation, IbvRemote, NodeAddr, OpError, RdmaBackend, RdmaOp,
+    DataPathNotification, Generation, IbvRemote, NodeAddr, OpError, RailKeys, RdmaBackend, RdmaOp,
     RdmaTransportLevel, RegionId, RegisterError, RegisterRegion, Submit, SubmitError,
     TransportInfo, TransportLevel,
 };
@@ -22,28 +23,33 @@ use tracing::info;
 
 use crate::batch::Shared;
 pub use crate::connection::FOREIGN_WR_ID_BIT;
-use crate::device::{Device, IbvConfig};
+use crate::device::{Fabric, IbvConfig};
 use crate::info::{IbvRegionKeys, IbvTransportInfo};
 use crate::mr_cache::MrCache;
 use crate::passive::{self, PassiveQps};
 use crate::peers::Peers;
 use crate::verbs::{MemoryRegion, VerbsError};
 
-/// (lkey, rkey) of the regions registered with this device, by region. A
+/// A registered region's keys on each rail, by rail index.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Keys {
+    pub lkeys: RailKeys,
+    pub rkeys: RailKeys,
+}
+
+/// The keys of the regions registered on this node's rails, by region. A
 /// B-tree: looked up for every op, and small maps need no hashing.
 #[derive(Default)]
-pub(crate) struct Registry(Mutex<BTreeMap<(RegionId, Generation), (u32, u32)>>);
+pub(crate) struct Registry(Mutex<BTreeMap<(RegionId, Generation), Keys>>);
 
 impl Registry {
-    pub(crate) fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, BTreeMap<(RegionId, Generation), (u32, u32)>> {
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(RegionId, Generation), Keys>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-/// Dropping this deregisters the region from the device: first from the key
-/// registry (no new work can name it), then the MR itself. `ibv_dereg_mr`
+/// Dropping this deregisters the region from every device: first from the
+/// key registry (no new work can name it), then the MRs themselves. `ibv_dereg_mr`
 /// returns only once the NIC can no longer access the memory through the
 /// MR (a peer's RDMA write naming its rkey fails with a remote access
 /// error), so no ibverbs write lands in the memory once this drop returned;
@@ -51,9 +57,9 @@ impl Registry {
 pub struct IbvRegistration {
     registry: Arc<Registry>,
     key: (RegionId, Generation),
-    /// Its own MR, or the one of a registered region it lies in (shared:
-    /// deregistered with the last region using it).
-    _mr: Arc<MemoryRegion>,
+    /// Its own MR on each device, or the one of a registered region it lies
+    /// in (shared: deregistered with the last region using it).
+    _mrs: Vec<Arc<MemoryRegion>>,
 }
 
 impl Drop for IbvRegistration {
@@ -129,37 +135,48 @@ impl Message<RegisterRegion> for IbvManagerActor {
     ) -> Self::Reply {
         let key = (msg.id, msg.generation);
         let shared = &self.shared;
+        let fabric = &shared.fabric;
         let (addr, len) = (msg.memory.addr(), msg.memory.len());
-        let mr = match shared
-            .device
-            .share_registrations
-            .then(|| shared.mrs.covering(addr, len, msg.access))
-            .flatten()
-        {
-            Some(mr) => mr,
-            None => {
-                let mr = MemoryRegion::register(&shared.device.pd, msg.memory, msg.access)
-                    .map_err(|e| RegisterError::Backend(e.to_string()))?;
-                let mr = Arc::new(mr);
-                shared.mrs.insert(&mr, msg.access);
-                mr
-            }
+        let mut mrs = Vec::with_capacity(fabric.nics.len());
+        for (nic, device) in fabric.nics.iter().enumerate() {
+            let cached = fabric
+                .share_registrations
+                .then(|| shared.mrs.covering(nic, addr, len, msg.access))
+                .flatten();
+            let mr = match cached {
+                Some(mr) => mr,
+                None => {
+                    let mr = MemoryRegion::register(&device.pd, msg.memory.clone(), msg.access)
+                        .map_err(|e| {
+                            RegisterError::Backend(format!("{}: {e}", device.context.name()))
+                        })?;
+                    let mr = Arc::new(mr);
+                    shared.mrs.insert(nic, &mr, msg.access);
+                    mr
+                }
+            };
+            mrs.push(mr);
+        }
+        let per_rail = |key: fn(&MemoryRegion) -> u32| {
+            let keys: Vec<u32> = fabric.rails.iter().map(|r| key(&mrs[r.nic])).collect();
+            RailKeys::new(&keys).expect("a fabric has at most MAX_RAILS rails")
+        };
+        let keys = Keys {
+            lkeys: per_rail(MemoryRegion::lkey),
+            rkeys: per_rail(MemoryRegion::rkey),
         };
         let mut map = self.shared.registry.lock();
         if map.contains_key(&key) {
             return Err(RegisterError::IdInUse(msg.id));
         }
-        map.insert(key, (mr.lkey(), mr.rkey()));
+        map.insert(key, keys);
         drop(map);
         Ok(IbvRegistered {
-            remote: IbvRemote {
-                rkey: mr.rkey(),
-                gid: self.shared.device.gid,
-            },
+            remote: IbvRemote { rkeys: keys.rkeys },
             registration: IbvRegistration {
                 registry: self.shared.registry.clone(),
                 key,
-                _mr: mr,
+                _mrs: mrs,
             },
         })
     }
@@ -196,15 +213,15 @@ impl Message<TransportInfo> for IbvManagerActor {
             .registry
             .lock()
             .iter()
-            .map(|(&(id, generation), &(lkey, rkey))| IbvRegionKeys {
+            .map(|(&(id, generation), keys)| IbvRegionKeys {
                 id,
                 generation,
-                lkey,
-                rkey,
+                lkeys: keys.lkeys,
+                rkeys: keys.rkeys,
             })
             .collect();
         Ok(IbvTransportInfo::new(
-            &shared.device,
+            &shared.fabric,
             qps,
             shared.passive.len(),
             regions,
@@ -219,28 +236,36 @@ impl Message<TransportInfo> for IbvManagerActor {
 pub struct IbvBackend {
     actor: ActorRef<IbvManagerActor>,
     shared: Arc<Shared>,
-    device: String,
 }
 
-/// An opened, usable RDMA device, ready to back an [`IbvBackend`].
-pub struct IbvDevice(Arc<Device>);
+/// This node's opened, usable rails (RDMA device ports), ready to back an
+/// [`IbvBackend`].
+pub struct IbvDevice(Arc<Fabric>);
 
 impl IbvDevice {
-    /// Fails with `VerbsError::NoDevice` on a host without RDMA hardware.
+    /// Opens the rails `config` names (every active port of every device
+    /// by default). Fails with `VerbsError::NoDevice` on a host without
+    /// RDMA hardware.
     pub fn open(config: &IbvConfig) -> Result<Self, VerbsError> {
-        Ok(IbvDevice(Arc::new(Device::open(config)?)))
+        Ok(IbvDevice(Arc::new(Fabric::open(config)?)))
     }
 
-    /// e.g. "rxe0 port 1, GID index 1, MTU 1024"
+    /// e.g. "rxe0:1 (GID index 1, MTU 1024), rxe1:1 (GID index 1, MTU 1024)"
     pub fn describe(&self) -> String {
-        let d = &self.0;
-        format!(
-            "{} port {}, GID index {}, MTU {}",
-            d.context.name(),
-            d.port,
-            d.gid_index,
-            128u32 << d.mtu
-        )
+        let rails: Vec<String> = self
+            .0
+            .rails
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} (GID index {}, MTU {})",
+                    r.name(),
+                    r.gid_index,
+                    128u32 << r.mtu
+                )
+            })
+            .collect();
+        rails.join(", ")
     }
 }
 
@@ -253,24 +278,27 @@ impl IbvBackend {
         endpoint: &Endpoint,
         sink: NotificationSink,
     ) -> Result<Self, EndpointError> {
-        let device = device.0;
-        let name = device.context.name().to_string();
+        let fabric = device.0;
         let passive = Arc::new(PassiveQps::default());
         endpoint.serve(Service::IBVERBS_CONNECT, {
-            let (device, passive) = (device.clone(), passive.clone());
-            move |request| passive::accept(device.clone(), passive.clone(), sink.clone(), request)
+            let (fabric, passive) = (fabric.clone(), passive.clone());
+            move |request| passive::accept(fabric.clone(), passive.clone(), sink.clone(), request)
         })?;
-        info!(
-            device = %name,
-            port = device.port,
-            gid_index = device.gid_index,
-            mtu = 128u32 << device.mtu,
-            max_send_wr = device.max_send_wr,
-            notify_slots = device.notify_slots,
-            "ibverbs transport ready"
-        );
+        for rail in &fabric.rails {
+            info!(
+                rail = rail.index,
+                device = %rail.context.name(),
+                port = rail.port,
+                gid_index = rail.gid_index,
+                mtu = 128u32 << rail.mtu,
+                max_send_wr = rail.max_send_wr,
+                notify_slots = rail.notify_slots,
+                netdev = rail.netdev.as_deref().unwrap_or("-"),
+                "ibverbs rail ready"
+            );
+        }
         let shared = Arc::new(Shared {
-            device,
+            fabric,
             endpoint: endpoint.clone(),
             peers: Peers::default(),
             registry: Arc::default(),
@@ -286,11 +314,7 @@ impl IbvBackend {
         let actor = IbvManagerActor::spawn(IbvManagerActor {
             shared: shared.clone(),
         });
-        Ok(IbvBackend {
-            actor,
-            shared,
-            device: name,
-        })
+        Ok(IbvBackend { actor, shared })
     }
 
     /// Connects this node's queue pair to `peer` (the exchange over the
@@ -301,7 +325,7 @@ impl IbvBackend {
         let shared = &self.shared;
         shared
             .peers
-            .get(&shared.device, &shared.endpoint, peer, deadline)
+            .get(&shared.fabric, &shared.endpoint, peer, deadline)
             .await
             .map(drop)
     }
@@ -344,14 +368,14 @@ impl IbvBackend {
         (self.shared.peers.len(), self.shared.passive.len())
     }
 
-    /// The device's name, e.g. `rxe0`.
-    pub fn device(&self) -> &str {
-        &self.device
+    /// The rails' names, in rail order, e.g. `["rxe0:1", "rxe1:1"]`.
+    pub fn rails(&self) -> Vec<String> {
+        self.shared.fabric.rails.iter().map(|r| r.name()).collect()
     }
 
-    /// Memory regions registered with the device for this node's regions
-    /// now: one per region, except regions inside another that share its
-    /// ([`IbvConfig::share_registrations`]).
+    /// Memory regions registered with the devices for this node's regions
+    /// now: one per region and device, except regions inside another that
+    /// share its ([`IbvConfig::share_registrations`]).
     pub fn memory_regions(&self) -> usize {
         self.shared.mrs.live()
     }

@@ -1,26 +1,37 @@
-//! Running one batch: its ops checked and split into pieces per peer, posted
-//! on each peer's queue pair, completed (or failed, or timed out) as one.
+//! Running one batch: its ops checked and grouped by peer, split into
+//! pieces over the peer's rail pairs, posted on their queue pairs,
+//! completed (or failed, or timed out) as one.
+//!
+//! How a peer's share is spread over its rail pairs: when it is smaller
+//! than the stripe threshold ([`IbvConfig::stripe_min`](crate::IbvConfig)),
+//! all of it goes to the pair with the fewest bytes outstanding, so a small
+//! batch keeps one queue pair's ordering and its notification can ride
+//! behind it. Otherwise each op of at least the threshold is cut into equal
+//! parts, one per pair, and each smaller op goes whole to the pair with the
+//! fewest bytes outstanding or assigned so far. A notification behind a
+//! share spread over several pairs is sent once all of them completed.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_control::Endpoint;
 use ferry_core::{
-    BatchProgress, DataPathNotification, NodeAddr, OpError, OpKind, RdmaOp, SubmitError,
+    BatchProgress, DataPathNotification, NodeAddr, OpError, OpKind, RailKeys, RdmaOp, Region,
+    SubmitError,
 };
 use tokio::time::Instant;
 use tracing::{Instrument, debug, debug_span};
 
 use crate::backend::Registry;
-use crate::connection::{Piece, Pin};
-use crate::device::Device;
+use crate::connection::{PeerQp, Piece, Pin};
+use crate::device::Fabric;
 use crate::mr_cache::MrCache;
 use crate::notify::{PendingNotification, attach_notification};
 use crate::passive::PassiveQps;
-use crate::peers::Peers;
+use crate::peers::{Link, Peers};
 use crate::qp_session::{QpSession, spin_until_done};
 use crate::verbs::{RdmaOpcode, WorkRequest};
 
@@ -31,7 +42,7 @@ const INLINE_POLL: Duration = Duration::from_micros(200);
 /// The data plane's state, shared by the manager actor and every handle:
 /// batches run in the submitter's task against it.
 pub(crate) struct Shared {
-    pub(crate) device: Arc<Device>,
+    pub(crate) fabric: Arc<Fabric>,
     /// The node's endpoint: queue pairs are set up over its control sessions.
     pub(crate) endpoint: Endpoint,
     pub(crate) peers: Peers,
@@ -85,10 +96,11 @@ impl Shared {
         let started = Instant::now();
         let deadline = started + timeout;
         let mut groups = self.prepare(&ops)?;
+        let notify_peer = groups.first().map(|g| g.peer);
         // Only a single owner can be notified on its QP: it alone cannot
         // know whether another owner's share of the batch failed.
         let notification =
-            notification.filter(|_| groups.len() == 1 && !groups[0].pieces.is_empty());
+            notification.filter(|_| groups.len() == 1 && groups[0].plans.iter().any(|p| p.len > 0));
         // A batch that reads notifies once its reads are back, in a SEND of
         // its own (below), not in a SEND fenced behind them: a fence holds
         // every later request on the QP, other batches' included, until the
@@ -100,9 +112,9 @@ impl Shared {
             Some(payload) if reads => (None, Some((groups[0].peer, payload))),
             behind => (behind, None),
         };
-        let max_msg = u64::from(self.device.max_msg);
+        // One piece per op until its rail pairs are known (`split`).
         let progress = Arc::new(BatchProgress::with_notifications(
-            ops.iter().map(|op| op.len().div_ceil(max_msg) as u32),
+            ops.iter().map(|op| u32::from(!op.is_empty())),
             usize::from(behind.is_some()),
         ));
         let notify_index = ops.len();
@@ -113,27 +125,57 @@ impl Shared {
             });
         }
         drop(ops);
+        // Set when the share turned out spread over several pairs: the
+        // notification then goes after the data, as for reads.
+        let deferred = Mutex::new(None);
         let outcome = self
-            .execute(groups, progress, notify_index, started, deadline, timeout)
+            .execute(
+                groups,
+                progress,
+                notify_index,
+                started,
+                deadline,
+                timeout,
+                &deferred,
+            )
             .await;
+        let after = after.or_else(|| {
+            let peer = notify_peer.filter(|_| outcome.is_ok())?;
+            Some((
+                peer,
+                deferred.into_inner().unwrap_or_else(|e| e.into_inner())?,
+            ))
+        });
         let (Some((peer, payload)), Ok(DataPathNotification::NotSent)) = (after, &outcome) else {
             return outcome;
         };
         let alone = PeerGroup {
             peer,
-            pieces: Vec::new(),
-            session: None,
+            plans: Vec::new(),
+            lanes: Vec::new(),
             notification: Some(PendingNotification { payload, index: 0 }),
         };
         let progress = Arc::new(BatchProgress::with_notifications([], 1));
-        self.execute(vec![alone], progress, 0, Instant::now(), deadline, timeout)
-            .await
+        let never = Mutex::new(None);
+        self.execute(
+            vec![alone],
+            progress,
+            0,
+            Instant::now(),
+            deadline,
+            timeout,
+            &never,
+        )
+        .await
     }
 
     /// Posts `groups` (each op's pieces, and a notification behind them if
     /// one is attached; a group may hold only a notification) and waits for
     /// `progress` until `deadline`. `notify_index` is the notification's
-    /// index in `progress`; `started` begins the inline polling window.
+    /// index in `progress`; `started` begins the inline polling window. A
+    /// notification that cannot ride behind the data (the data went over
+    /// several rail pairs) is left in `deferred`, its piece finished.
+    #[expect(clippy::too_many_arguments, reason = "one batch's whole state")]
     async fn execute(
         &self,
         mut groups: Vec<PeerGroup>,
@@ -142,6 +184,7 @@ impl Shared {
         started: Instant,
         deadline: Instant,
         timeout: Duration,
+        deferred: &Mutex<Option<Bytes>>,
     ) -> Result<DataPathNotification, SubmitError> {
         if progress.total_pieces() == 0 {
             return Ok(DataPathNotification::NotSent);
@@ -164,48 +207,34 @@ impl Shared {
         // which costs several thread wake-ups. Bounded; then the poller task
         // takes over.
         let spin_until = started + INLINE_POLL;
-        // A single-peer batch polls from the start, so its QP's poller task
-        // stands aside before the first completion arrives, and it polls
-        // while waiting for credits. A batch over several peers starts
-        // polling once all is posted: waiting for one QP's credits while
-        // keeping another's poller aside could stall other submitters there.
-        let single_peer = groups.len() == 1;
-        // The common case waits for nothing: one peer, its QP connected,
-        // credits free for every piece, done within the inline window. It
-        // runs right here; what it leaves, the async work below picks up.
-        if single_peer && self.try_now(&mut groups[0], &progress, &sent, spin_until) {
+        // The common case waits for nothing: one peer, its link connected,
+        // the share on one pair, credits free for every piece, done within
+        // the inline window. It runs right here; what it leaves, the async
+        // work below picks up.
+        if groups.len() == 1 && self.try_now(&mut groups[0], &progress, &sent, spin_until, deferred)
+        {
             return finish(progress.outcome());
         }
         let work = async {
+            let single_peer = groups.len() == 1;
             for group in &mut groups {
-                // A session try_now began is used as it is. Without
-                // pieces (posted already, or only zero-length ops) no QP
-                // is needed.
-                if group.session.is_none()
-                    && (!group.pieces.is_empty() || group.notification.is_some())
+                if group.lanes.is_empty()
+                    && (!group.plans.is_empty() || group.notification.is_some())
                 {
                     match self
                         .peers
-                        .get(&self.device, &self.endpoint, group.peer, deadline)
+                        .get(&self.fabric, &self.endpoint, group.peer, deadline)
                         .await
                     {
-                        Ok(qp) => {
-                            attach_notification(
-                                &mut group.notification,
-                                &mut group.pieces,
-                                &qp,
-                                &progress,
-                                &sent,
-                            );
-                            let session = group.session.insert(QpSession::new(qp));
-                            if single_peer {
-                                session.start_polling();
-                            }
+                        Ok(link) => {
+                            self.spread(group, &link, &progress, &sent, deferred);
                         }
                         Err(e) => {
-                            std::mem::take(&mut group.pieces)
-                                .into_iter()
-                                .for_each(|p| progress.piece_done(p.op, Err(e.clone())));
+                            for plan in std::mem::take(&mut group.plans) {
+                                if plan.len > 0 {
+                                    progress.piece_done(plan.op, Err(e.clone()));
+                                }
+                            }
                             if let Some(n) = group.notification.take() {
                                 progress.piece_done(n.index, Ok(()));
                             }
@@ -213,30 +242,43 @@ impl Shared {
                         }
                     }
                 }
-                let pieces = std::mem::take(&mut group.pieces);
-                let Some(session) = group.session.as_mut().filter(|_| !pieces.is_empty()) else {
-                    continue;
-                };
-                session
-                    .post_all(pieces, &progress, spin_until, deadline)
-                    .await;
+                // A single pair to a single peer polls from the start, so its
+                // poller task stands aside before the first completion
+                // arrives, and it polls while waiting for credits. Pairs
+                // posted together start polling once all is posted: waiting
+                // for one QP's credits while keeping another's poller aside
+                // could stall other submitters there.
+                let inline = single_peer && group.lanes.len() == 1;
+                let posting = group.lanes.iter_mut().map(|lane| {
+                    if inline {
+                        lane.session.start_polling();
+                    }
+                    let pieces = std::mem::take(&mut lane.pieces);
+                    let progress = &progress;
+                    async move {
+                        if !pieces.is_empty() {
+                            lane.session
+                                .post_all(pieces, progress, spin_until, deadline)
+                                .await;
+                        }
+                    }
+                });
+                futures_util::future::join_all(posting).await;
             }
-            if !single_peer {
-                groups
-                    .iter_mut()
-                    .filter_map(|g| g.session.as_mut())
-                    .for_each(QpSession::start_polling);
-            }
+            groups
+                .iter_mut()
+                .flat_map(|g| g.lanes.iter_mut())
+                .for_each(|lane| lane.session.start_polling());
             let poll = || {
                 groups
                     .iter()
-                    .filter_map(|g| g.session.as_ref())
-                    .filter(|s| s.is_polling())
-                    .map(|s| s.qp().poll_now())
+                    .flat_map(|g| g.lanes.iter())
+                    .filter(|lane| lane.session.is_polling())
+                    .map(|lane| lane.session.qp().poll_now())
                     .sum()
             };
             spin_until_done(spin_until, poll, || progress.is_done());
-            groups.iter_mut().for_each(|g| g.session = None);
+            groups.iter_mut().for_each(|g| g.lanes.clear());
             progress.all_done().await;
         };
         // Pinned so the outcome is decided before the work future is dropped.
@@ -261,48 +303,148 @@ impl Shared {
     }
 
     /// Posts `group` and polls for its completions without waiting for
-    /// anything: only if its QP is connected and credits for all its pieces
-    /// are free. Returns whether the batch finished; if not, the pieces not
-    /// posted are left in the group, and the session (still polling) too.
+    /// anything: only if its link is connected, its share goes to one pair
+    /// and credits for all its pieces are free. Returns whether the batch
+    /// finished; if not, what was not posted is left in the group, split
+    /// into its lanes (the session still polling).
     fn try_now(
         &self,
         group: &mut PeerGroup,
         progress: &Arc<BatchProgress>,
         sent: &AtomicBool,
         spin_until: Instant,
+        deferred: &Mutex<Option<Bytes>>,
     ) -> bool {
-        let Some(qp) = self.peers.connected(group.peer) else {
+        let Some(link) = self.peers.connected(group.peer) else {
             return false;
         };
-        attach_notification(
-            &mut group.notification,
-            &mut group.pieces,
-            &qp,
-            progress,
-            sent,
-        );
-        let session = group.session.insert(QpSession::new(qp));
-        session.start_polling();
-        session.post_now(&mut group.pieces, progress)
+        self.spread(group, &link, progress, sent, deferred);
+        let [lane] = &mut group.lanes[..] else {
+            return false;
+        };
+        lane.session.start_polling();
+        lane.session.post_now(&mut lane.pieces, progress)
             && spin_until_done(
                 spin_until,
-                || session.qp().poll_now(),
+                || lane.session.qp().poll_now(),
                 || progress.is_done(),
             )
     }
 
-    /// Checks every op before anything is posted, and turns them into work
-    /// requests grouped by peer (in a list: a batch rarely spans more than a
-    /// few). Ops larger than the port's message limit become several.
+    /// Splits `group`'s ops into pieces over `link`'s usable pairs (see the
+    /// module docs), counting each op's pieces in `progress`, and puts its
+    /// notification behind them if they all went to one pair, else in
+    /// `deferred`.
+    fn spread(
+        &self,
+        group: &mut PeerGroup,
+        link: &Link,
+        progress: &BatchProgress,
+        sent: &AtomicBool,
+        deferred: &Mutex<Option<Bytes>>,
+    ) {
+        let pairs: Vec<&Arc<PeerQp>> = link.usable().collect();
+        let several = pairs.len() > 1;
+        let mut lanes: Vec<Lane> = pairs
+            .iter()
+            .map(|&qp| Lane {
+                // Only compared with other pairs' loads.
+                load: if several { qp.outstanding_bytes() } else { 0 },
+                session: QpSession::new(qp.clone()),
+                pieces: Vec::new(),
+            })
+            .collect();
+        let plans = std::mem::take(&mut group.plans);
+        let share: u64 = plans.iter().map(|p| p.len).sum();
+        let stripe_min = self.fabric.stripe_min;
+        // A share under the threshold goes whole to one pair.
+        let whole = (share < stripe_min)
+            .then(|| (0..lanes.len()).min_by_key(|&i| lanes[i].load))
+            .flatten();
+        for plan in plans {
+            if plan.len == 0 {
+                continue;
+            }
+            // Pairs whose two ends the op has keys for (a handle from this
+            // owner has a key for each of its rails).
+            let reach = |lane: &Lane| {
+                let qp = lane.session.qp();
+                plan.lkeys.get(usize::from(qp.rail().index)).is_some()
+                    && plan.rkeys.get(usize::from(qp.remote_rail())).is_some()
+            };
+            let eligible: Vec<usize> = (0..lanes.len()).filter(|&i| reach(&lanes[i])).collect();
+            let pieces = if eligible.is_empty() {
+                progress.piece_done(plan.op, Err(OpError::NoSharedTransport));
+                continue;
+            } else if eligible.len() > 1 && share >= stripe_min && plan.len >= stripe_min {
+                // Equal parts, page-aligned, one per pair.
+                let part = plan
+                    .len
+                    .div_ceil(eligible.len() as u64)
+                    .next_multiple_of(4096);
+                let mut pieces = 0;
+                for (k, &i) in eligible.iter().enumerate() {
+                    let at = (k as u64 * part).min(plan.len);
+                    let len = part.min(plan.len - at);
+                    pieces += lanes[i].push(&plan, at, len);
+                }
+                pieces
+            } else {
+                let i = match whole {
+                    Some(i) if eligible.contains(&i) => i,
+                    _ => *eligible
+                        .iter()
+                        .min_by_key(|&&i| lanes[i].load)
+                        .expect("eligible is not empty"),
+                };
+                lanes[i].push(&plan, 0, plan.len)
+            };
+            progress.add_pieces(plan.op, pieces.saturating_sub(1));
+        }
+        lanes.retain(|lane| !lane.pieces.is_empty());
+        if let Some(notification) = group.notification.take() {
+            match &mut lanes[..] {
+                [] => {
+                    // Nothing to send the data on: the notification has no
+                    // lane either, and is not sent.
+                    progress.piece_done(notification.index, Ok(()));
+                }
+                [lane] => {
+                    group.notification = Some(notification);
+                    attach_notification(
+                        &mut group.notification,
+                        &mut lane.pieces,
+                        lane.session.qp(),
+                        progress,
+                        sent,
+                    );
+                }
+                _ => {
+                    *deferred.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some(notification.payload);
+                    progress.piece_done(notification.index, Ok(()));
+                }
+            }
+        }
+        if lanes.is_empty()
+            && let Some(notification) = group.notification.take()
+        {
+            progress.piece_done(notification.index, Ok(()));
+        }
+        group.lanes = lanes;
+    }
+
+    /// Checks every op before anything is posted, and groups them by peer
+    /// (in a list: a batch rarely spans more than a few), each with its
+    /// keys on every rail at both ends.
     fn prepare(&self, ops: &[RdmaOp]) -> Result<Vec<PeerGroup>, SubmitError> {
-        let max_msg = self.device.max_msg as usize;
         let mut groups: Vec<PeerGroup> = Vec::with_capacity(1);
         let registry = self.registry.lock();
         for (index, op) in ops.iter().enumerate() {
             op.validate()
                 .map_err(|error| SubmitError::Op { index, error })?;
             let region = op.local.region();
-            let (Some(remote), Some(&(lkey, _))) = (
+            let (Some(remote), Some(keys)) = (
                 op.remote.transports().ibverbs,
                 registry.get(&(region.id(), region.generation())),
             ) else {
@@ -317,36 +459,26 @@ impl Shared {
                 None => {
                     groups.push(PeerGroup {
                         peer,
-                        pieces: Vec::with_capacity(ops.len() - index),
-                        session: None,
+                        plans: Vec::with_capacity(ops.len() - index),
+                        lanes: Vec::new(),
                         notification: None,
                     });
                     groups.len() - 1
                 }
             };
-            let group = &mut groups[group];
-            let opcode = match op.kind {
-                OpKind::Read => RdmaOpcode::Read,
-                OpKind::Write => RdmaOpcode::Write,
-            };
-            // An op's length is its local slice's, which fits usize.
-            for (at, len) in pieces_of(op.len() as usize, max_msg) {
-                group.pieces.push(Piece {
-                    op: index,
-                    wr: WorkRequest {
-                        wr_id: 0,
-                        opcode,
-                        local_addr: op.local.as_ptr() as u64 + at as u64,
-                        len: len as u32,
-                        lkey,
-                        remote_addr: op.remote.addr() + at as u64,
-                        rkey: remote.rkey,
-                        signaled: false,
-                        fence: false,
-                    },
-                    pin: Pin::Region(region.clone()),
-                });
-            }
+            groups[group].plans.push(OpPlan {
+                op: index,
+                opcode: match op.kind {
+                    OpKind::Read => RdmaOpcode::Read,
+                    OpKind::Write => RdmaOpcode::Write,
+                },
+                local_addr: op.local.as_ptr() as u64,
+                remote_addr: op.remote.addr(),
+                len: op.len(),
+                lkeys: keys.lkeys,
+                rkeys: remote.rkeys,
+                region: region.clone(),
+            });
         }
         Ok(groups)
     }
@@ -358,13 +490,69 @@ fn pieces_of(len: usize, max: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..len).step_by(max).map(move |at| (at, max.min(len - at)))
 }
 
+/// One op of a batch, checked, with its keys on every rail at both ends:
+/// what `spread` splits into pieces once the peer's pairs are known.
+struct OpPlan {
+    op: usize,
+    opcode: RdmaOpcode,
+    local_addr: u64,
+    remote_addr: u64,
+    len: u64,
+    lkeys: RailKeys,
+    rkeys: RailKeys,
+    /// Pinned by every piece.
+    region: Region,
+}
+
+/// The pieces of a peer's share that go to one of its rail pairs.
+struct Lane {
+    session: QpSession,
+    pieces: Vec<Piece>,
+    /// Bytes outstanding on the pair, plus those assigned to it here.
+    load: u64,
+}
+
+impl Lane {
+    /// Appends the pieces of `len` bytes of `plan` from `at`, with the
+    /// keys of this lane's rails; returns how many.
+    fn push(&mut self, plan: &OpPlan, at: u64, len: u64) -> u32 {
+        let qp = self.session.qp();
+        let max = qp.rail().max_msg as usize;
+        let lkey = plan.lkeys.get(usize::from(qp.rail().index)).unwrap_or(0);
+        let rkey = plan.rkeys.get(usize::from(qp.remote_rail())).unwrap_or(0);
+        let before = self.pieces.len();
+        // An op's length is its local slice's, which fits usize.
+        for (off, piece) in pieces_of(len as usize, max) {
+            let off = at + off as u64;
+            self.pieces.push(Piece {
+                op: plan.op,
+                wr: WorkRequest {
+                    wr_id: 0,
+                    opcode: plan.opcode,
+                    local_addr: plan.local_addr + off,
+                    len: piece as u32,
+                    lkey,
+                    remote_addr: plan.remote_addr + off,
+                    rkey,
+                    signaled: false,
+                    fence: false,
+                },
+                pin: Pin::Region(plan.region.clone()),
+            });
+        }
+        self.load += len;
+        (self.pieces.len() - before) as u32
+    }
+}
+
 /// The part of a batch that goes to one peer.
 struct PeerGroup {
     peer: NodeAddr,
-    pieces: Vec<Piece>,
-    /// The submitter's use of the peer's QP, once connected.
-    session: Option<QpSession>,
-    /// To post behind `pieces` once the QP is known.
+    /// Its ops, until `spread` turns them into `lanes`.
+    plans: Vec<OpPlan>,
+    /// Its pieces, by rail pair, once the peer's link is known.
+    lanes: Vec<Lane>,
+    /// To post behind the pieces once the pairs are known.
     notification: Option<PendingNotification>,
 }
 

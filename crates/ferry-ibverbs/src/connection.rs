@@ -25,6 +25,7 @@ use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
+use crate::device::Rail;
 use crate::notify::NotifyLane;
 use crate::verbs::{Completion, CompletionChannel, CompletionQueue, QueuePair, VerbsError};
 
@@ -53,6 +54,11 @@ pub const FOREIGN_WR_ID_BIT: u64 = 1 << 63;
 
 pub(crate) struct PeerQp {
     peer: NodeAddr,
+    /// This end's rail, and the peer's rail index at the other end.
+    rail: Arc<Rail>,
+    remote_rail: u8,
+    /// `ibv_mtu` value the pair's path uses: the smaller of both ports'.
+    mtu: u32,
     qp: QueuePair,
     pub(crate) credits: Semaphore,
     /// All credits: fewer are available exactly while work is outstanding.
@@ -105,6 +111,26 @@ impl PeerQp {
 
     pub fn qp(&self) -> &QueuePair {
         &self.qp
+    }
+
+    /// This end's rail.
+    pub fn rail(&self) -> &Arc<Rail> {
+        &self.rail
+    }
+
+    /// The peer's rail index at the other end.
+    pub fn remote_rail(&self) -> u8 {
+        self.remote_rail
+    }
+
+    /// `ibv_mtu` value of the pair's path.
+    pub fn mtu(&self) -> u32 {
+        self.mtu
+    }
+
+    /// Bytes posted on this QP and not yet completed.
+    pub fn outstanding_bytes(&self) -> u64 {
+        self.lock().bytes
     }
 
     pub fn is_broken(&self) -> bool {
@@ -171,7 +197,9 @@ impl PeerQp {
             return true;
         }
         inflight.wrs.clear();
+        let mut bytes = 0;
         for (i, piece) in pending.iter().take(count).enumerate() {
+            bytes += u64::from(piece.wr.len);
             let mut wr = piece.wr;
             wr.wr_id = self.next_wr_id.fetch_add(1, Ordering::Relaxed);
             wr.signaled = i == count - 1 || i % SIGNAL_EVERY == SIGNAL_EVERY - 1;
@@ -185,6 +213,7 @@ impl PeerQp {
                 .map(|(piece, wr)| Posted {
                     wr_id: wr.wr_id,
                     op: piece.op,
+                    bytes: u64::from(wr.len),
                     progress: progress.clone(),
                     pin: piece.pin,
                 }),
@@ -195,8 +224,16 @@ impl PeerQp {
         // (or a later one) is polled; see the module docs.
         let Err((index, e)) = (unsafe { self.qp.post(&inflight.wrs, &mut inflight.buffers) })
         else {
+            inflight.bytes += bytes;
+            self.rail.count_posted(count as u64, bytes);
             return true;
         };
+        let posted_bytes: u64 = inflight.wrs[..index]
+            .iter()
+            .map(|wr| u64::from(wr.len))
+            .sum();
+        inflight.bytes += posted_bytes;
+        self.rail.count_posted(index as u64, posted_bytes);
         // Requests from `index` on were not posted: take their records back.
         let refused: Vec<Posted> = inflight.records.drain(before + index..).collect();
         let refused_wrs = inflight.wrs.split_off(index);
@@ -362,11 +399,19 @@ impl PeerQp {
 }
 
 impl PeerQp {
-    /// Wraps a queue pair brought to RTS for `peer`, with `credits` send-queue
-    /// slots (and `notify`, if the peer posted receive buffers for our
+    /// Wraps a queue pair on `rail`, brought to RTS for `peer`'s rail
+    /// `remote_rail` with path MTU `mtu`, with `credits` send-queue slots
+    /// (and `notify`, if the peer posted receive buffers for our
     /// notifications), and starts its completion poller.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one constructor, each part distinct"
+    )]
     pub(crate) fn start(
         peer: NodeAddr,
+        rail: Arc<Rail>,
+        remote_rail: u8,
+        mtu: u32,
         qp: QueuePair,
         cq: Arc<CompletionQueue>,
         channel: Arc<CompletionChannel>,
@@ -375,6 +420,9 @@ impl PeerQp {
     ) -> Arc<PeerQp> {
         let conn = Arc::new(PeerQp {
             peer,
+            rail,
+            remote_rail,
+            mtu,
             qp,
             credits: Semaphore::new(credits),
             max_credits: credits,

@@ -1,33 +1,101 @@
-//! The opened device and the port parameters every queue pair uses.
+//! The rails this node moves bytes on, and the settings every queue pair
+//! uses. A rail is one active port of one RDMA device: a node with four
+//! dual-port NICs has up to eight. Each device gets one protection domain,
+//! which its ports share, so a region registered once per device has a key
+//! on every rail.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::verbs::{Context, ProtectionDomain, QpTiming, VerbsError, device_names};
+use ferry_core::MAX_RAILS;
+use tracing::info;
+
+use crate::verbs::{Context, ProtectionDomain, QpTiming, SYSFS_CLASS, VerbsError, device_names};
 
 /// The owner's notification coalescing on a software RDMA device when
 /// [`IbvConfig::notify_coalesce`] leaves it to the device.
 pub const SOFTWARE_NOTIFY_COALESCE: std::time::Duration = std::time::Duration::from_millis(5);
 
-/// How the ibverbs backend picks and uses its device.
+/// Names the rails a node uses, as [`IbvConfig::rails`] and the
+/// `FERRY_IBV_RAILS` environment variable give them: a comma-separated
+/// list of `device` (every active port of it) or `device:port`.
+pub const RAILS_ENV: &str = "FERRY_IBV_RAILS";
+
+/// The default [`IbvConfig::stripe_min`].
+pub const DEFAULT_STRIPE_MIN: u64 = 128 << 10;
+
+/// The default [`IbvConfig::max_wr_bytes`]: large enough that a NIC moves
+/// it at line rate, small enough to spread.
+pub const DEFAULT_MAX_WR_BYTES: u32 = 1 << 20;
+
+/// One rail asked for by name: a device, and one port of it or all its
+/// active ports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RailName {
+    /// The device, e.g. `mlx5_0` or `rxe1`.
+    pub device: String,
+    /// The port, from 1; every active port when `None`.
+    pub port: Option<u8>,
+}
+
+impl RailName {
+    /// Parses `mlx5_0:1,mlx5_1` (see [`RAILS_ENV`]).
+    pub fn parse_list(list: &str) -> Result<Vec<RailName>, String> {
+        list.split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|item| match item.split_once(':') {
+                None => Ok(RailName {
+                    device: item.to_string(),
+                    port: None,
+                }),
+                Some((device, port)) => match port.parse::<u8>() {
+                    Ok(port) if port > 0 && !device.is_empty() => Ok(RailName {
+                        device: device.to_string(),
+                        port: Some(port),
+                    }),
+                    _ => Err(format!(
+                        "rail {item:?}: want DEVICE or DEVICE:PORT, the port a number from 1"
+                    )),
+                },
+            })
+            .collect()
+    }
+}
+
+/// How the ibverbs backend picks and uses its rails.
 #[derive(Clone, Debug)]
 pub struct IbvConfig {
-    /// Device name (e.g. `mlx5_0`, `rxe0`); the first device when `None`.
-    pub device: Option<String>,
-    /// Port number, from 1 (the default); opening fails unless it is active.
-    pub port: u8,
-    /// GID table index; the first IPv4-mapped (RoCE v2) GID when `None`.
+    /// The rails to use, in rail order. `None` (the default) takes
+    /// [`RAILS_ENV`] if set, else every active port of every device.
+    /// Opening fails if a named device is missing or a named port is not
+    /// active.
+    pub rails: Option<Vec<RailName>>,
+    /// GID table index on every rail; each rail's first IPv4-mapped (RoCE
+    /// v2) GID when `None`.
     pub gid_index: Option<u32>,
     /// Send-queue depth per queue pair (capped by the device): how many work
-    /// requests may be outstanding to one peer. Larger batches stream
-    /// through it.
+    /// requests may be outstanding to one peer on one rail. Larger batches
+    /// stream through it.
     pub max_send_wr: u32,
     /// Largest piece of an op one work request carries; larger ops are
-    /// split. The port's maximum message size when `None`, and never more.
-    /// A smaller cap keeps one huge op from holding the send queue alone.
+    /// split. [`DEFAULT_MAX_WR_BYTES`] by default; the port's maximum
+    /// message size when `None`, and never more. A cap keeps one huge op
+    /// from holding the send queue alone, gives striping and failover a
+    /// grain finer than an op, and keeps a software device's responder from
+    /// answering one READ with a burst of thousands of packets (in the
+    /// two-VM soft-RoCE harness, 8 MiB READs over two rails lost response
+    /// packets to the virtual wire's buffers and never completed; 1 MiB
+    /// ones did).
     pub max_wr_bytes: Option<u32>,
-    /// Receive buffers this node posts, per initiator, for notifications
-    /// that ride the initiator's queue pair: how many it may have in flight
-    /// (its credits). 0 takes every notification over the control session.
+    /// An op of at least this many bytes is split across every rail pair to
+    /// its peer, by bytes; smaller ops each go whole to the pair with the
+    /// fewest bytes outstanding. [`DEFAULT_STRIPE_MIN`] by default.
+    pub stripe_min: u64,
+    /// Receive buffers this node posts, per initiator and rail pair, for
+    /// notifications that ride the initiator's queue pair: how many it may
+    /// have in flight (its credits). 0 takes every notification over the
+    /// control session.
     pub notify_slots: u16,
     /// Bytes per notification receive buffer: larger notifications (up to
     /// the node's message limit) go over the control session.
@@ -63,11 +131,11 @@ pub struct IbvConfig {
 impl Default for IbvConfig {
     fn default() -> Self {
         IbvConfig {
-            device: None,
-            port: 1,
+            rails: None,
             gid_index: None,
             max_send_wr: 1024,
-            max_wr_bytes: None,
+            max_wr_bytes: Some(DEFAULT_MAX_WR_BYTES),
+            stripe_min: DEFAULT_STRIPE_MIN,
             notify_slots: 32,
             notify_slot_len: 4096,
             notify_coalesce: None,
@@ -77,88 +145,290 @@ impl Default for IbvConfig {
     }
 }
 
-pub(crate) struct Device {
+impl IbvConfig {
+    /// A configuration that uses exactly `rails`, otherwise the defaults.
+    pub fn with_rails(rails: Vec<RailName>) -> Self {
+        IbvConfig {
+            rails: Some(rails),
+            ..IbvConfig::default()
+        }
+    }
+}
+
+/// One opened device: its context and the protection domain every region
+/// and queue pair on its ports belongs to.
+pub(crate) struct Nic {
+    pub context: Arc<Context>,
+    pub pd: Arc<ProtectionDomain>,
+}
+
+/// One port of one device, as this node uses it.
+pub(crate) struct Rail {
+    /// Its place in this node's rail list: handles carry one key per rail
+    /// in this order, and peers name rails by it.
+    pub index: u8,
+    /// Index of its device in [`Fabric::nics`].
+    pub nic: usize,
     pub context: Arc<Context>,
     pub pd: Arc<ProtectionDomain>,
     pub port: u8,
     pub gid_index: u32,
     pub gid: [u8; 16],
     pub lid: u16,
+    /// Whether the link layer is Ethernet (RoCE): the peer's rail must be too.
+    pub ethernet: bool,
     /// `ibv_mtu` value of the port.
     pub mtu: u32,
     /// Largest message one work request may carry on this port.
     pub max_msg: u32,
     pub max_send_wr: u32,
-    /// Notification receive buffers per initiator, and their size.
+    /// Notification receive buffers per initiator on this rail.
     pub notify_slots: u16,
-    pub notify_slot_len: u32,
     /// [`IbvConfig::notify_coalesce`], resolved for this device.
     pub notify_coalesce: std::time::Duration,
+    /// The netdev behind a RoCE port's GID (sysfs), for `ferry info`.
+    pub netdev: Option<String>,
+    /// The device's NUMA node (sysfs); `None` where the kernel gives none.
+    pub numa_node: Option<u32>,
+    /// The port's rate as the kernel words it, e.g. `100 Gb/sec (4X EDR)`.
+    pub rate: String,
+    /// Work requests and bytes posted on this rail's queue pairs so far.
+    pub posted_wrs: AtomicU64,
+    pub posted_bytes: AtomicU64,
+}
+
+impl Rail {
+    /// Counts `wrs` work requests of `bytes` in all posted on this rail.
+    pub fn count_posted(&self, wrs: u64, bytes: u64) {
+        self.posted_wrs.fetch_add(wrs, Ordering::Relaxed);
+        self.posted_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// e.g. "rxe0:1"
+    pub fn name(&self) -> String {
+        format!("{}:{}", self.context.name(), self.port)
+    }
+}
+
+/// Every rail of this node, and the settings shared by all of them.
+pub(crate) struct Fabric {
+    pub nics: Vec<Nic>,
+    pub rails: Vec<Arc<Rail>>,
+    pub notify_slot_len: u32,
+    pub stripe_min: u64,
     pub qp_timing: QpTiming,
     /// See [`IbvConfig::share_registrations`].
     pub share_registrations: bool,
 }
 
-impl Device {
-    pub fn open(config: &IbvConfig) -> Result<Device, VerbsError> {
+impl Fabric {
+    /// Opens the configured rails (see [`IbvConfig::rails`]).
+    pub fn open(config: &IbvConfig) -> Result<Fabric, VerbsError> {
         // Distinguishes "no device at all" (the normal TCP-only host) from a
         // named device that is missing.
-        device_names()?;
-        let context = Context::open(config.device.as_deref())?;
-        let port = context.port(config.port)?;
-        if !port.active {
-            return Err(VerbsError::Call {
-                call: "port state",
-                source: std::io::Error::other(format!(
-                    "{} port {} is not active",
-                    context.name(),
-                    config.port
-                )),
-            });
-        }
-        let (gid_index, gid) = match config.gid_index {
-            Some(index) => (index, context.gid(config.port, index)?),
-            None => context.ipv4_gid(config.port)?,
+        let devices = device_names()?;
+        let from_env = match (&config.rails, std::env::var(RAILS_ENV)) {
+            (None, Ok(list)) => {
+                Some(RailName::parse_list(&list).map_err(|e| VerbsError::Call {
+                    call: RAILS_ENV,
+                    source: std::io::Error::other(e),
+                })?)
+            }
+            _ => None,
         };
-        if gid == [0; 16] {
-            // An unused table entry: queue pairs addressed with it never connect.
+        let named = config.rails.clone().or(from_env);
+        let wanted: Vec<RailName> = match &named {
+            Some(names) if !names.is_empty() => names.clone(),
+            _ => devices
+                .iter()
+                .map(|device| RailName {
+                    device: device.clone(),
+                    port: None,
+                })
+                .collect(),
+        };
+        let mut fabric = Fabric {
+            nics: Vec::new(),
+            rails: Vec::new(),
+            notify_slot_len: config.notify_slot_len,
+            stripe_min: config.stripe_min.max(1),
+            qp_timing: config.qp_timing,
+            share_registrations: config.share_registrations,
+        };
+        let mut skipped = Vec::new();
+        for name in &wanted {
+            // A device is kept (in `nics`) only once one of its ports is a rail.
+            let (nic, fresh) = match fabric
+                .nics
+                .iter()
+                .position(|n| n.context.name() == name.device)
+            {
+                Some(nic) => (nic, None),
+                None => {
+                    let context = Context::open(Some(&name.device))?;
+                    let pd = ProtectionDomain::new(&context)?;
+                    (fabric.nics.len(), Some(Nic { context, pd }))
+                }
+            };
+            let device = fresh.as_ref().unwrap_or_else(|| &fabric.nics[nic]);
+            let ports: Vec<u8> = match name.port {
+                Some(port) => vec![port],
+                None => (1..=device.context.limits()?.ports).collect(),
+            };
+            let mut opened = Vec::new();
+            for port in ports {
+                let taken = |r: &Rail| r.nic == nic && r.port == port;
+                if fabric.rails.iter().any(|r| taken(r)) || opened.iter().any(taken) {
+                    continue;
+                }
+                let index = (fabric.rails.len() + opened.len()) as u8;
+                match open_rail(device, index, nic, port, config) {
+                    Ok(rail) => opened.push(rail),
+                    // A port asked for by name must work; of "every port",
+                    // the inactive ones are skipped, and said so.
+                    Err(e) if name.port.is_some() => return Err(e),
+                    Err(e) => skipped.push(format!("{}:{port}: {e}", name.device)),
+                }
+            }
+            if !opened.is_empty() {
+                fabric.nics.extend(fresh);
+                fabric.rails.extend(opened.into_iter().map(Arc::new));
+            }
+        }
+        if fabric.rails.len() > MAX_RAILS {
             return Err(VerbsError::Call {
-                call: "ibv_query_gid",
+                call: "choosing rails",
                 source: std::io::Error::other(format!(
-                    "GID index {gid_index} of {} port {} is empty",
-                    context.name(),
-                    config.port
+                    "{} usable ports, and a node uses at most {MAX_RAILS}: name the rails to use \
+                     in {RAILS_ENV} or IbvConfig::rails",
+                    fabric.rails.len()
                 )),
             });
         }
-        let limits = context.limits()?;
-        let pd = ProtectionDomain::new(&context)?;
-        Ok(Device {
-            pd,
-            port: config.port,
-            gid_index,
-            gid,
-            lid: port.lid,
-            mtu: port.active_mtu,
-            max_msg: config
-                .max_wr_bytes
-                .map_or(port.max_msg_size, |cap| cap.min(port.max_msg_size))
-                .max(1),
-            max_send_wr: config
-                .max_send_wr
-                .clamp(1, limits.max_qp_wr.saturating_sub(1).max(1)),
-            notify_slots: config
-                .notify_slots
-                .min(limits.max_qp_wr.min(u32::from(u16::MAX)) as u16),
-            notify_slot_len: config.notify_slot_len,
-            notify_coalesce: config.notify_coalesce.unwrap_or(if context.is_software() {
-                SOFTWARE_NOTIFY_COALESCE
-            } else {
-                std::time::Duration::ZERO
-            }),
-            share_registrations: config.share_registrations,
-            qp_timing: config.qp_timing,
-            context,
-        })
+        if fabric.rails.is_empty() {
+            return Err(VerbsError::Call {
+                call: "choosing rails",
+                source: std::io::Error::other(format!(
+                    "no active port: {}",
+                    if skipped.is_empty() {
+                        "none found".to_string()
+                    } else {
+                        skipped.join("; ")
+                    }
+                )),
+            });
+        }
+        if !skipped.is_empty() {
+            info!(skipped = %skipped.join("; "), "ports not used as rails");
+        }
+        Ok(fabric)
+    }
+
+    /// The rail at `index`, if there is one.
+    pub fn rail(&self, index: u8) -> Option<&Arc<Rail>> {
+        self.rails.get(usize::from(index))
+    }
+}
+
+/// Opens `port` of `device` (the fabric's NIC number `nic`) as rail `index`.
+fn open_rail(
+    device: &Nic,
+    index: u8,
+    nic: usize,
+    port: u8,
+    config: &IbvConfig,
+) -> Result<Rail, VerbsError> {
+    let Nic { context, pd } = device;
+    let info = context.port(port)?;
+    if !info.active {
+        return Err(VerbsError::Call {
+            call: "port state",
+            source: std::io::Error::other(format!("{} port {port} is not active", context.name())),
+        });
+    }
+    let (gid_index, gid) = match config.gid_index {
+        Some(index) => (index, context.gid(port, index)?),
+        None => context.ipv4_gid(port)?,
+    };
+    if gid == [0; 16] {
+        // An unused table entry: queue pairs addressed with it never connect.
+        return Err(VerbsError::Call {
+            call: "ibv_query_gid",
+            source: std::io::Error::other(format!(
+                "GID index {gid_index} of {} port {port} is empty",
+                context.name()
+            )),
+        });
+    }
+    let limits = context.limits()?;
+    let sysfs = |path: String| {
+        std::fs::read_to_string(path)
+            .ok()
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+    };
+    let device = context.name();
+    Ok(Rail {
+        index,
+        nic,
+        context: context.clone(),
+        pd: pd.clone(),
+        port,
+        gid_index,
+        gid,
+        lid: info.lid,
+        ethernet: info.ethernet,
+        mtu: info.active_mtu,
+        max_msg: config
+            .max_wr_bytes
+            .map_or(info.max_msg_size, |cap| cap.min(info.max_msg_size))
+            .max(1),
+        max_send_wr: config
+            .max_send_wr
+            .clamp(1, limits.max_qp_wr.saturating_sub(1).max(1)),
+        notify_slots: config
+            .notify_slots
+            .min(limits.max_qp_wr.min(u32::from(u16::MAX)) as u16),
+        notify_coalesce: config.notify_coalesce.unwrap_or(if context.is_software() {
+            SOFTWARE_NOTIFY_COALESCE
+        } else {
+            std::time::Duration::ZERO
+        }),
+        netdev: sysfs(format!(
+            "{SYSFS_CLASS}/{device}/ports/{port}/gid_attrs/ndevs/{gid_index}"
+        )),
+        // -1 where the platform has no NUMA information.
+        numa_node: sysfs(format!("{SYSFS_CLASS}/{device}/device/numa_node"))
+            .and_then(|n| n.parse::<i32>().ok())
+            .and_then(|n| u32::try_from(n).ok()),
+        rate: sysfs(format!("{SYSFS_CLASS}/{device}/ports/{port}/rate")).unwrap_or_default(),
+        posted_wrs: AtomicU64::new(0),
+        posted_bytes: AtomicU64::new(0),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RailName;
+
+    #[test]
+    fn rail_lists_parse_and_bad_ones_say_why() {
+        let rails = RailName::parse_list("mlx5_0:1, mlx5_1,,rxe0:2").unwrap();
+        let name = |device: &str, port| RailName {
+            device: device.into(),
+            port,
+        };
+        assert_eq!(
+            rails,
+            [
+                name("mlx5_0", Some(1)),
+                name("mlx5_1", None),
+                name("rxe0", Some(2))
+            ]
+        );
+        for bad in ["mlx5_0:0", "mlx5_0:x", ":1", "mlx5_0:300"] {
+            let error = RailName::parse_list(bad).unwrap_err();
+            assert!(error.contains("DEVICE:PORT"), "{bad}: {error}");
+        }
     }
 }

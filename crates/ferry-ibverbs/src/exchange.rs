@@ -1,9 +1,19 @@
-//! Setting up a queue pair with a peer: the `IBVERBS_CONNECT` service on
-//! the nodes' control session. The initiator sends its QP's details; the
-//! owner creates a QP dedicated to that initiator (`passive`), answers with
-//! its details and its notification receive buffers, and keeps it for as
+//! Setting up the queue pairs to a peer: the `IBVERBS_CONNECT` service on
+//! the nodes' control session. The initiator asks for the owner's rails,
+//! proposes rail pairs (each with a QP of its own on its rail), and the
+//! owner creates a QP on its rail for each (`passive`) and answers with
+//! its details and its notification receive buffers; it keeps them for as
 //! long as the session lives (and, if the session went silent, for the
 //! session's silent grace).
+//!
+//! Which pairs reach each other is found out, not assumed: every pair is
+//! probed with a zero-length RDMA WRITE before it carries work, and a pair
+//! whose probe does not complete within [`PROBE_TIMEOUT`] is never used. So
+//! on a rail-only fabric, where NIC *i* reaches only NIC *i* of other
+//! nodes, only straight pairs are chosen. Straight pairs (the same rail
+//! index at both ends) are tried first; only rails left without a working
+//! pair then try the other side's leftover rails. Each pair's path MTU is
+//! the smaller of its two ports'.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,89 +23,330 @@ use ferry_control::{Endpoint, Service, Session};
 use ferry_core::{NodeAddr, OpError, random_u128};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, info};
 
 use crate::connection::PeerQp;
-use crate::device::Device;
+use crate::device::{Fabric, Rail};
 use crate::notify::NotifyLane;
-use crate::verbs::{CompletionChannel, CompletionQueue, PathConfig, QpEndpoint, QueuePair};
-use crate::wire::{QP_INFO_LEN, QpInfo};
+use crate::verbs::{
+    Completion, CompletionChannel, CompletionQueue, PathConfig, QpEndpoint, QueuePair, RdmaOpcode,
+    VerbsError, WorkRequest,
+};
+use crate::wire::{
+    PairInfo, QpInfo, RAILS_QUERY, RailInfo, decode_pairs, decode_rails, encode_pairs,
+};
+
+/// How long a pair's probe may take before the pair counts as unable to
+/// reach: long against a working path's round trip (microseconds on a NIC,
+/// about a millisecond on soft-RoCE in a VM, plus ARP for the first packet),
+/// short against a connect's usual deadline.
+pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_millis(1500);
 
 pub(crate) fn random_psn() -> u32 {
     (random_u128() as u32) & 0x00ff_ffff
 }
 
-pub(crate) fn endpoint_of(device: &Device, qp: &QueuePair, psn: u32) -> QpEndpoint {
+pub(crate) fn endpoint_of(rail: &Rail, qp: &QueuePair, psn: u32) -> QpEndpoint {
     QpEndpoint {
         qpn: qp.qpn(),
         psn,
-        gid: device.gid,
-        lid: device.lid,
+        gid: rail.gid,
+        lid: rail.lid,
     }
 }
 
-/// Connects a new QP to `peer`: exchanges details over this node's control
-/// session to it (by `deadline`), brings the QP to RTS and starts its
-/// completion poller.
+/// What this node tells an initiator about its rails.
+pub(crate) fn rail_infos(fabric: &Fabric) -> Vec<RailInfo> {
+    fabric
+        .rails
+        .iter()
+        .map(|r| RailInfo {
+            index: r.index,
+            ethernet: r.ethernet,
+            mtu: r.mtu as u8,
+            lid: r.lid,
+            gid: r.gid,
+        })
+        .collect()
+}
+
+/// A QP on one of our rails, at INIT, for one proposed pair.
+struct Proposed {
+    rail: Arc<Rail>,
+    owner_rail: RailInfo,
+    qp: QueuePair,
+    cq: Arc<CompletionQueue>,
+    channel: Arc<CompletionChannel>,
+    psn: u32,
+}
+
+/// Connects queue pairs to `peer` on every rail pair that works: exchanges
+/// details over this node's control session to it (by `deadline`), probes
+/// each pair, brings the working ones to RTS and starts their completion
+/// pollers. Fails with `PeerUnreachable`, naming the pairs tried, when none
+/// works.
 pub(crate) async fn connect(
-    device: &Arc<Device>,
+    fabric: &Arc<Fabric>,
     endpoint: &Endpoint,
     peer: NodeAddr,
     deadline: Instant,
-) -> Result<Arc<PeerQp>, OpError> {
-    let setup = |e: crate::verbs::VerbsError| OpError::Protocol(format!("queue pair setup: {e}"));
+) -> Result<Vec<Arc<PeerQp>>, OpError> {
     let left = || deadline.saturating_duration_since(Instant::now());
     let session = endpoint.session(peer, left()).await?;
-    let channel = CompletionChannel::new(&device.context).map_err(setup)?;
-    channel.set_nonblocking().map_err(setup)?;
-    // One completion per request at most, and at most `max_send_wr` requests
-    // outstanding (credits): the CQ cannot overflow.
-    let cq = CompletionQueue::new(
-        &device.context,
-        device.max_send_wr + 1,
-        Some(channel.clone()),
-    )
-    .map_err(setup)?;
-    let qp = QueuePair::new_rc(&device.pd, &cq, device.max_send_wr, 1).map_err(setup)?;
-    qp.to_init(device.port).map_err(setup)?;
-    let psn = random_psn();
-    let mine = QpInfo {
-        status: 0,
-        mtu: device.mtu as u8,
-        endpoint: endpoint_of(device, &qp, psn),
-        recv_slots: 0,
-        recv_slot_len: 0,
-    };
     let reply = session
         .request(
             Service::IBVERBS_CONNECT,
-            Bytes::copy_from_slice(&mine.encode()),
+            Bytes::from_static(&RAILS_QUERY),
             left(),
         )
         .await?;
-    let theirs = <&[u8; QP_INFO_LEN]>::try_from(&reply[..])
-        .ok()
-        .and_then(QpInfo::decode)
+    let theirs = decode_rails(&reply).ok_or_else(|| {
+        OpError::Protocol("malformed rail list in the queue-pair exchange".into())
+    })?;
+    let mut tried = Vec::new();
+    // Straight pairs first, then leftovers against leftovers.
+    let straight: Vec<(Arc<Rail>, RailInfo)> = fabric
+        .rails
+        .iter()
+        .filter_map(|r| {
+            let t = theirs.iter().find(|t| t.index == r.index)?;
+            Some((r.clone(), *t))
+        })
+        .collect();
+    let mut pairs = try_pairs(fabric, &session, peer, straight, deadline, &mut tried).await?;
+    let used_local =
+        |pairs: &[Arc<PeerQp>], r: &Rail| pairs.iter().any(|p| p.rail().index == r.index);
+    let used_remote =
+        |pairs: &[Arc<PeerQp>], t: &RailInfo| pairs.iter().any(|p| p.remote_rail() == t.index);
+    let cross: Vec<(Arc<Rail>, RailInfo)> = fabric
+        .rails
+        .iter()
+        .filter(|r| !used_local(&pairs, r))
+        .flat_map(|r| {
+            theirs
+                .iter()
+                .filter(|t| !used_remote(&pairs, t) && t.index != r.index)
+                .map(move |t| (r.clone(), *t))
+        })
+        .collect();
+    if !cross.is_empty() {
+        let found = try_pairs(fabric, &session, peer, cross, deadline, &mut tried).await?;
+        // Each rail at most once at either end: a QP beyond that is
+        // dropped (its probe passed, so nothing is outstanding on it).
+        for qp in found {
+            if !used_local(&pairs, qp.rail())
+                && !pairs.iter().any(|p| p.remote_rail() == qp.remote_rail())
+            {
+                pairs.push(qp);
+            } else {
+                qp.break_with(OpError::ConnectionLost {
+                    endpoint: peer.endpoint,
+                });
+            }
+        }
+    }
+    if pairs.is_empty() {
+        return Err(OpError::PeerUnreachable {
+            endpoint: peer.endpoint,
+            reason: format!("no rail pair reaches it over ibverbs: {}", tried.join("; ")),
+        });
+    }
+    pairs.sort_by_key(|p| p.rail().index);
+    let chosen: Vec<String> = pairs
+        .iter()
+        .map(|p| {
+            format!(
+                "{} -> rail {} (MTU {})",
+                p.rail().name(),
+                p.remote_rail(),
+                128u32 << p.mtu()
+            )
+        })
+        .collect();
+    if fabric.rails.len() > 1 || theirs.len() > 1 {
+        info!(peer = %peer.endpoint, pairs = %chosen.join(", "), "rail pairs connected");
+    }
+    for qp in &pairs {
+        tokio::spawn(watch_session(
+            Arc::downgrade(qp),
+            session.clone(),
+            qp.closed().clone(),
+        ));
+    }
+    Ok(pairs)
+}
+
+/// Proposes `candidates` to the owner, probes the pairs it accepted and
+/// returns those whose probe completed; each tried pair's fate goes to
+/// `tried`, for the error that names them when none works.
+async fn try_pairs(
+    fabric: &Arc<Fabric>,
+    session: &Session,
+    peer: NodeAddr,
+    candidates: Vec<(Arc<Rail>, RailInfo)>,
+    deadline: Instant,
+    tried: &mut Vec<String>,
+) -> Result<Vec<Arc<PeerQp>>, OpError> {
+    let setup = |e: VerbsError| OpError::Protocol(format!("queue pair setup: {e}"));
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let mut proposed = Vec::new();
+    for (rail, owner_rail) in candidates {
+        if rail.ethernet != owner_rail.ethernet {
+            tried.push(format!(
+                "{} -> rail {}: link layers differ",
+                rail.name(),
+                owner_rail.index
+            ));
+            continue;
+        }
+        let channel = CompletionChannel::new(&rail.context).map_err(setup)?;
+        channel.set_nonblocking().map_err(setup)?;
+        // One completion per request at most, and at most `max_send_wr`
+        // requests outstanding (credits): the CQ cannot overflow.
+        let cq = CompletionQueue::new(&rail.context, rail.max_send_wr + 1, Some(channel.clone()))
+            .map_err(setup)?;
+        let qp = QueuePair::new_rc(&rail.pd, &cq, rail.max_send_wr, 1).map_err(setup)?;
+        qp.to_init(rail.port).map_err(setup)?;
+        proposed.push(Proposed {
+            rail,
+            owner_rail,
+            qp,
+            cq,
+            channel,
+            psn: random_psn(),
+        });
+    }
+    if proposed.is_empty() {
+        return Ok(Vec::new());
+    }
+    let request: Vec<PairInfo> = proposed
+        .iter()
+        .map(|p| PairInfo {
+            initiator_rail: p.rail.index,
+            owner_rail: p.owner_rail.index,
+            qp: QpInfo {
+                status: 0,
+                mtu: p.rail.mtu as u8,
+                endpoint: endpoint_of(&p.rail, &p.qp, p.psn),
+                recv_slots: 0,
+                recv_slot_len: 0,
+            },
+        })
+        .collect();
+    let reply = session
+        .request(
+            Service::IBVERBS_CONNECT,
+            Bytes::from(encode_pairs(&request)),
+            left(),
+        )
+        .await?;
+    let answers = decode_pairs(&reply)
+        .filter(|a| {
+            a.len() == request.len()
+                && a.iter().zip(&request).all(|(a, r)| {
+                    (a.initiator_rail, a.owner_rail) == (r.initiator_rail, r.owner_rail)
+                })
+        })
         .ok_or_else(|| OpError::Protocol("malformed queue-pair exchange reply".into()))?;
-    let path = PathConfig {
-        port: device.port,
-        gid_index: device.gid_index,
-        mtu: device.mtu.min(theirs.mtu as u32),
-        timing: device.qp_timing,
+    // Bring every accepted pair to RTS and post its probe, then wait for
+    // the probes together: an unreachable pair costs one timeout, not one each.
+    let mut probing = Vec::new();
+    for (p, answer) in proposed.into_iter().zip(answers) {
+        let name = format!("{} -> rail {}", p.rail.name(), p.owner_rail.index);
+        if answer.qp.status != 0 {
+            tried.push(format!("{name}: the peer could not create its queue pair"));
+            continue;
+        }
+        let mtu = p.rail.mtu.min(u32::from(answer.qp.mtu));
+        let path = PathConfig {
+            port: p.rail.port,
+            gid_index: p.rail.gid_index,
+            mtu,
+            timing: fabric.qp_timing,
+        };
+        let ready =
+            p.qp.to_rtr(&answer.qp.endpoint, &path)
+                .and_then(|()| p.qp.to_rts(p.psn, &path.timing))
+                .and_then(|()| post_probe(&p.qp));
+        match ready {
+            Ok(()) => probing.push((p, answer.qp, mtu, name)),
+            Err(e) => tried.push(format!("{name}: {e}")),
+        }
+    }
+    let probe_until = deadline.min(Instant::now() + PROBE_TIMEOUT);
+    let mut outcome: Vec<Option<Result<(), String>>> = vec![None; probing.len()];
+    let mut wcs = [Completion::default(); 4];
+    while outcome.iter().any(Option::is_none) && Instant::now() < probe_until {
+        for (slot, (p, ..)) in outcome.iter_mut().zip(&probing) {
+            if slot.is_none()
+                && let Ok(n) = p.cq.poll(&mut wcs)
+                && n > 0
+            {
+                *slot = Some(if wcs[0].is_success() {
+                    Ok(())
+                } else {
+                    Err(format!("probe failed: {}", wcs[0].status_str()))
+                });
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let mut pairs = Vec::new();
+    for ((p, theirs, mtu, name), result) in probing.into_iter().zip(outcome) {
+        match result {
+            Some(Ok(())) => {
+                let credits = p.qp.max_send_wr().min(p.rail.max_send_wr) as usize;
+                let lane = NotifyLane::new(&p.rail.pd, theirs.recv_slots, theirs.recv_slot_len)
+                    .map_err(setup)?;
+                let qp = PeerQp::start(
+                    peer,
+                    p.rail.clone(),
+                    p.owner_rail.index,
+                    mtu,
+                    p.qp,
+                    p.cq,
+                    p.channel,
+                    credits,
+                    lane,
+                );
+                debug!(peer = %peer.endpoint, %name, qpn = qp.qpn(), remote_qpn = theirs.endpoint.qpn, "rail pair connected");
+                tried.push(format!("{name}: connected"));
+                pairs.push(qp);
+            }
+            failed => {
+                let why = failed.map_or_else(
+                    || format!("no answer to the probe within {PROBE_TIMEOUT:?}"),
+                    |r| r.err().unwrap_or_default(),
+                );
+                debug!(peer = %peer.endpoint, %name, %why, "rail pair unusable");
+                tried.push(format!("{name}: {why}"));
+                // The probe moved no memory: the QP is destroyed at once
+                // (an error state first, so the device stops retrying it).
+                let _ = p.qp.to_error();
+            }
+        }
+    }
+    Ok(pairs)
+}
+
+/// Posts the zero-length, signaled RDMA WRITE that proves a pair works: it
+/// names no memory, so it needs no key and touches nothing at the owner.
+fn post_probe(qp: &QueuePair) -> Result<(), VerbsError> {
+    let probe = WorkRequest {
+        wr_id: 0,
+        opcode: RdmaOpcode::Write,
+        local_addr: 0,
+        len: 0,
+        lkey: 0,
+        remote_addr: 0,
+        rkey: 0,
+        signaled: true,
+        fence: false,
     };
-    qp.to_rtr(&theirs.endpoint, &path).map_err(setup)?;
-    qp.to_rts(psn, &path.timing).map_err(setup)?;
-    let credits = qp.max_send_wr().min(device.max_send_wr) as usize;
-    let lane =
-        NotifyLane::new(&device.pd, theirs.recv_slots, theirs.recv_slot_len).map_err(setup)?;
-    let conn = PeerQp::start(peer, qp, cq, channel, credits, lane);
-    tokio::spawn(watch_session(
-        Arc::downgrade(&conn),
-        session,
-        conn.closed().clone(),
-    ));
-    debug!(peer = %peer.endpoint, qpn = conn.qpn(), remote_qpn = theirs.endpoint.qpn, "queue pair connected");
-    Ok(conn)
+    let mut buffers = Default::default();
+    // SAFETY: a zero-length request carries no gather entry and reaches
+    // no memory at either end.
+    unsafe { qp.post(&[probe], &mut buffers) }.map_err(|(_, e)| e)
 }
 
 /// Fails the QP once the control session it was set up over ends, since

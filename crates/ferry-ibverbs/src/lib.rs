@@ -1,5 +1,8 @@
-//! ferry's ibverbs backend: one-sided RDMA READ/WRITE through an RDMA NIC
+//! ferry's ibverbs backend: one-sided RDMA READ/WRITE through RDMA NICs
 //! (or soft-RoCE), behind the same [`Submit`] semantics as the TCP fallback.
+//! It uses every active port of every device (its rails; or those named
+//! in [`IbvConfig::rails`]), probes which of its rails reach which of a
+//! peer's, and spreads each batch over the pairs that do.
 //!
 //! All raw verbs calls live in [`verbs`]; the rest of the crate uses its safe
 //! types. Queue pairs are exchanged over the node's control sessions
@@ -8,8 +11,8 @@
 //! submit to a peer sends that request, carrying a fresh queue pair's
 //! details, on the control session to the peer. The peer answers with the
 //! details of a queue pair of its own, connected to ours, which it keeps for
-//! as long as that session lives. One RC queue pair per peer, connected
-//! lazily, reconnected after it breaks.
+//! as long as that session lives. One RC queue pair per peer and rail
+//! pair, connected lazily, reconnected once all of them broke.
 //!
 //! [`Service::IBVERBS_CONNECT`]: ferry_control::Service::IBVERBS_CONNECT
 //! [`Endpoint`]: ferry_control::Endpoint
@@ -35,12 +38,15 @@ pub mod wire;
 pub use backend::{
     FOREIGN_WR_ID_BIT, IbvBackend, IbvDevice, IbvManagerActor, IbvRegistered, IbvRegistration,
 };
-pub use device::{IbvConfig, SOFTWARE_NOTIFY_COALESCE};
+pub use device::{
+    DEFAULT_MAX_WR_BYTES, DEFAULT_STRIPE_MIN, IbvConfig, RAILS_ENV, RailName,
+    SOFTWARE_NOTIFY_COALESCE,
+};
 /// What [`IbvBackend::submit_notified`] did with a notification.
 pub use ferry_core::DataPathNotification;
 /// The messages all managers share, re-exported where users look for them.
 pub use ferry_core::{RegisterRegion, Submit, TransportInfo, TransportLevel};
-pub use info::{IbvQpHandle, IbvRegionKeys, IbvTransportInfo};
+pub use info::{IbvQpHandle, IbvRailInfo, IbvRegionKeys, IbvTransportInfo};
 /// The verbs bindings ferry is built with, for code that posts through the
 /// raw handles of [`IbvTransportInfo`].
 pub use rdma_sys as sys;

@@ -29,8 +29,9 @@ use crate::verbs::MemoryRegion;
 #[derive(Default)]
 pub(crate) struct MrCache(Mutex<Vec<Entry>>);
 
-/// One MR: `len` bytes at `addr`, made with `access`.
+/// One MR: `len` bytes at `addr`, made with `access` on device `nic`.
 struct Entry {
+    nic: usize,
     addr: u64,
     len: u64,
     access: Access,
@@ -38,22 +39,32 @@ struct Entry {
 }
 
 impl MrCache {
-    /// A live MR covering `addr..addr + len` made with `access`, if any.
-    pub fn covering(&self, addr: u64, len: u64, access: Access) -> Option<Arc<MemoryRegion>> {
+    /// A live MR on device `nic` covering `addr..addr + len` made with
+    /// `access`, if any.
+    pub fn covering(
+        &self,
+        nic: usize,
+        addr: u64,
+        len: u64,
+        access: Access,
+    ) -> Option<Arc<MemoryRegion>> {
         let mrs = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let end = addr.checked_add(len)?;
         mrs.iter()
-            .filter(|e| e.access == access && e.addr <= addr && end <= e.addr + e.len)
+            .filter(|e| {
+                e.nic == nic && e.access == access && e.addr <= addr && end <= e.addr + e.len
+            })
             .find_map(|e| e.mr.upgrade())
     }
 
-    /// Remembers `mr`, made over its memory with `access`; forgets MRs that
-    /// are gone.
-    pub fn insert(&self, mr: &Arc<MemoryRegion>, access: Access) {
+    /// Remembers `mr`, made on device `nic` over its memory with `access`;
+    /// forgets MRs that are gone.
+    pub fn insert(&self, nic: usize, mr: &Arc<MemoryRegion>, access: Access) {
         let memory = mr.memory();
         let mut mrs = self.0.lock().unwrap_or_else(|e| e.into_inner());
         mrs.retain(|e| e.mr.strong_count() > 0);
         mrs.push(Entry {
+            nic,
             addr: memory.addr(),
             len: memory.len(),
             access,

@@ -1,7 +1,9 @@
-//! The owner's side of a queue pair: the `IBVERBS_CONNECT` service creates
-//! a QP dedicated to the initiator that asked, with a ring of receive
-//! buffers for the notifications that ride it (see `notify`), and a task
-//! that hands each one to the node's inbox and returns its credit.
+//! The owner's side of the queue pairs: the `IBVERBS_CONNECT` service
+//! tells an initiator this node's rails and, for each rail pair it
+//! proposes, creates a QP on the owner's rail dedicated to that initiator,
+//! with a ring of receive buffers for the notifications that ride it (see
+//! `notify`), and a task that hands each one to the node's inbox and
+//! returns its credit.
 //!
 //! A notification in a receive buffer has been acknowledged to its sender,
 //! which has resolved its submit: it is delivered however long the inbox
@@ -21,12 +23,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::connection::ChannelFd;
-use crate::device::Device;
-use crate::exchange::{endpoint_of, random_psn};
+use crate::device::{Fabric, Rail};
+use crate::exchange::{endpoint_of, rail_infos, random_psn};
 use crate::verbs::{
     Completion, CompletionChannel, CompletionQueue, MemoryRegion, PathConfig, QueuePair, VerbsError,
 };
-use crate::wire::{QP_INFO_LEN, QpInfo};
+use crate::wire::{PairInfo, QpInfo, RAILS_QUERY, decode_pairs, encode_pairs, encode_rails};
 
 /// How long returning credits may take before the owner gives up on it
 /// (the session is then as good as gone).
@@ -43,20 +45,24 @@ const TAIL_CREDIT_RETURN: Duration = Duration::from_millis(1);
 /// receives still posted to flush before it lets the QP go.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(1);
 
-/// The owner's queue pairs, one per control session that asked for one. A
-/// new exchange on the same session (the initiator's QP failed and it
-/// reconnects) replaces it; the session's end destroys it: at once if the
-/// peer closed or reset it, after the session's silent grace if the peer
-/// went silent.
+/// Which QP: the control session that asked for it, the initiator's rail
+/// and this node's rail.
+type PairKey = (u64, u8, u8);
+
+/// The owner's queue pairs, one per control session and rail pair that
+/// asked for one. A new exchange for the same pair on the same session
+/// (the initiator's QP failed and it reconnects) replaces it; the
+/// session's end destroys them all: at once if the peer closed or reset
+/// it, after the session's silent grace if the peer went silent.
 #[derive(Default)]
-pub(crate) struct PassiveQps(Mutex<HashMap<u64, Arc<PassiveQp>>>);
+pub(crate) struct PassiveQps(Mutex<HashMap<PairKey, Arc<PassiveQp>>>);
 
 impl PassiveQps {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<PassiveQp>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PairKey, Arc<PassiveQp>>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// How many sessions hold a queue pair here.
+    /// How many queue pairs are kept here for initiators.
     pub fn len(&self) -> usize {
         self.lock().len()
     }
@@ -116,119 +122,164 @@ impl PassiveQp {
     }
 }
 
-/// The owner's side of the exchange: the `IBVERBS_CONNECT` service.
+/// The owner's side of the exchange: the `IBVERBS_CONNECT` service. It
+/// answers a rails query with this node's rails, and a pairs proposal
+/// with a QP per pair (status 1 for a pair it could not set up).
 pub(crate) async fn accept(
-    device: Arc<Device>,
+    fabric: Arc<Fabric>,
     passive: Arc<PassiveQps>,
     sink: NotificationSink,
     request: Request,
 ) -> Result<Bytes, ServiceError> {
+    if request.body[..] == RAILS_QUERY {
+        return Ok(encode_rails(&rail_infos(&fabric)).into());
+    }
     let peer = request.session.peer();
-    let theirs = <&[u8; QP_INFO_LEN]>::try_from(&request.body[..])
-        .ok()
-        .and_then(QpInfo::decode)
+    let proposed = decode_pairs(&request.body)
         .ok_or_else(|| ServiceError("malformed queue-pair exchange frame".into()))?;
-    let slots = device.notify_slots;
-    let slot_len = device
+    let mut answers = Vec::with_capacity(proposed.len());
+    for pair in proposed {
+        let Some(rail) = fabric.rail(pair.owner_rail) else {
+            answers.push(refused(pair));
+            continue;
+        };
+        match accept_pair(&fabric, rail, &passive, &sink, &request.session, pair) {
+            Ok(answer) => answers.push(answer),
+            Err(e) => {
+                debug!(node = %peer.id, rail = %rail.name(), error = %e, "cannot create a queue pair for a peer");
+                answers.push(refused(pair));
+            }
+        }
+    }
+    Ok(encode_pairs(&answers).into())
+}
+
+/// The answer for a pair this node cannot set up.
+fn refused(pair: PairInfo) -> PairInfo {
+    PairInfo {
+        qp: QpInfo {
+            status: 1,
+            ..pair.qp
+        },
+        ..pair
+    }
+}
+
+/// Creates, connects and keeps this node's QP of one proposed pair.
+fn accept_pair(
+    fabric: &Fabric,
+    rail: &Arc<Rail>,
+    passive: &Arc<PassiveQps>,
+    sink: &NotificationSink,
+    session: &Session,
+    pair: PairInfo,
+) -> Result<PairInfo, VerbsError> {
+    let theirs = pair.qp;
+    let slots = rail.notify_slots;
+    let slot_len = fabric
         .notify_slot_len
         .min(u32::try_from(sink.max_len()).unwrap_or(u32::MAX));
-    let setup = || -> Result<(PassiveQp, u32), VerbsError> {
-        let channel = CompletionChannel::new(&device.context)?;
-        channel.set_nonblocking()?;
-        // Receives only: the QP never posts a send.
-        let cq = CompletionQueue::new(&device.context, u32::from(slots) + 1, Some(channel))?;
-        let qp = QueuePair::new_rc(&device.pd, &cq, 1, u32::from(slots))?;
-        let ring = if slots > 0 && slot_len > 0 {
-            let memory =
-                MemoryBlock::alloc(u64::from(slots) * u64::from(slot_len)).map_err(|e| {
-                    VerbsError::Call {
-                        call: "allocating notification receive buffers",
-                        source: std::io::Error::other(e.to_string()),
-                    }
-                })?;
-            Some(RecvRing {
-                mr: MemoryRegion::register_local(&device.pd, Arc::new(memory))?,
-                slots,
-                slot_len,
-            })
-        } else {
-            None
-        };
-        let passive = PassiveQp {
-            qp,
-            ring,
-            retired: CancellationToken::new(),
-        };
-        let psn = random_psn();
-        let path = PathConfig {
-            port: device.port,
-            gid_index: device.gid_index,
-            mtu: device.mtu.min(theirs.mtu as u32),
-            timing: device.qp_timing,
-        };
-        passive.qp.to_init(device.port)?;
-        // Posted before the initiator can send: it learns of the buffers
-        // from the reply.
-        if passive.ring.is_some() {
-            (0..u64::from(slots)).try_for_each(|slot| passive.post(slot))?;
-        }
-        passive.qp.to_rtr(&theirs.endpoint, &path)?;
-        passive.qp.to_rts(psn, &path.timing)?;
-        Ok((passive, psn))
+    let channel = CompletionChannel::new(&rail.context)?;
+    channel.set_nonblocking()?;
+    // Receives only: the QP never posts a send.
+    let cq = CompletionQueue::new(&rail.context, u32::from(slots) + 1, Some(channel))?;
+    let qp = QueuePair::new_rc(&rail.pd, &cq, 1, u32::from(slots))?;
+    let ring = if slots > 0 && slot_len > 0 {
+        let memory = MemoryBlock::alloc(u64::from(slots) * u64::from(slot_len)).map_err(|e| {
+            VerbsError::Call {
+                call: "allocating notification receive buffers",
+                source: std::io::Error::other(e.to_string()),
+            }
+        })?;
+        Some(RecvRing {
+            mr: MemoryRegion::register_local(&rail.pd, Arc::new(memory))?,
+            slots,
+            slot_len,
+        })
+    } else {
+        None
     };
-    let (qp, psn) = setup().map_err(|e| {
-        debug!(node = %peer.id, error = %e, "cannot create a queue pair for a peer");
-        ServiceError(format!("cannot create a queue pair: {e}"))
-    })?;
+    let qp = PassiveQp {
+        qp,
+        ring,
+        retired: CancellationToken::new(),
+    };
+    let psn = random_psn();
+    let path = PathConfig {
+        port: rail.port,
+        gid_index: rail.gid_index,
+        mtu: rail.mtu.min(theirs.mtu as u32),
+        timing: fabric.qp_timing,
+    };
+    qp.qp.to_init(rail.port)?;
+    // Posted before the initiator can send: it learns of the buffers from
+    // the reply.
+    if qp.ring.is_some() {
+        (0..u64::from(slots)).try_for_each(|slot| qp.post(slot))?;
+    }
+    qp.qp.to_rtr(&theirs.endpoint, &path)?;
+    qp.qp.to_rts(psn, &path.timing)?;
     let has_ring = qp.ring.is_some();
-    let reply = QpInfo {
-        status: 0,
-        mtu: device.mtu as u8,
-        endpoint: endpoint_of(&device, &qp.qp, psn),
-        recv_slots: if has_ring { slots } else { 0 },
-        recv_slot_len: if has_ring { slot_len } else { 0 },
+    let answer = PairInfo {
+        qp: QpInfo {
+            status: 0,
+            mtu: rail.mtu as u8,
+            endpoint: endpoint_of(rail, &qp.qp, psn),
+            recv_slots: if has_ring { slots } else { 0 },
+            recv_slot_len: if has_ring { slot_len } else { 0 },
+        },
+        ..pair
     };
     let qp = Arc::new(qp);
-    let session = request.session;
     if has_ring {
         tokio::spawn(receive_notifications(
             qp.clone(),
             session.clone(),
-            sink,
+            sink.clone(),
             theirs.endpoint.qpn,
-            device.notify_coalesce,
+            rail.notify_coalesce,
         ));
     }
-    let replaced = passive.lock().insert(session.id(), qp);
-    match replaced {
-        Some(old) => old.retired.cancel(),
-        None => {
-            // The first QP of this session: it (and any that replaces it)
-            // lives until the session ends, or its silent grace after that.
-            let passive = Arc::downgrade(&passive);
-            tokio::spawn(async move {
-                session.closed().await;
-                if session.went_silent() {
-                    // The initiator may still be reading or writing through
-                    // it (see `exchange::watch_session`); one-sided work
-                    // shows nothing here, so wait as long as it may go on.
-                    // Deregistering a region, not this, is what ends access
-                    // to its memory.
-                    let grace = session.silent_grace();
-                    debug!(node = %session.peer().id, ?grace, "control session went silent: its queue pair stays for the grace");
-                    tokio::time::sleep(grace).await;
-                }
-                let qp = passive
-                    .upgrade()
-                    .and_then(|p| p.lock().remove(&session.id()));
-                if let Some(qp) = qp {
-                    qp.retired.cancel();
-                }
-                debug!(node = %session.peer().id, "control session ended: its queue pair is destroyed");
-            });
-        }
+    let key = (session.id(), pair.initiator_rail, pair.owner_rail);
+    let (replaced, first_of_session) = {
+        let mut qps = passive.lock();
+        let first = !qps.keys().any(|k| k.0 == session.id());
+        (qps.insert(key, qp), first)
+    };
+    if let Some(old) = replaced {
+        old.retired.cancel();
     }
-    Ok(Bytes::copy_from_slice(&reply.encode()))
+    if first_of_session {
+        // The session's first QP: it (and every QP of the session after
+        // it) lives until the session ends, or its silent grace after that.
+        let passive = Arc::downgrade(passive);
+        let session = session.clone();
+        tokio::spawn(async move {
+            session.closed().await;
+            if session.went_silent() {
+                // The initiator may still be reading or writing through
+                // them (see `exchange::watch_session`); one-sided work
+                // shows nothing here, so wait as long as it may go on.
+                // Deregistering a region, not this, is what ends access
+                // to its memory.
+                let grace = session.silent_grace();
+                debug!(node = %session.peer().id, ?grace, "control session went silent: its queue pairs stay for the grace");
+                tokio::time::sleep(grace).await;
+            }
+            let gone: Vec<Arc<PassiveQp>> = passive.upgrade().map_or_else(Vec::new, |p| {
+                let mut qps = p.lock();
+                let keys: Vec<PairKey> = qps
+                    .keys()
+                    .filter(|k| k.0 == session.id())
+                    .copied()
+                    .collect();
+                keys.iter().filter_map(|k| qps.remove(k)).collect()
+            });
+            gone.iter().for_each(|qp| qp.retired.cancel());
+            debug!(node = %session.peer().id, "control session ended: its queue pairs are destroyed");
+        });
+    }
+    Ok(answer)
 }
 
 /// Receives the notifications that ride one initiator's QP, hands them to

@@ -1,5 +1,6 @@
-//! The initiator's queue pairs, one per peer, connected on first use and
-//! released once broken and drained.
+//! The initiator's queue pairs to each peer, one per rail pair that works
+//! (a link), connected on first use and released once all are broken and
+//! drained.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -9,25 +10,46 @@ use ferry_core::{NodeAddr, OpError};
 use tokio::time::Instant;
 
 use crate::connection::PeerQp;
-use crate::device::Device;
+use crate::device::Fabric;
 use crate::exchange;
 
-/// The queue pair to one peer, once connected, and a lock that makes
-/// concurrent first submits share one connection attempt.
+/// The queue pairs to one peer: one per rail pair that worked at connect,
+/// in rail order.
+pub(crate) struct Link {
+    pub pairs: Vec<Arc<PeerQp>>,
+}
+
+impl Link {
+    /// Whether new submits may use it: some pair is neither broken nor
+    /// retiring.
+    pub fn is_usable(&self) -> bool {
+        self.pairs.iter().any(|qp| qp.is_usable())
+    }
+
+    /// The pairs new submits may use.
+    pub fn usable(&self) -> impl Iterator<Item = &Arc<PeerQp>> {
+        self.pairs.iter().filter(|qp| qp.is_usable())
+    }
+}
+
+/// The link to one peer, once connected, and a lock that makes concurrent
+/// first submits share one connection attempt.
 #[derive(Default)]
 struct PeerSlot {
-    connected: Option<Arc<PeerQp>>,
+    connected: Option<Arc<Link>>,
     connecting: Arc<tokio::sync::Mutex<()>>,
 }
 
-/// Queue pairs to peers, one per peer, connected on first use. A B-tree:
-/// looked up for every submit, and small maps need no hashing.
+/// Links to peers, connected on first use. A B-tree: looked up for every
+/// submit, and small maps need no hashing.
 ///
 /// A slot whose connection attempt failed goes with its last waiter. A
-/// slot holding a queue pair goes once that queue pair is broken (its
-/// peer left, or an op failed) and drained, unless a new one replaced it
+/// slot holding a link goes once every queue pair of it is broken (its
+/// peer left, or an op failed) and drained, unless a new link replaced it
 /// meanwhile: destroying a queue pair whose flush completions are still
-/// pending would free memory they may touch (see `connection`).
+/// pending would free memory they may touch (see `connection`). While
+/// some pair of a link is usable, submits use those and leave the broken
+/// ones out.
 #[derive(Default)]
 pub(crate) struct Peers(Arc<Mutex<BTreeMap<NodeAddr, PeerSlot>>>);
 
@@ -36,49 +58,50 @@ impl Peers {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The usable QP to `peer`, if there is one.
-    pub(crate) fn connected(&self, peer: NodeAddr) -> Option<Arc<PeerQp>> {
-        let qp = self.lock().get(&peer)?.connected.clone()?;
+    /// The usable link to `peer`, if there is one.
+    pub(crate) fn connected(&self, peer: NodeAddr) -> Option<Arc<Link>> {
+        let link = self.lock().get(&peer)?.connected.clone()?;
         // A broken QP drains on its own, a retiring one finishes the work
-        // it has; the next op gets a fresh one.
-        qp.is_usable().then_some(qp)
+        // it has; once none is usable, the next op gets a fresh link.
+        link.is_usable().then_some(link)
     }
 
-    /// The QP to `peer`, connected (by `deadline`) if there is none.
+    /// The link to `peer`, connected (by `deadline`) if there is none.
     pub(crate) async fn get(
         &self,
-        device: &Arc<Device>,
+        fabric: &Arc<Fabric>,
         endpoint: &Endpoint,
         peer: NodeAddr,
         deadline: Instant,
-    ) -> Result<Arc<PeerQp>, OpError> {
+    ) -> Result<Arc<Link>, OpError> {
         match self.connected(peer) {
-            Some(qp) => Ok(qp),
+            Some(link) => Ok(link),
             // Boxed: connecting happens once per peer, and its large state
             // would otherwise be part of (and copied with) every submit's
             // future.
-            None => Box::pin(self.connect(device, endpoint, peer, deadline)).await,
+            None => Box::pin(self.connect(fabric, endpoint, peer, deadline)).await,
         }
     }
 
     async fn connect(
         &self,
-        device: &Arc<Device>,
+        fabric: &Arc<Fabric>,
         endpoint: &Endpoint,
         peer: NodeAddr,
         deadline: Instant,
-    ) -> Result<Arc<PeerQp>, OpError> {
+    ) -> Result<Arc<Link>, OpError> {
         let connecting = self.lock().entry(peer).or_default().connecting.clone();
         let connected = async {
             let _turn = connecting.lock().await;
             // Another submit may have connected while this one waited.
-            if let Some(qp) = self.connected(peer) {
-                return Ok(qp);
+            if let Some(link) = self.connected(peer) {
+                return Ok(link);
             }
-            let qp = exchange::connect(device, endpoint, peer, deadline).await?;
-            self.lock().entry(peer).or_default().connected = Some(qp.clone());
-            self.release_when_drained(peer, &qp);
-            Ok(qp)
+            let pairs = exchange::connect(fabric, endpoint, peer, deadline).await?;
+            let link = Arc::new(Link { pairs });
+            self.lock().entry(peer).or_default().connected = Some(link.clone());
+            self.release_when_drained(peer, &link);
+            Ok(link)
         }
         .await;
         // A slot that never got a queue pair (the peer could not be reached)
@@ -95,15 +118,17 @@ impl Peers {
         connected
     }
 
-    /// Empties `peer`'s slot once `qp` is broken and drained, if the slot
-    /// still holds it, and removes the slot unless a connection attempt is
-    /// under way in it.
-    fn release_when_drained(&self, peer: NodeAddr, qp: &Arc<PeerQp>) {
+    /// Empties `peer`'s slot once every QP of `link` is broken and
+    /// drained, if the slot still holds it, and removes the slot unless a
+    /// connection attempt is under way in it.
+    fn release_when_drained(&self, peer: NodeAddr, link: &Arc<Link>) {
         let table = Arc::downgrade(&self.0);
-        let drained = qp.drained().clone();
-        let qp = Arc::downgrade(qp);
+        let drained: Vec<_> = link.pairs.iter().map(|qp| qp.drained().clone()).collect();
+        let link = Arc::downgrade(link);
         tokio::spawn(async move {
-            drained.cancelled().await;
+            for pair in drained {
+                pair.cancelled().await;
+            }
             let Some(table) = table.upgrade() else { return };
             let mut peers = table.lock().unwrap_or_else(|e| e.into_inner());
             let Some(slot) = peers.get_mut(&peer) else {
@@ -112,7 +137,7 @@ impl Peers {
             if slot
                 .connected
                 .as_ref()
-                .is_some_and(|held| std::ptr::eq(Arc::as_ptr(held), qp.as_ptr()))
+                .is_some_and(|held| std::ptr::eq(Arc::as_ptr(held), link.as_ptr()))
             {
                 slot.connected = None;
                 if Arc::strong_count(&slot.connecting) == 1 {
@@ -128,10 +153,12 @@ impl Peers {
         self.lock().len()
     }
 
+    /// Every queue pair of every link.
     pub(crate) fn all(&self) -> Vec<Arc<PeerQp>> {
         self.lock()
             .values()
-            .filter_map(|slot| slot.connected.clone())
+            .filter_map(|slot| slot.connected.as_ref())
+            .flat_map(|link| link.pairs.iter().cloned())
             .collect()
     }
 }

@@ -11,6 +11,8 @@ pub struct DeviceReport {
     pub name: String,
     /// Whether it is a software device (soft-RoCE, siw) rather than a NIC.
     pub software: bool,
+    /// The NUMA node it sits on, where the platform says (sysfs).
+    pub numa_node: Option<u32>,
     /// Every port, numbered from 1.
     pub ports: Vec<PortReport>,
 }
@@ -27,6 +29,10 @@ pub struct PortReport {
     pub link_layer: &'static str,
     /// The active MTU, in bytes.
     pub active_mtu: u32,
+    /// The link's rate as the kernel words it, e.g. `100 Gb/sec (4X EDR)`.
+    pub rate: String,
+    /// The netdev behind the port's first IPv4-mapped GID (RoCE), if any.
+    pub netdev: Option<String>,
     /// Largest message one work request may carry, in bytes.
     pub max_message: u32,
     /// The port's non-zero GIDs.
@@ -42,6 +48,8 @@ pub struct GidReport {
     pub gid: String,
     /// "RoCE v2", "IB/RoCE v1", ... as the kernel reports it; empty if unknown.
     pub kind: String,
+    /// The netdev the GID belongs to (RoCE); empty if none.
+    pub netdev: String,
 }
 
 /// Every device, port and non-zero GID on this host.
@@ -59,10 +67,15 @@ pub fn describe_devices() -> Result<Vec<DeviceReport>, VerbsError> {
                             (gid != [0; 16]).then(|| GidReport {
                                 index,
                                 gid: format_gid(&gid),
-                                kind: gid_kind(&name, port, index),
+                                kind: sysfs(&name, port, "gid_attrs/types", index),
+                                netdev: sysfs(&name, port, "gid_attrs/ndevs", index),
                             })
                         })
-                        .collect();
+                        .collect::<Vec<GidReport>>();
+                    let netdev = gids
+                        .iter()
+                        .find(|g| g.gid.starts_with("::ffff:") && !g.netdev.is_empty())
+                        .map(|g| g.netdev.clone());
                     Ok(PortReport {
                         port,
                         active: info.active,
@@ -72,13 +85,17 @@ pub fn describe_devices() -> Result<Vec<DeviceReport>, VerbsError> {
                             "InfiniBand"
                         },
                         active_mtu: info.active_mtu_bytes(),
+                        rate: read_sysfs(&format!("{SYSFS_CLASS}/{name}/ports/{port}/rate")),
+                        netdev,
                         max_message: info.max_msg_size,
                         gids,
                     })
                 })
                 .collect::<Result<_, VerbsError>>()?;
+            let numa = read_sysfs(&format!("{SYSFS_CLASS}/{name}/device/numa_node"));
             Ok(DeviceReport {
                 software: context.is_software(),
+                numa_node: numa.parse::<i32>().ok().and_then(|n| u32::try_from(n).ok()),
                 name,
                 ports,
             })
@@ -90,9 +107,16 @@ fn format_gid(gid: &[u8; 16]) -> String {
     std::net::Ipv6Addr::from(*gid).to_string()
 }
 
-/// The GID type is only exposed through sysfs (as rdma-core's tools read it).
-fn gid_kind(device: &str, port: u8, index: u32) -> String {
-    let path = format!("{SYSFS_CLASS}/{device}/ports/{port}/gid_attrs/types/{index}");
+/// A GID's type and netdev are only exposed through sysfs (as rdma-core's
+/// tools read them): `what` is `gid_attrs/types` or `gid_attrs/ndevs`.
+fn sysfs(device: &str, port: u8, what: &str, index: u32) -> String {
+    read_sysfs(&format!(
+        "{SYSFS_CLASS}/{device}/ports/{port}/{what}/{index}"
+    ))
+}
+
+/// A sysfs file's content, trimmed; empty if it cannot be read.
+fn read_sysfs(path: &str) -> String {
     std::fs::read_to_string(path)
         .map(|s| s.trim().to_string())
         .unwrap_or_default()

@@ -140,8 +140,10 @@ fn a_refused_transfer_names_the_part_of_the_run_it_failed_in() {
     json["transports"]["tcp"]["token"] = format!("{:032x}", token ^ 1).into();
     // In the soft-RoCE VM the bench goes over ibverbs: the key must be
     // wrong there too.
-    if let Some(rkey) = json["transports"]["ibverbs"]["rkey"].as_u64() {
-        json["transports"]["ibverbs"]["rkey"] = (rkey ^ 0x5a5a).into();
+    if let Some(rkeys) = json["transports"]["ibverbs"]["rkeys"].as_array_mut() {
+        for rkey in rkeys {
+            *rkey = (rkey.as_u64().unwrap() ^ 0x5a5a).into();
+        }
     }
     let forged = dir.join("forged.json");
     std::fs::write(&forged, json.to_string()).unwrap();

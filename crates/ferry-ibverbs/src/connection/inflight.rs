@@ -33,6 +33,8 @@ pub(crate) enum Pin {
 pub(super) struct Posted {
     pub(super) wr_id: u64,
     pub(super) op: usize,
+    /// Bytes the request moves.
+    pub(super) bytes: u64,
     pub(super) progress: Arc<BatchProgress>,
     /// Keeps the local memory registered while the NIC may touch it.
     pub(super) pin: Pin,
@@ -43,6 +45,8 @@ pub(super) struct Inflight {
     pub(super) records: VecDeque<Posted>,
     /// Set when the QP failed; it then only drains.
     pub(super) broken: Option<OpError>,
+    /// Bytes of the records not yet finished.
+    pub(super) bytes: u64,
     /// Reused by every post, which happens under this lock: posting does not
     /// allocate.
     pub(super) wrs: Vec<WorkRequest>,
@@ -67,6 +71,7 @@ impl Inflight {
             return 0;
         }
         for record in self.records.drain(..=queued) {
+            self.bytes -= record.bytes;
             let target = record.wr_id == wc.wr_id;
             // Before an error completion, earlier requests succeeded; before
             // a flush, they were flushed too.
@@ -126,6 +131,7 @@ mod tests {
             inflight.records.push_back(Posted {
                 wr_id,
                 op,
+                bytes: 0,
                 progress: progress.clone(),
                 pin: Pin::Region(pin),
             });

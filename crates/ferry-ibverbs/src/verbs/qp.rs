@@ -313,7 +313,9 @@ impl QueuePair {
             // SAFETY: ibv_send_wr is plain data; all-zero is a valid value.
             let mut w: ibv_send_wr = unsafe { std::mem::zeroed() };
             w.wr_id = wr.wr_id;
-            w.num_sge = 1;
+            // A zero-length request carries no gather entry: some providers
+            // read an entry of length 0 as 2 GiB.
+            w.num_sge = i32::from(wr.len > 0);
             w.opcode = match wr.opcode {
                 RdmaOpcode::Read => ibv_wr_opcode::IBV_WR_RDMA_READ,
                 RdmaOpcode::Write => ibv_wr_opcode::IBV_WR_RDMA_WRITE,
