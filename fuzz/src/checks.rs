@@ -189,8 +189,19 @@ pub fn rpc_call(data: &[u8]) -> usize {
 /// The ibverbs queue-pair exchange frame (first 40 bytes) and a credit
 /// return body (the whole input). Pure code: no device is opened.
 pub fn ibverbs_wire(data: &[u8]) -> usize {
-    use ferry_ibverbs::wire::{QP_INFO_LEN, QpInfo, decode_credits, encode_credits};
+    use ferry_ibverbs::wire::{
+        QP_INFO_LEN, QpInfo, decode_credits, decode_pairs, decode_rails, encode_credits,
+        encode_pairs, encode_rails,
+    };
     let mut decoded = 0;
+    if let Some(pairs) = decode_pairs(data) {
+        assert_eq!(decode_pairs(&encode_pairs(&pairs)).as_ref(), Some(&pairs));
+        decoded += 1;
+    }
+    if let Some(rails) = decode_rails(data) {
+        assert_eq!(decode_rails(&encode_rails(&rails)).as_ref(), Some(&rails));
+        decoded += 1;
+    }
     if let Some((bytes, _)) = data.split_first_chunk::<QP_INFO_LEN>()
         && let Some(info) = QpInfo::decode(bytes)
     {

@@ -278,6 +278,25 @@ pub fn seeds() -> Vec<Seed> {
         };
         out.push(seed("ibverbs_wire", "qp-info", info.encode()));
         out.push(seed("ibverbs_wire", "credits", encode_credits(0x11, 4)));
+        use ferry_ibverbs::wire::{PairInfo, RailInfo, encode_pairs, encode_rails};
+        let pair = |initiator_rail, owner_rail| PairInfo {
+            initiator_rail,
+            owner_rail,
+            qp: info,
+        };
+        out.push(seed(
+            "ibverbs_wire",
+            "pairs",
+            encode_pairs(&[pair(0, 0), pair(1, 1)]),
+        ));
+        let rail = |index| RailInfo {
+            index,
+            ethernet: true,
+            mtu: 3,
+            lid: 0,
+            gid: info.endpoint.gid,
+        };
+        out.push(seed("ibverbs_wire", "rails", encode_rails(&[rail(0), rail(1)])));
     }
 
     // Memory transport: a request, and the owner's answers to it.
