@@ -296,7 +296,11 @@ pub fn seeds() -> Vec<Seed> {
             lid: 0,
             gid: info.endpoint.gid,
         };
-        out.push(seed("ibverbs_wire", "rails", encode_rails(&[rail(0), rail(1)])));
+        out.push(seed(
+            "ibverbs_wire",
+            "rails",
+            encode_rails(&[rail(0), rail(1)]),
+        ));
     }
 
     // Memory transport: a request, and the owner's answers to it.
