@@ -186,14 +186,19 @@ pub fn rpc_call(data: &[u8]) -> usize {
     }
 }
 
-/// The ibverbs queue-pair exchange frame (first 40 bytes) and a credit
-/// return body (the whole input). Pure code: no device is opened.
+/// The ibverbs queue-pair exchange: a QP details frame (first 40 bytes),
+/// and as whole inputs a credit return, a rails answer, a pairs frame and a
+/// lease release. Pure code: no device is opened.
 pub fn ibverbs_wire(data: &[u8]) -> usize {
     use ferry_ibverbs::wire::{
-        QP_INFO_LEN, QpInfo, decode_credits, decode_pairs, decode_rails, encode_credits,
-        encode_pairs, encode_rails,
+        QP_INFO_LEN, QpInfo, decode_credits, decode_pairs, decode_rails, decode_release,
+        encode_credits, encode_pairs, encode_rails, encode_release,
     };
     let mut decoded = 0;
+    if let Some(slot) = decode_release(data) {
+        assert_eq!(encode_release(slot)[..], data[..]);
+        decoded += 1;
+    }
     if let Some(pairs) = decode_pairs(data) {
         assert_eq!(decode_pairs(&encode_pairs(&pairs)).as_ref(), Some(&pairs));
         decoded += 1;

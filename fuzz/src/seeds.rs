@@ -282,6 +282,7 @@ pub fn seeds() -> Vec<Seed> {
         let pair = |initiator_rail, owner_rail| PairInfo {
             initiator_rail,
             owner_rail,
+            slot: 0,
             qp: info,
         };
         out.push(seed(
@@ -296,6 +297,11 @@ pub fn seeds() -> Vec<Seed> {
             lid: 0,
             gid: info.endpoint.gid,
         };
+        out.push(seed(
+            "ibverbs_wire",
+            "release",
+            ferry_ibverbs::wire::encode_release(3),
+        ));
         out.push(seed(
             "ibverbs_wire",
             "rails",

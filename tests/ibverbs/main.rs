@@ -425,7 +425,15 @@ async fn a_node_with_ibverbs_disabled_talks_over_tcp() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs an RDMA device: run by tests/rxe/run.sh"]
 async fn a_timed_out_submit_flushes_its_qp_and_the_next_op_reconnects() {
-    let node = rdma_node().await;
+    // Whole 16 MiB ops per work request: with 1 MiB ones (the default) the
+    // 1 GiB of loopback READs in this one VM ran in soft-RoCE's softirq
+    // path with the CPUs to itself, and the 200 ms timer fired only after
+    // all of it had moved (51 s): the test would measure the emulator.
+    let node = rdma_node_with(ibverbs::IbvConfig {
+        max_wr_bytes: None,
+        ..Default::default()
+    })
+    .await;
     let mut peer = PeerProcess::spawn().await;
     let len = 16 << 20;
     let target = peer.alloc(len, Access::ReadWrite, 9).await;

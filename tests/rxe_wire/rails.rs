@@ -8,9 +8,12 @@
 use ferry::NodeAddr;
 use ferry::prelude::*;
 
+use std::time::{Duration, Instant};
+
 use crate::common::{digest, pattern};
+use crate::notified_batches::notified_writes_from;
 use crate::peer::{RemotePeer, both, here, on_peer};
-use crate::{ops, rdma_node};
+use crate::{is_unfinished, ops, rdma_node, rdma_node_with};
 
 /// The second wire's interface in both VMs (`FERRY_RXE_WIRE1`).
 const WIRE1: &str = "wire1";
@@ -125,14 +128,13 @@ async fn a_256_mib_write_and_read_use_both_rails() {
         after.0 - before.0,
         after.1 - before.1
     );
-    assert_eq!(
-        posted.iter().sum::<u64>(),
-        2 * BIG,
-        "every byte posted once"
-    );
+    // Every byte posted, half on each rail; more only where a pair was
+    // taken for stalled and its work posted again (soft-RoCE under TCG can
+    // starve one pair's queue for seconds).
+    assert!(posted.iter().sum::<u64>() >= 2 * BIG, "{posted:?}");
     for (rail, &bytes) in posted.iter().enumerate() {
         assert!(
-            bytes >= BIG / 2,
+            bytes >= BIG / 4,
             "rail {rail} carried only {bytes} B of {}",
             2 * BIG
         );
@@ -244,4 +246,389 @@ async fn each_pair_uses_the_smaller_mtu_of_its_two_ends() {
     let addr = peer.process.node_addr().await.unwrap();
     write_read_verify(&node, &mut peer, 8 << 20, 8 << 20, 4).await;
     assert_eq!(pairs_to(&node, addr).await, [(0, 0, 4096), (1, 1, 1024)]);
+}
+
+/// A node whose control sessions (and so notifications and messages) go
+/// over the management wire, which no test faults, while its RDMA traffic
+/// takes the two rails: a cluster's front-end network beside its RDMA
+/// fabric. The peer's counterpart is [`mgmt_peer`].
+async fn mgmt_node() -> Node {
+    rdma_node_with(|builder| builder.listen("10.99.0.2:0".parse().unwrap())).await
+}
+
+/// A peer in VM a listening on the management wire.
+async fn mgmt_peer() -> RemotePeer {
+    RemotePeer::start_with(&[("FERRY_TEST_LISTEN", "10.99.0.1:0".into())]).await
+}
+
+/// How a test breaks the second wire.
+#[derive(Clone, Copy, Debug)]
+enum Cut {
+    /// Every packet dropped both ways; the links stay up.
+    Loss,
+    /// Both ends' link down.
+    Down,
+}
+
+impl Cut {
+    fn apply(self, wire: &str) {
+        let cmd = match self {
+            Cut::Loss => format!("/usr/bin/tc qdisc replace dev {wire} root netem loss 100%"),
+            Cut::Down => format!("/usr/bin/ip link set {wire} down"),
+        };
+        both(&cmd);
+    }
+}
+
+/// Heals both rails' wires (no qdisc, links up) when dropped, and on
+/// [`Heal::now`].
+struct Heal;
+
+impl Heal {
+    fn now(&self) {
+        for wire in ["wire", WIRE1] {
+            let cmd = format!(
+                "/usr/bin/tc qdisc del dev {wire} root 2>/dev/null; /usr/bin/ip link set {wire} up"
+            );
+            let _ = crate::peer::on_peer_status(&cmd);
+            let _ = std::process::Command::new("sh").args(["-c", &cmd]).status();
+        }
+    }
+}
+
+impl Drop for Heal {
+    fn drop(&mut self) {
+        self.now();
+    }
+}
+
+/// Runs `cut` on `wires` after `after`, off the async threads (the agent
+/// calls block); returns when it is done.
+async fn cut_after(after: Duration, cut: Cut, wires: &'static [&'static str]) -> Instant {
+    tokio::time::sleep(after).await;
+    tokio::task::spawn_blocking(move || {
+        for wire in wires {
+            cut.apply(wire);
+        }
+        Instant::now()
+    })
+    .await
+    .unwrap()
+}
+
+/// Waits (up to 20 s) until `node` has two usable pairs to `peer` and a
+/// striped write moves bytes on both rails: the healed rail is used again.
+async fn both_rails_used_again(node: &Node, peer: &mut RemotePeer, addr: NodeAddr) -> Duration {
+    let healed = Instant::now();
+    let target = peer.process.alloc(1 << 20, Access::ReadWrite, 9).await;
+    let src = node.alloc(1 << 20, Access::ReadWrite).await.unwrap();
+    loop {
+        let before = posted_bytes(node).await;
+        node.submit(
+            vec![RdmaOp::write(src.whole(), target.handle.clone())],
+            STEP_SHORT,
+        )
+        .await
+        .unwrap();
+        let after = posted_bytes(node).await;
+        let moved = after.iter().zip(&before).filter(|(a, b)| a > b).count();
+        if moved == 2 && pairs_to(node, addr).await.len() == 2 {
+            return healed.elapsed();
+        }
+        assert!(
+            healed.elapsed() < Duration::from_secs(20),
+            "the healed rail is not used again: pairs {:?}",
+            pairs_to(node, addr).await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Deadline of a short step under TCG.
+const STEP_SHORT: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs two VMs with two rails: run by tests/rxe/wire-tests.sh --rails 2"]
+async fn a_rail_cut_under_a_256_mib_write_moves_its_work_to_the_other_rail() {
+    require_two_rails();
+    let heal = Heal;
+    let node = mgmt_node().await;
+    let mut peer = mgmt_peer().await;
+    let addr = peer.process.node_addr().await.unwrap();
+    for cut in [Cut::Loss, Cut::Down] {
+        let target = peer.process.alloc(BIG as usize, Access::ReadWrite, 5).await;
+        let data = pattern(BIG as usize, 11);
+        let src = node.alloc(BIG, Access::ReadWrite).await.unwrap();
+        src.write_at(0, &data).unwrap();
+        let started = Instant::now();
+        let write = node.submit(ops(&src, &target.handle, 1 << 20, true), BIG_STEP);
+        let (result, cut_at) =
+            tokio::join!(write, cut_after(Duration::from_secs(5), cut, &[WIRE1]));
+        result.unwrap_or_else(|e| panic!("{cut:?}: the write failed: {e}"));
+        eprintln!(
+            "{cut:?}: 256 MiB written in {:.1} s, rail 1 cut {:.1} s in",
+            started.elapsed().as_secs_f64(),
+            (cut_at - started).as_secs_f64()
+        );
+        assert_eq!(peer.process.digest(&target).await, digest(&data), "{cut:?}");
+        eprintln!(
+            "{cut:?}: pairs in use after the write: {:?}; bytes posted per rail so far: {:?}",
+            pairs_to(&node, addr).await,
+            posted_bytes(&node).await
+        );
+        heal.now();
+        let back = both_rails_used_again(&node, &mut peer, addr).await;
+        eprintln!(
+            "{cut:?}: both rails in use again {:.1} s after the heal",
+            back.as_secs_f64()
+        );
+        peer.process.drop_region(&target).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs two VMs with two rails: run by tests/rxe/wire-tests.sh --rails 2"]
+async fn a_rail_cut_under_1000_notified_batches_loses_and_repeats_nothing() {
+    require_two_rails();
+    let _heal = Heal;
+    let node = mgmt_node().await;
+    let mut peer = mgmt_peer().await;
+    // The peer writes into this node, notifying each batch; rail 1 is cut
+    // a second in. Every batch's bytes are in place when its notification
+    // comes, and each comes once (checked by the helper).
+    let stream = notified_writes_from(&node, &mut peer.process, 1000);
+    let ((), _) = tokio::join!(
+        stream,
+        cut_after(Duration::from_secs(1), Cut::Loss, &[WIRE1])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs two VMs with two rails: run by tests/rxe/wire-tests.sh --rails 2"]
+async fn both_rails_cut_fail_within_the_deadline_and_work_again_once_healed() {
+    require_two_rails();
+    let heal = Heal;
+    let node = mgmt_node().await;
+    let mut peer = mgmt_peer().await;
+    let addr = peer.process.node_addr().await.unwrap();
+    let len = 64u64 << 20;
+    let target = peer.process.alloc(len as usize, Access::ReadWrite, 6).await;
+    let src = node.alloc(len, Access::ReadWrite).await.unwrap();
+    let deadline = Duration::from_secs(20);
+    let started = Instant::now();
+    let write = node.submit(ops(&src, &target.handle, 1 << 20, true), deadline);
+    let (result, _) = tokio::join!(
+        write,
+        cut_after(Duration::from_secs(2), Cut::Loss, &["wire", WIRE1])
+    );
+    let error = result.expect_err("nothing can move with both rails cut");
+    assert!(is_unfinished(&error), "{error}");
+    assert!(
+        started.elapsed() < deadline + Duration::from_secs(3),
+        "reported {:.1} s after the start, deadline {deadline:?}",
+        started.elapsed().as_secs_f64()
+    );
+    heal.now();
+    let back = both_rails_used_again(&node, &mut peer, addr).await;
+    eprintln!(
+        "both rails in use again {:.1} s after the heal",
+        back.as_secs_f64()
+    );
+}
+
+/// `len` bytes of `src` written to `dst` through `lease`'s queue pairs in
+/// 64 KiB RDMA WRITEs, alternating between the pairs, each signaled; waits
+/// for every completion and returns how many failed. Runs on its own
+/// thread, with plain verbs calls, as a proxy thread would.
+fn write_through_lease(
+    lease: &ferry::ibverbs::IbvLease,
+    keys: &ferry::ibverbs::IbvRegionKeys,
+    src: &Region,
+    dst: &RemoteBuffer,
+    len: u64,
+) -> usize {
+    use ferry::ibverbs::sys;
+    let piece = 64u64 << 10;
+    let rkeys = dst.transports().ibverbs.expect("an ibverbs handle").rkeys;
+    let pairs = lease.pairs();
+    let mut outstanding = vec![0u32; pairs.len()];
+    let mut failed = 0;
+    let poll = |i: usize, outstanding: &mut [u32], failed: &mut usize| {
+        let mut wc: [sys::ibv_wc; 8] = unsafe { std::mem::zeroed() };
+        // SAFETY: the CQ is the lease's, alive while `lease` is; `wc` has
+        // room for 8 entries.
+        let n = unsafe { sys::ibv_poll_cq(pairs[i].cq(), 8, wc.as_mut_ptr()) };
+        assert!(n >= 0, "ibv_poll_cq");
+        for wc in &wc[..n as usize] {
+            outstanding[i] -= 1;
+            if wc.status != sys::ibv_wc_status::IBV_WC_SUCCESS {
+                *failed += 1;
+            }
+        }
+    };
+    for (k, at) in (0..len).step_by(piece as usize).enumerate() {
+        let i = k % pairs.len();
+        let pair = &pairs[i];
+        while outstanding[i] >= pair.depth {
+            poll(i, &mut outstanding, &mut failed);
+        }
+        let mut sge = sys::ibv_sge {
+            addr: src.memory().addr() + at,
+            length: piece.min(len - at) as u32,
+            lkey: keys.lkeys.get(usize::from(pair.rail)).unwrap(),
+        };
+        // SAFETY: plain data; the QP is the lease's and alive; the source
+        // memory stays registered (`src` lives) until every completion
+        // below has been polled.
+        unsafe {
+            let mut wr: sys::ibv_send_wr = std::mem::zeroed();
+            wr.wr_id = k as u64;
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            wr.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            wr.wr.rdma = sys::rdma_t {
+                remote_addr: dst.addr() + at,
+                rkey: rkeys.get(usize::from(pair.remote_rail)).unwrap(),
+            };
+            let mut bad = std::ptr::null_mut();
+            assert_eq!(
+                sys::ibv_post_send(pair.qp(), &mut wr, &mut bad),
+                0,
+                "ibv_post_send"
+            );
+        }
+        outstanding[i] += 1;
+    }
+    let until = Instant::now() + STEP_SHORT;
+    while outstanding.iter().any(|&n| n > 0) {
+        assert!(Instant::now() < until, "leased writes never completed");
+        for i in 0..pairs.len() {
+            poll(i, &mut outstanding, &mut failed);
+        }
+    }
+    failed
+}
+
+/// Shares a lease with the thread that posts through it.
+struct SendLease<'a>(&'a ferry::ibverbs::IbvLease);
+// SAFETY: the lease's raw handles are thread-safe verbs objects; the
+// thread is joined before the lease is dropped.
+unsafe impl Send for SendLease<'_> {}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs two VMs with two rails: run by tests/rxe/wire-tests.sh --rails 2"]
+async fn a_lease_posts_beside_ferry_and_breaks_when_the_peer_dies() {
+    require_two_rails();
+    let node = mgmt_node().await;
+    let mut peer = mgmt_peer().await;
+    let addr = peer.process.node_addr().await.unwrap();
+    let len = 8u64 << 20;
+    let leased_target = peer.process.alloc(len as usize, Access::ReadWrite, 1).await;
+    let ferry_target = peer.process.alloc(len as usize, Access::ReadWrite, 2).await;
+    let (leased_data, ferry_data) = (pattern(len as usize, 21), pattern(len as usize, 22));
+    let leased_src = node.alloc(len, Access::ReadWrite).await.unwrap();
+    leased_src.write_at(0, &leased_data).unwrap();
+    let ferry_src = node.alloc(len, Access::ReadWrite).await.unwrap();
+    ferry_src.write_at(0, &ferry_data).unwrap();
+    let ibverbs = node.ibverbs().unwrap();
+    let lease = ibverbs.lease(addr, None, 64, STEP_SHORT).await.unwrap();
+    assert_eq!(
+        lease
+            .pairs()
+            .iter()
+            .map(|p| (p.rail, p.remote_rail))
+            .collect::<Vec<_>>(),
+        [(0, 0), (1, 1)]
+    );
+    let info = ibverbs.transport_info().await.unwrap();
+    let keys = *info
+        .regions
+        .iter()
+        .find(|k| (k.id, k.generation) == (leased_src.id(), leased_src.generation()))
+        .unwrap();
+    // A thread posts through the lease while ferry writes the other region
+    // to the same peer: both land.
+    let shared = SendLease(&lease);
+    let (leased, ferry_write) = std::thread::scope(|scope| {
+        let thread = scope.spawn(|| {
+            let lease = shared;
+            write_through_lease(lease.0, &keys, &leased_src, &leased_target.handle, len)
+        });
+        let ferry_write = tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(node.submit(
+                ops(&ferry_src, &ferry_target.handle, 1 << 20, true),
+                STEP_SHORT,
+            ))
+        });
+        (thread.join().unwrap(), ferry_write)
+    });
+    assert_eq!(leased, 0, "leased writes failed");
+    ferry_write.unwrap();
+    assert_eq!(
+        peer.process.digest(&leased_target).await,
+        digest(&leased_data)
+    );
+    assert_eq!(
+        peer.process.digest(&ferry_target).await,
+        digest(&ferry_data)
+    );
+    // Dropped with work in flight: 32 writes posted, none waited for.
+    {
+        let pair = &lease.pairs()[0];
+        for k in 0..32u64 {
+            use ferry::ibverbs::sys;
+            let mut sge = sys::ibv_sge {
+                addr: leased_src.memory().addr() + k * 4096,
+                length: 4096,
+                lkey: keys.lkeys.get(0).unwrap(),
+            };
+            let rkeys = leased_target.handle.transports().ibverbs.unwrap().rkeys;
+            // SAFETY: as in `write_through_lease`; the lease's drop drains
+            // the queue pair before `leased_src` goes.
+            unsafe {
+                let mut wr: sys::ibv_send_wr = std::mem::zeroed();
+                wr.wr_id = k;
+                wr.sg_list = &mut sge;
+                wr.num_sge = 1;
+                wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+                wr.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+                wr.wr.rdma = sys::rdma_t {
+                    remote_addr: leased_target.handle.addr() + k * 4096,
+                    rkey: rkeys.get(0).unwrap(),
+                };
+                let mut bad = std::ptr::null_mut();
+                assert_eq!(sys::ibv_post_send(pair.qp(), &mut wr, &mut bad), 0);
+            }
+        }
+    }
+    drop(lease);
+    // Ferry's own traffic is untouched, and a new lease works.
+    node.submit(
+        ops(&ferry_src, &ferry_target.handle, 1 << 20, true),
+        STEP_SHORT,
+    )
+    .await
+    .unwrap();
+    let lease = ibverbs
+        .lease(addr, Some(&[1]), 16, STEP_SHORT)
+        .await
+        .unwrap();
+    assert_eq!(lease.pairs().len(), 1);
+    assert_eq!(lease.pairs()[0].rail, 1);
+    // The peer killed under a lease: marked broken within the bound a
+    // killed peer's host reports it (its kernel resets the session).
+    peer.kill_9();
+    let killed = Instant::now();
+    while !lease.is_broken() {
+        assert!(
+            killed.elapsed() < Duration::from_secs(10),
+            "the lease outlived its peer"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "lease broken {:.2} s after kill -9 of its peer",
+        killed.elapsed().as_secs_f64()
+    );
 }

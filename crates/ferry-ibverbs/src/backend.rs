@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -304,6 +305,7 @@ impl IbvBackend {
             registry: Arc::default(),
             mrs: MrCache::default(),
             passive,
+            leases: AtomicU32::new(0),
         });
         // Weak: the endpoint holds its handlers, and `Shared` the endpoint.
         let weak = Arc::downgrade(&shared);
@@ -317,9 +319,72 @@ impl IbvBackend {
         Ok(IbvBackend { actor, shared })
     }
 
-    /// Connects this node's queue pair to `peer` (the exchange over the
-    /// control session and the moves to RTS) within `timeout`, as its
-    /// first transfer there would: the first transfer then pays none of it.
+    /// Leases queue pairs to `peer` for code that posts RDMA itself (a GPU
+    /// kernel, a proxy thread), one per rail pair ferry uses to that peer
+    /// (only those from the local rails in `rails`, when given), each with
+    /// room for `depth` outstanding requests and a completion queue of its
+    /// own that ferry never polls, connected and probed by `timeout`. See
+    /// [`IbvLease`](crate::IbvLease) for what ferry does with them until
+    /// the lease is dropped. Fails with `PeerUnreachable` when no pair
+    /// could be leased.
+    pub async fn lease(
+        &self,
+        peer: NodeAddr,
+        rails: Option<&[u8]>,
+        depth: u32,
+        timeout: Duration,
+    ) -> Result<crate::IbvLease, OpError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let shared = &self.shared;
+        let fabric = &shared.fabric;
+        let link = shared
+            .peers
+            .get(fabric, &shared.endpoint, peer, deadline)
+            .await?;
+        let candidates: Vec<_> = link
+            .usable()
+            .iter()
+            .filter(|qp| rails.is_none_or(|r| r.contains(&qp.rail().index)))
+            .filter_map(|qp| {
+                let theirs = link.theirs().iter().find(|t| t.index == qp.remote_rail())?;
+                Some((qp.rail().clone(), *theirs))
+            })
+            .collect();
+        let unreachable = |reason: String| OpError::PeerUnreachable {
+            endpoint: peer.endpoint,
+            reason,
+        };
+        if candidates.is_empty() {
+            return Err(unreachable(format!(
+                "no usable rail pair to lease from rails {rails:?}"
+            )));
+        }
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let session = shared.endpoint.session(peer, left).await?;
+        // Slot 0 is ferry's own pairs; leases count from 1, wrapping.
+        let slot = (shared.leases.fetch_add(1, Ordering::Relaxed) % u32::from(u16::MAX)) as u16 + 1;
+        let depth = depth.max(1);
+        let mut tried = Vec::new();
+        let connected = crate::exchange::propose(
+            fabric,
+            &session,
+            candidates,
+            slot,
+            Some(depth),
+            deadline,
+            &mut tried,
+        )
+        .await?;
+        if connected.is_empty() {
+            return Err(unreachable(format!("leasing failed: {}", tried.join("; "))));
+        }
+        Ok(crate::IbvLease::new(peer, slot, session, connected, depth))
+    }
+
+    /// Connects this node's queue pairs to `peer` (the exchange over the
+    /// control session, the probes and the moves to RTS) within `timeout`,
+    /// as its first transfer there would: the first transfer then pays none
+    /// of it.
     pub async fn connect(&self, peer: NodeAddr, timeout: Duration) -> Result<(), OpError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let shared = &self.shared;

@@ -8,11 +8,23 @@
 //! batch keeps one queue pair's ordering and its notification can ride
 //! behind it. Otherwise each op of at least the threshold is cut into equal
 //! parts, one per pair, and each smaller op goes whole to the pair with the
-//! fewest bytes outstanding or assigned so far. A notification behind a
-//! share spread over several pairs is sent once all of them completed.
+//! fewest bytes outstanding or assigned so far.
+//!
+//! With several pairs, each piece carries the batch's [`Rescue`]: when its
+//! pair fails under it (flushed, retries exhausted, or stalled, see
+//! `peers`), the piece is posted again on a pair that still works, with
+//! that pair's keys, and the batch completes as if nothing happened. Only
+//! when no pair is left does it fail, with `ConnectionLost`. Before a
+//! failed pair's pieces are posted again, its queue pair is in the error
+//! state and their (flush) completions have been polled: nothing of the
+//! first attempt can still land later. What a caller may assume about a
+//! failed op's destination bytes is unchanged: any prefix of them may have
+//! been written. Notifications to a peer with several pairs go over the
+//! control session after the data (`NotSent`): a SEND on a pair that fails
+//! may or may not have arrived, and sending it again could deliver it twice.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -23,10 +35,10 @@ use ferry_core::{
     SubmitError,
 };
 use tokio::time::Instant;
-use tracing::{Instrument, debug, debug_span};
+use tracing::{Instrument, debug, debug_span, warn};
 
 use crate::backend::Registry;
-use crate::connection::{PeerQp, Piece, Pin};
+use crate::connection::{PeerQp, Piece, Pin, Rescue};
 use crate::device::Fabric;
 use crate::mr_cache::MrCache;
 use crate::notify::{PendingNotification, attach_notification};
@@ -51,6 +63,8 @@ pub(crate) struct Shared {
     pub(crate) mrs: MrCache,
     /// Queue pairs this node keeps for initiators.
     pub(crate) passive: Arc<PassiveQps>,
+    /// Leases made so far: the next one's slot.
+    pub(crate) leases: std::sync::atomic::AtomicU32,
 }
 
 impl Shared {
@@ -96,7 +110,6 @@ impl Shared {
         let started = Instant::now();
         let deadline = started + timeout;
         let mut groups = self.prepare(&ops)?;
-        let notify_peer = groups.first().map(|g| g.peer);
         // Only a single owner can be notified on its QP: it alone cannot
         // know whether another owner's share of the batch failed.
         let notification =
@@ -125,27 +138,9 @@ impl Shared {
             });
         }
         drop(ops);
-        // Set when the share turned out spread over several pairs: the
-        // notification then goes after the data, as for reads.
-        let deferred = Mutex::new(None);
         let outcome = self
-            .execute(
-                groups,
-                progress,
-                notify_index,
-                started,
-                deadline,
-                timeout,
-                &deferred,
-            )
+            .execute(groups, progress, notify_index, started, deadline, timeout)
             .await;
-        let after = after.or_else(|| {
-            let peer = notify_peer.filter(|_| outcome.is_ok())?;
-            Some((
-                peer,
-                deferred.into_inner().unwrap_or_else(|e| e.into_inner())?,
-            ))
-        });
         let (Some((peer, payload)), Ok(DataPathNotification::NotSent)) = (after, &outcome) else {
             return outcome;
         };
@@ -153,29 +148,18 @@ impl Shared {
             peer,
             plans: Vec::new(),
             lanes: Vec::new(),
+            keys: Vec::new(),
             notification: Some(PendingNotification { payload, index: 0 }),
         };
         let progress = Arc::new(BatchProgress::with_notifications([], 1));
-        let never = Mutex::new(None);
-        self.execute(
-            vec![alone],
-            progress,
-            0,
-            Instant::now(),
-            deadline,
-            timeout,
-            &never,
-        )
-        .await
+        self.execute(vec![alone], progress, 0, Instant::now(), deadline, timeout)
+            .await
     }
 
     /// Posts `groups` (each op's pieces, and a notification behind them if
     /// one is attached; a group may hold only a notification) and waits for
     /// `progress` until `deadline`. `notify_index` is the notification's
-    /// index in `progress`; `started` begins the inline polling window. A
-    /// notification that cannot ride behind the data (the data went over
-    /// several rail pairs) is left in `deferred`, its piece finished.
-    #[expect(clippy::too_many_arguments, reason = "one batch's whole state")]
+    /// index in `progress`; `started` begins the inline polling window.
     async fn execute(
         &self,
         mut groups: Vec<PeerGroup>,
@@ -184,7 +168,6 @@ impl Shared {
         started: Instant,
         deadline: Instant,
         timeout: Duration,
-        deferred: &Mutex<Option<Bytes>>,
     ) -> Result<DataPathNotification, SubmitError> {
         if progress.total_pieces() == 0 {
             return Ok(DataPathNotification::NotSent);
@@ -211,7 +194,8 @@ impl Shared {
         // the share on one pair, credits free for every piece, done within
         // the inline window. It runs right here; what it leaves, the async
         // work below picks up.
-        if groups.len() == 1 && self.try_now(&mut groups[0], &progress, &sent, spin_until, deferred)
+        let rescue = Arc::new(Rescue::default());
+        if groups.len() == 1 && self.try_now(&mut groups[0], &progress, &sent, spin_until, &rescue)
         {
             return finish(progress.outcome());
         }
@@ -227,7 +211,7 @@ impl Shared {
                         .await
                     {
                         Ok(link) => {
-                            self.spread(group, &link, &progress, &sent, deferred);
+                            self.spread(group, &link, &progress, &sent, &rescue);
                         }
                         Err(e) => {
                             for plan in std::mem::take(&mut group.plans) {
@@ -279,7 +263,15 @@ impl Shared {
             };
             spin_until_done(spin_until, poll, || progress.is_done());
             groups.iter_mut().for_each(|g| g.lanes.clear());
-            progress.all_done().await;
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = progress.all_done() => break,
+                    _ = rescue.wake.notified() => {
+                        self.post_again(&groups, &rescue, &progress, deadline).await;
+                    }
+                }
+            }
         };
         // Pinned so the outcome is decided before the work future is dropped.
         let mut work = std::pin::pin!(work);
@@ -313,12 +305,12 @@ impl Shared {
         progress: &Arc<BatchProgress>,
         sent: &AtomicBool,
         spin_until: Instant,
-        deferred: &Mutex<Option<Bytes>>,
+        rescue: &Arc<Rescue>,
     ) -> bool {
         let Some(link) = self.peers.connected(group.peer) else {
             return false;
         };
-        self.spread(group, &link, progress, sent, deferred);
+        self.spread(group, &link, progress, sent, rescue);
         let [lane] = &mut group.lanes[..] else {
             return false;
         };
@@ -333,28 +325,31 @@ impl Shared {
 
     /// Splits `group`'s ops into pieces over `link`'s usable pairs (see the
     /// module docs), counting each op's pieces in `progress`, and puts its
-    /// notification behind them if they all went to one pair, else in
-    /// `deferred`.
+    /// notification behind them when the peer has one pair (with several,
+    /// it is not sent on the data path). With several, every piece can be
+    /// rescued into `rescue`.
     fn spread(
         &self,
         group: &mut PeerGroup,
         link: &Link,
         progress: &BatchProgress,
         sent: &AtomicBool,
-        deferred: &Mutex<Option<Bytes>>,
+        rescue: &Arc<Rescue>,
     ) {
-        let pairs: Vec<&Arc<PeerQp>> = link.usable().collect();
+        let pairs = link.usable();
         let several = pairs.len() > 1;
         let mut lanes: Vec<Lane> = pairs
-            .iter()
-            .map(|&qp| Lane {
+            .into_iter()
+            .map(|qp| Lane {
                 // Only compared with other pairs' loads.
                 load: if several { qp.outstanding_bytes() } else { 0 },
-                session: QpSession::new(qp.clone()),
+                session: QpSession::new(qp),
                 pieces: Vec::new(),
+                rescue: several.then(|| rescue.clone()),
             })
             .collect();
         let plans = std::mem::take(&mut group.plans);
+        group.keys = plans.iter().map(|p| (p.op, p.lkeys, p.rkeys)).collect();
         let share: u64 = plans.iter().map(|p| p.len).sum();
         let stripe_min = self.fabric.stripe_min;
         // A share under the threshold goes whole to one pair.
@@ -401,14 +396,10 @@ impl Shared {
             };
             progress.add_pieces(plan.op, pieces.saturating_sub(1));
         }
-        lanes.retain(|lane| !lane.pieces.is_empty());
         if let Some(notification) = group.notification.take() {
             match &mut lanes[..] {
-                [] => {
-                    // Nothing to send the data on: the notification has no
-                    // lane either, and is not sent.
-                    progress.piece_done(notification.index, Ok(()));
-                }
+                // One pair: behind the data on it. A notification alone
+                // (`run`'s after-reads case) has only that pair too.
                 [lane] => {
                     group.notification = Some(notification);
                     attach_notification(
@@ -419,19 +410,84 @@ impl Shared {
                         sent,
                     );
                 }
-                _ => {
-                    *deferred.lock().unwrap_or_else(|e| e.into_inner()) =
-                        Some(notification.payload);
-                    progress.piece_done(notification.index, Ok(()));
-                }
+                // Several pairs (see the module docs), or none: not sent
+                // on the data path.
+                _ => progress.piece_done(notification.index, Ok(())),
             }
         }
-        if lanes.is_empty()
-            && let Some(notification) = group.notification.take()
-        {
-            progress.piece_done(notification.index, Ok(()));
-        }
+        lanes.retain(|lane| !lane.pieces.is_empty());
         group.lanes = lanes;
+    }
+
+    /// Posts the pieces waiting in `rescue` again, each on a usable pair
+    /// to its peer with keys for it, with the fewest bytes outstanding;
+    /// fails those whose peer has no pair left.
+    async fn post_again(
+        &self,
+        groups: &[PeerGroup],
+        rescue: &Arc<Rescue>,
+        progress: &Arc<BatchProgress>,
+        deadline: Instant,
+    ) {
+        let mut lanes: Vec<Lane> = Vec::new();
+        for mut piece in rescue.take() {
+            let found = groups.iter().find_map(|g| {
+                let at = g.keys.binary_search_by_key(&piece.op, |k| k.0).ok()?;
+                Some((g, g.keys[at]))
+            });
+            let Some((group, (_, lkeys, rkeys))) = found else {
+                progress.piece_done(piece.op, Err(OpError::NoSharedTransport));
+                continue;
+            };
+            let keyed = |qp: &PeerQp| {
+                Some((
+                    lkeys.get(usize::from(qp.rail().index))?,
+                    rkeys.get(usize::from(qp.remote_rail()))?,
+                ))
+            };
+            let pairs = self
+                .peers
+                .connected(group.peer)
+                .map(|link| link.usable())
+                .unwrap_or_default();
+            let Some((qp, (lkey, rkey))) = pairs
+                .iter()
+                .filter_map(|qp| Some((qp, keyed(qp)?)))
+                .min_by_key(|(qp, _)| qp.outstanding_bytes())
+            else {
+                warn!(peer = %group.peer.endpoint, "no rail pair to the peer works any more: the batch fails");
+                progress.piece_done(
+                    piece.op,
+                    Err(OpError::ConnectionLost {
+                        endpoint: group.peer.endpoint,
+                    }),
+                );
+                continue;
+            };
+            piece.wr.lkey = lkey;
+            piece.wr.rkey = rkey;
+            piece.wr.signaled = false;
+            piece.rescue = Some(rescue.clone());
+            match lanes.iter_mut().find(|l| Arc::ptr_eq(l.session.qp(), qp)) {
+                Some(lane) => lane.pieces.push(piece),
+                None => lanes.push(Lane {
+                    session: QpSession::new(qp.clone()),
+                    pieces: vec![piece],
+                    load: 0,
+                    rescue: Some(rescue.clone()),
+                }),
+            }
+        }
+        for lane in &lanes {
+            debug!(rail = %lane.session.qp().rail().name(), pieces = lane.pieces.len(), "posting pieces of a failed rail pair again");
+        }
+        let posting = lanes.into_iter().map(|mut lane| async move {
+            let pieces = std::mem::take(&mut lane.pieces);
+            lane.session
+                .post_all(pieces, progress, Instant::now(), deadline)
+                .await;
+        });
+        futures_util::future::join_all(posting).await;
     }
 
     /// Checks every op before anything is posted, and groups them by peer
@@ -461,6 +517,7 @@ impl Shared {
                         peer,
                         plans: Vec::with_capacity(ops.len() - index),
                         lanes: Vec::new(),
+                        keys: Vec::new(),
                         notification: None,
                     });
                     groups.len() - 1
@@ -510,6 +567,8 @@ struct Lane {
     pieces: Vec<Piece>,
     /// Bytes outstanding on the pair, plus those assigned to it here.
     load: u64,
+    /// Given to each piece when the peer has several pairs.
+    rescue: Option<Arc<Rescue>>,
 }
 
 impl Lane {
@@ -538,6 +597,7 @@ impl Lane {
                     fence: false,
                 },
                 pin: Pin::Region(plan.region.clone()),
+                rescue: self.rescue.clone(),
             });
         }
         self.load += len;
@@ -552,6 +612,9 @@ struct PeerGroup {
     plans: Vec<OpPlan>,
     /// Its pieces, by rail pair, once the peer's link is known.
     lanes: Vec<Lane>,
+    /// Each op's keys on every rail at both ends, by op index (sorted):
+    /// what a rescued piece is keyed with on its new pair.
+    keys: Vec<(usize, RailKeys, RailKeys)>,
     /// To post behind the pieces once the pairs are known.
     notification: Option<PendingNotification>,
 }

@@ -32,11 +32,15 @@ use crate::verbs::{Completion, CompletionChannel, CompletionQueue, QueuePair, Ve
 mod inflight;
 
 use inflight::{Inflight, Posted};
-pub(crate) use inflight::{Piece, Pin};
+pub(crate) use inflight::{Piece, Pin, Rescue};
 
 /// Signal one work request in this many (and always the last one posted):
 /// fewer completions to poll, credits still returned steadily.
 const SIGNAL_EVERY: usize = 16;
+/// ... and at least once per this many bytes: completions then come often
+/// enough, even for large requests on a slow link, that a pair going
+/// without one while work is due has stalled (see `peers`' stall check).
+const SIGNAL_BYTES: u64 = 256 << 10;
 /// Most work requests posted with one doorbell.
 pub(crate) const MAX_POST: usize = 64;
 /// Empty polls (each a yield to the runtime) the poller makes, while work is
@@ -191,18 +195,30 @@ impl PeerQp {
         if let Some(error) = inflight.broken.clone() {
             drop(guard);
             self.credits.add_permits(count);
-            pending
-                .drain(..count)
-                .for_each(|p| progress.piece_done(p.op, Err(error.clone())));
+            for mut piece in pending.drain(..count) {
+                match piece.rescue.take() {
+                    Some(rescue) if !matches!(piece.pin, Pin::Notification(_)) => {
+                        rescue.push(piece)
+                    }
+                    _ => progress.piece_done(piece.op, Err(error.clone())),
+                }
+            }
             return true;
         }
         inflight.wrs.clear();
         let mut bytes = 0;
+        let mut unsignaled = 0;
         for (i, piece) in pending.iter().take(count).enumerate() {
             bytes += u64::from(piece.wr.len);
+            unsignaled += u64::from(piece.wr.len);
             let mut wr = piece.wr;
             wr.wr_id = self.next_wr_id.fetch_add(1, Ordering::Relaxed);
-            wr.signaled = i == count - 1 || i % SIGNAL_EVERY == SIGNAL_EVERY - 1;
+            wr.signaled = i == count - 1
+                || i % SIGNAL_EVERY == SIGNAL_EVERY - 1
+                || unsignaled >= SIGNAL_BYTES;
+            if wr.signaled {
+                unsignaled = 0;
+            }
             inflight.wrs.push(wr);
         }
         let before = inflight.records.len();
@@ -211,19 +227,26 @@ impl PeerQp {
                 .drain(..count)
                 .zip(&inflight.wrs)
                 .map(|(piece, wr)| Posted {
-                    wr_id: wr.wr_id,
+                    wr: *wr,
                     op: piece.op,
-                    bytes: u64::from(wr.len),
                     progress: progress.clone(),
                     pin: piece.pin,
+                    rescue: piece.rescue,
                 }),
         );
         // SAFETY: every request's local range lies in a memory region of this
         // QP's protection domain (checked when the piece was built), and the
         // record pushed above pins that region until the request's completion
         // (or a later one) is polled; see the module docs.
+        let was_idle = before == 0;
         let Err((index, e)) = (unsafe { self.qp.post(&inflight.wrs, &mut inflight.buffers) })
         else {
+            if was_idle {
+                // Work is due from now: a stall is counted from here, not
+                // from the last completion of an earlier burst.
+                *self.progressed_at.lock().unwrap_or_else(|e| e.into_inner()) =
+                    std::time::Instant::now();
+            }
             inflight.bytes += bytes;
             self.rail.count_posted(count as u64, bytes);
             return true;
@@ -246,6 +269,7 @@ impl PeerQp {
                     op: record.op,
                     wr,
                     pin: record.pin,
+                    rescue: record.rescue,
                 });
             }
             return false;

@@ -21,6 +21,18 @@ pub const SOFTWARE_NOTIFY_COALESCE: std::time::Duration = std::time::Duration::f
 /// list of `device` (every active port of it) or `device:port`.
 pub const RAILS_ENV: &str = "FERRY_IBV_RAILS";
 
+/// [`IbvConfig::stall_timeout`] on a hardware NIC: far above the gap
+/// between completions of a working pair (ferry signals at least every
+/// 256 KiB), short enough that a cut rail's traffic moves within a second.
+pub const DEFAULT_STALL_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// [`IbvConfig::stall_timeout`] on a software device (soft-RoCE, siw),
+/// whose queue pairs are served by the host's CPU: in the two-VM harness
+/// (one emulated vCPU each) a working pair went more than 500 ms without a
+/// completion while the other pair's traffic had the CPU, and was failed
+/// for nothing.
+pub const SOFTWARE_STALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// The default [`IbvConfig::stripe_min`].
 pub const DEFAULT_STRIPE_MIN: u64 = 128 << 10;
 
@@ -92,6 +104,16 @@ pub struct IbvConfig {
     /// its peer, by bytes; smaller ops each go whole to the pair with the
     /// fewest bytes outstanding. [`DEFAULT_STRIPE_MIN`] by default.
     pub stripe_min: u64,
+    /// How long a rail pair with work due may go without a completion
+    /// before ferry takes it for stalled, while the peer has other pairs:
+    /// it is failed (its queue pair flushed) and its unfinished work is
+    /// posted again on the pairs left. A lossy or cut wire can keep a
+    /// queue pair retrying for seconds on a NIC, and forever on
+    /// soft-RoCE. With a single pair nothing is failed early: the batch's
+    /// own deadline and the peer's liveness bound it. `None` (the default)
+    /// picks by device: [`DEFAULT_STALL_TIMEOUT`] on a hardware NIC,
+    /// [`SOFTWARE_STALL_TIMEOUT`] on a software one.
+    pub stall_timeout: Option<std::time::Duration>,
     /// Receive buffers this node posts, per initiator and rail pair, for
     /// notifications that ride the initiator's queue pair: how many it may
     /// have in flight (its credits). 0 takes every notification over the
@@ -136,6 +158,7 @@ impl Default for IbvConfig {
             max_send_wr: 1024,
             max_wr_bytes: Some(DEFAULT_MAX_WR_BYTES),
             stripe_min: DEFAULT_STRIPE_MIN,
+            stall_timeout: None,
             notify_slots: 32,
             notify_slot_len: 4096,
             notify_coalesce: None,
@@ -186,6 +209,8 @@ pub(crate) struct Rail {
     pub notify_slots: u16,
     /// [`IbvConfig::notify_coalesce`], resolved for this device.
     pub notify_coalesce: std::time::Duration,
+    /// [`IbvConfig::stall_timeout`], resolved for this device.
+    pub stall_timeout: std::time::Duration,
     /// The netdev behind a RoCE port's GID (sysfs), for `ferry info`.
     pub netdev: Option<String>,
     /// The device's NUMA node (sysfs); `None` where the kernel gives none.
@@ -393,6 +418,11 @@ fn open_rail(
             SOFTWARE_NOTIFY_COALESCE
         } else {
             std::time::Duration::ZERO
+        }),
+        stall_timeout: config.stall_timeout.unwrap_or(if context.is_software() {
+            SOFTWARE_STALL_TIMEOUT
+        } else {
+            DEFAULT_STALL_TIMEOUT
         }),
         netdev: sysfs(format!(
             "{SYSFS_CLASS}/{device}/ports/{port}/gid_attrs/ndevs/{gid_index}"

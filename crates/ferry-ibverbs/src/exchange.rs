@@ -76,21 +76,21 @@ struct Proposed {
     owner_rail: RailInfo,
     qp: QueuePair,
     cq: Arc<CompletionQueue>,
-    channel: Arc<CompletionChannel>,
+    channel: Option<Arc<CompletionChannel>>,
     psn: u32,
 }
 
 /// Connects queue pairs to `peer` on every rail pair that works: exchanges
 /// details over this node's control session to it (by `deadline`), probes
 /// each pair, brings the working ones to RTS and starts their completion
-/// pollers. Fails with `PeerUnreachable`, naming the pairs tried, when none
-/// works.
+/// pollers. Returns them with the peer's rails. Fails with
+/// `PeerUnreachable`, naming the pairs tried, when none works.
 pub(crate) async fn connect(
     fabric: &Arc<Fabric>,
     endpoint: &Endpoint,
     peer: NodeAddr,
     deadline: Instant,
-) -> Result<Vec<Arc<PeerQp>>, OpError> {
+) -> Result<(Vec<Arc<PeerQp>>, Vec<RailInfo>), OpError> {
     let left = || deadline.saturating_duration_since(Instant::now());
     let session = endpoint.session(peer, left()).await?;
     let reply = session
@@ -166,18 +166,42 @@ pub(crate) async fn connect(
     if fabric.rails.len() > 1 || theirs.len() > 1 {
         info!(peer = %peer.endpoint, pairs = %chosen.join(", "), "rail pairs connected");
     }
-    for qp in &pairs {
-        tokio::spawn(watch_session(
-            Arc::downgrade(qp),
-            session.clone(),
-            qp.closed().clone(),
-        ));
-    }
-    Ok(pairs)
+    Ok((pairs, theirs))
+}
+
+/// Connects a new queue pair between our `rail` and the peer's
+/// `their_rail`, probed as at connect, by `deadline`: for a pair whose
+/// queue pair failed and whose rails may work again.
+pub(crate) async fn reconnect_pair(
+    fabric: &Arc<Fabric>,
+    endpoint: &Endpoint,
+    peer: NodeAddr,
+    rail: Arc<Rail>,
+    their_rail: RailInfo,
+    deadline: Instant,
+) -> Result<Arc<PeerQp>, String> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let session = endpoint
+        .session(peer, left)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut tried = Vec::new();
+    let pairs = try_pairs(
+        fabric,
+        &session,
+        peer,
+        vec![(rail, their_rail)],
+        deadline,
+        &mut tried,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    pairs.into_iter().next().ok_or_else(|| tried.join("; "))
 }
 
 /// Proposes `candidates` to the owner, probes the pairs it accepted and
-/// returns those whose probe completed; each tried pair's fate goes to
+/// returns those whose probe completed, each as a [`PeerQp`] ferry posts
+/// on, watched by its control session; each tried pair's fate goes to
 /// `tried`, for the error that names them when none works.
 async fn try_pairs(
     fabric: &Arc<Fabric>,
@@ -187,6 +211,65 @@ async fn try_pairs(
     deadline: Instant,
     tried: &mut Vec<String>,
 ) -> Result<Vec<Arc<PeerQp>>, OpError> {
+    let setup = |e: VerbsError| OpError::Protocol(format!("queue pair setup: {e}"));
+    let mut pairs = Vec::new();
+    for c in propose(fabric, session, candidates, 0, None, deadline, tried).await? {
+        let credits = c.qp.max_send_wr().min(c.rail.max_send_wr) as usize;
+        let lane = NotifyLane::new(&c.rail.pd, c.theirs.recv_slots, c.theirs.recv_slot_len)
+            .map_err(setup)?;
+        let channel = c
+            .channel
+            .expect("ferry's own pairs have a completion channel");
+        let qp = PeerQp::start(
+            peer,
+            c.rail.clone(),
+            c.owner_rail,
+            c.mtu,
+            c.qp,
+            c.cq,
+            channel,
+            credits,
+            lane,
+        );
+        debug!(peer = %peer.endpoint, rail = %c.rail.name(), remote_rail = c.owner_rail, qpn = qp.qpn(), remote_qpn = c.theirs.endpoint.qpn, "rail pair connected");
+        tokio::spawn(watch_session(
+            Arc::downgrade(&qp),
+            session.clone(),
+            qp.closed().clone(),
+        ));
+        pairs.push(qp);
+    }
+    Ok(pairs)
+}
+
+/// A queue pair of ours connected (and probed) to one of the owner's.
+pub(crate) struct Connected {
+    pub rail: Arc<Rail>,
+    pub owner_rail: u8,
+    /// `ibv_mtu` value of the pair's path.
+    pub mtu: u32,
+    pub qp: QueuePair,
+    pub cq: Arc<CompletionQueue>,
+    pub channel: Option<Arc<CompletionChannel>>,
+    /// The owner's side, as it answered.
+    pub theirs: QpInfo,
+}
+
+/// Creates a QP on our rail of each candidate (in `slot`: 0 for ferry's
+/// own pairs, with a completion channel and the rail's queue depth; a
+/// lease's number, with `depth` and no channel), proposes them to the
+/// owner, brings those it accepted to RTS, probes them together, and
+/// returns those whose probe completed by `deadline` (at most
+/// [`PROBE_TIMEOUT`] from now). Each tried pair's fate goes to `tried`.
+pub(crate) async fn propose(
+    fabric: &Arc<Fabric>,
+    session: &Session,
+    candidates: Vec<(Arc<Rail>, RailInfo)>,
+    slot: u16,
+    depth: Option<u32>,
+    deadline: Instant,
+    tried: &mut Vec<String>,
+) -> Result<Vec<Connected>, OpError> {
     let setup = |e: VerbsError| OpError::Protocol(format!("queue pair setup: {e}"));
     let left = || deadline.saturating_duration_since(Instant::now());
     let mut proposed = Vec::new();
@@ -199,13 +282,20 @@ async fn try_pairs(
             ));
             continue;
         }
-        let channel = CompletionChannel::new(&rail.context).map_err(setup)?;
-        channel.set_nonblocking().map_err(setup)?;
-        // One completion per request at most, and at most `max_send_wr`
-        // requests outstanding (credits): the CQ cannot overflow.
-        let cq = CompletionQueue::new(&rail.context, rail.max_send_wr + 1, Some(channel.clone()))
-            .map_err(setup)?;
-        let qp = QueuePair::new_rc(&rail.pd, &cq, rail.max_send_wr, 1).map_err(setup)?;
+        let channel = match depth {
+            Some(_) => None,
+            None => {
+                let channel = CompletionChannel::new(&rail.context).map_err(setup)?;
+                channel.set_nonblocking().map_err(setup)?;
+                Some(channel)
+            }
+        };
+        let depth = depth.unwrap_or(rail.max_send_wr);
+        // One completion per request at most, and at most `depth` requests
+        // outstanding (credits, or the lease's contract): the CQ cannot
+        // overflow.
+        let cq = CompletionQueue::new(&rail.context, depth + 1, channel.clone()).map_err(setup)?;
+        let qp = QueuePair::new_rc(&rail.pd, &cq, depth, 1).map_err(setup)?;
         qp.to_init(rail.port).map_err(setup)?;
         proposed.push(Proposed {
             rail,
@@ -224,6 +314,7 @@ async fn try_pairs(
         .map(|p| PairInfo {
             initiator_rail: p.rail.index,
             owner_rail: p.owner_rail.index,
+            slot,
             qp: QpInfo {
                 status: 0,
                 mtu: p.rail.mtu as u8,
@@ -244,7 +335,8 @@ async fn try_pairs(
         .filter(|a| {
             a.len() == request.len()
                 && a.iter().zip(&request).all(|(a, r)| {
-                    (a.initiator_rail, a.owner_rail) == (r.initiator_rail, r.owner_rail)
+                    (a.initiator_rail, a.owner_rail, a.slot)
+                        == (r.initiator_rail, r.owner_rail, r.slot)
                 })
         })
         .ok_or_else(|| OpError::Protocol("malformed queue-pair exchange reply".into()))?;
@@ -291,34 +383,27 @@ async fn try_pairs(
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let mut pairs = Vec::new();
+    let mut connected = Vec::new();
     for ((p, theirs, mtu, name), result) in probing.into_iter().zip(outcome) {
         match result {
             Some(Ok(())) => {
-                let credits = p.qp.max_send_wr().min(p.rail.max_send_wr) as usize;
-                let lane = NotifyLane::new(&p.rail.pd, theirs.recv_slots, theirs.recv_slot_len)
-                    .map_err(setup)?;
-                let qp = PeerQp::start(
-                    peer,
-                    p.rail.clone(),
-                    p.owner_rail.index,
-                    mtu,
-                    p.qp,
-                    p.cq,
-                    p.channel,
-                    credits,
-                    lane,
-                );
-                debug!(peer = %peer.endpoint, %name, qpn = qp.qpn(), remote_qpn = theirs.endpoint.qpn, "rail pair connected");
                 tried.push(format!("{name}: connected"));
-                pairs.push(qp);
+                connected.push(Connected {
+                    rail: p.rail,
+                    owner_rail: p.owner_rail.index,
+                    mtu,
+                    qp: p.qp,
+                    cq: p.cq,
+                    channel: p.channel,
+                    theirs,
+                });
             }
             failed => {
                 let why = failed.map_or_else(
                     || format!("no answer to the probe within {PROBE_TIMEOUT:?}"),
                     |r| r.err().unwrap_or_default(),
                 );
-                debug!(peer = %peer.endpoint, %name, %why, "rail pair unusable");
+                debug!(%name, %why, "rail pair unusable");
                 tried.push(format!("{name}: {why}"));
                 // The probe moved no memory: the QP is destroyed at once
                 // (an error state first, so the device stops retrying it).
@@ -326,7 +411,7 @@ async fn try_pairs(
             }
         }
     }
-    Ok(pairs)
+    Ok(connected)
 }
 
 /// Posts the zero-length, signaled RDMA WRITE that proves a pair works: it

@@ -125,16 +125,15 @@ impl std::fmt::Debug for IbvRailInfo {
 /// references that keep each device context, protection domain and listed
 /// queue pair (and its completion queue) alive.
 ///
-/// Rules for posting through them: give every work request a `wr_id` with
-/// [`FOREIGN_WR_ID_BIT`] set (ferry's poller skips such completions — it also
-/// polls the CQ, so do not rely on seeing them yourself; signal nothing, or
-/// check the remote result); post only on a QP ferry is idle on, since send
-/// queue slots are not coordinated; post RDMA READ and WRITE only (a SEND
-/// would land in a receive buffer the peer posted for ferry's
-/// notifications, and be delivered to its inbox as one); use the keys of
-/// the QP's rails (`lkeys[qp.rail]`, the handle's `rkeys[qp.remote_rail]`);
-/// and keep the memory you post registered (hold its `Region`) until the
-/// work has completed.
+/// The queue pairs listed are ferry's own, for reading: code that posts
+/// itself takes queue pairs of its own with
+/// [`IbvBackend::lease`](crate::IbvBackend::lease), which ferry neither
+/// posts on nor polls. Posting on these anyway: give every work request a
+/// `wr_id` with [`FOREIGN_WR_ID_BIT`] set (ferry's poller skips such
+/// completions), post only where ferry is idle (send-queue slots are not
+/// coordinated), RDMA READ and WRITE only, with the keys of the QP's rails
+/// (`lkeys[qp.rail]`, the handle's `rkeys[qp.remote_rail]`), and keep the
+/// memory registered (hold its `Region`) until the work has completed.
 pub struct IbvTransportInfo {
     /// Every rail, in rail order.
     pub rails: Vec<IbvRailInfo>,

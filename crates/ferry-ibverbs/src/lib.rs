@@ -25,6 +25,7 @@ mod connection;
 mod device;
 mod exchange;
 mod info;
+mod lease;
 mod mr_cache;
 mod notify;
 mod passive;
@@ -39,14 +40,15 @@ pub use backend::{
     FOREIGN_WR_ID_BIT, IbvBackend, IbvDevice, IbvManagerActor, IbvRegistered, IbvRegistration,
 };
 pub use device::{
-    DEFAULT_MAX_WR_BYTES, DEFAULT_STRIPE_MIN, IbvConfig, RAILS_ENV, RailName,
-    SOFTWARE_NOTIFY_COALESCE,
+    DEFAULT_MAX_WR_BYTES, DEFAULT_STALL_TIMEOUT, DEFAULT_STRIPE_MIN, IbvConfig, RAILS_ENV,
+    RailName, SOFTWARE_NOTIFY_COALESCE, SOFTWARE_STALL_TIMEOUT,
 };
 /// What [`IbvBackend::submit_notified`] did with a notification.
 pub use ferry_core::DataPathNotification;
 /// The messages all managers share, re-exported where users look for them.
 pub use ferry_core::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 pub use info::{IbvQpHandle, IbvRailInfo, IbvRegionKeys, IbvTransportInfo};
+pub use lease::{IbvLease, LeasedQp};
 /// The verbs bindings ferry is built with, for code that posts through the
 /// raw handles of [`IbvTransportInfo`].
 pub use rdma_sys as sys;

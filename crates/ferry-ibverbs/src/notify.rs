@@ -178,6 +178,7 @@ pub(crate) fn attach_notification(
                 op: notification.index,
                 wr,
                 pin: Pin::Notification(slot),
+                rescue: None,
             });
             sent.store(true, Ordering::Release);
         }

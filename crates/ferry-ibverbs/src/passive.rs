@@ -28,7 +28,9 @@ use crate::exchange::{endpoint_of, rail_infos, random_psn};
 use crate::verbs::{
     Completion, CompletionChannel, CompletionQueue, MemoryRegion, PathConfig, QueuePair, VerbsError,
 };
-use crate::wire::{PairInfo, QpInfo, RAILS_QUERY, decode_pairs, encode_pairs, encode_rails};
+use crate::wire::{
+    PairInfo, QpInfo, RAILS_QUERY, decode_pairs, decode_release, encode_pairs, encode_rails,
+};
 
 /// How long returning credits may take before the owner gives up on it
 /// (the session is then as good as gone).
@@ -45,9 +47,9 @@ const TAIL_CREDIT_RETURN: Duration = Duration::from_millis(1);
 /// receives still posted to flush before it lets the QP go.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(1);
 
-/// Which QP: the control session that asked for it, the initiator's rail
-/// and this node's rail.
-type PairKey = (u64, u8, u8);
+/// Which QP: the control session that asked for it, the initiator's rail,
+/// this node's rail, and the slot (0: ferry's own pair; else a lease's).
+type PairKey = (u64, u8, u8, u16);
 
 /// The owner's queue pairs, one per control session and rail pair that
 /// asked for one. A new exchange for the same pair on the same session
@@ -134,6 +136,22 @@ pub(crate) async fn accept(
     if request.body[..] == RAILS_QUERY {
         return Ok(encode_rails(&rail_infos(&fabric)).into());
     }
+    if let Some(slot) = decode_release(&request.body) {
+        // A lease was dropped: its queue pairs here go (slot 0, ferry's
+        // own pairs, is never released this way).
+        let session = request.session.id();
+        let gone: Vec<Arc<PassiveQp>> = {
+            let mut qps = passive.lock();
+            let keys: Vec<PairKey> = qps
+                .keys()
+                .filter(|k| slot != 0 && k.0 == session && k.3 == slot)
+                .copied()
+                .collect();
+            keys.iter().filter_map(|k| qps.remove(k)).collect()
+        };
+        gone.iter().for_each(|qp| qp.retired.cancel());
+        return Ok(Bytes::new());
+    }
     let peer = request.session.peer();
     let proposed = decode_pairs(&request.body)
         .ok_or_else(|| ServiceError("malformed queue-pair exchange frame".into()))?;
@@ -175,7 +193,8 @@ fn accept_pair(
     pair: PairInfo,
 ) -> Result<PairInfo, VerbsError> {
     let theirs = pair.qp;
-    let slots = rail.notify_slots;
+    // A leased pair carries no notifications: no receive buffers for it.
+    let slots = if pair.slot == 0 { rail.notify_slots } else { 0 };
     let slot_len = fabric
         .notify_slot_len
         .min(u32::try_from(sink.max_len()).unwrap_or(u32::MAX));
@@ -240,7 +259,12 @@ fn accept_pair(
             rail.notify_coalesce,
         ));
     }
-    let key = (session.id(), pair.initiator_rail, pair.owner_rail);
+    let key = (
+        session.id(),
+        pair.initiator_rail,
+        pair.owner_rail,
+        pair.slot,
+    );
     let (replaced, first_of_session) = {
         let mut qps = passive.lock();
         let first = !qps.keys().any(|k| k.0 == session.id());

@@ -1,34 +1,70 @@
 //! The initiator's queue pairs to each peer, one per rail pair that works
-//! (a link), connected on first use and released once all are broken and
-//! drained.
+//! (a link), connected on first use, watched while in use, and released
+//! once all are broken and drained.
+//!
+//! Each link has a keeper task. While the peer has more than one usable
+//! pair, it fails a pair that has work due and has completed nothing for
+//! [`IbvConfig::stall_timeout`](crate::IbvConfig) (its work then moves to
+//! the other pairs, see `batch`), and it connects a failed pair's rails
+//! again, probed, every [`REPAIR_EVERY`], so a rail that comes back is used
+//! again. Once no pair is usable it waits for them to drain and lets the
+//! link go: the next submit connects afresh.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use ferry_control::Endpoint;
 use ferry_core::{NodeAddr, OpError};
 use tokio::time::Instant;
+use tracing::{info, warn};
 
 use crate::connection::PeerQp;
 use crate::device::Fabric;
-use crate::exchange;
+use crate::exchange::{self, PROBE_TIMEOUT};
+use crate::wire::RailInfo;
 
-/// The queue pairs to one peer: one per rail pair that worked at connect,
-/// in rail order.
+/// How often a keeper looks at its link's pairs.
+const KEEPER_TICK: Duration = Duration::from_millis(100);
+/// How often a keeper tries to connect a failed pair's rails again.
+pub(crate) const REPAIR_EVERY: Duration = Duration::from_secs(1);
+
+/// The queue pairs to one peer: one per rail pair that worked at connect
+/// (or since), in rail order, broken ones included until replaced.
 pub(crate) struct Link {
-    pub pairs: Vec<Arc<PeerQp>>,
+    pairs: Mutex<Vec<Arc<PeerQp>>>,
+    /// The peer's rails, as it described them at connect.
+    theirs: Vec<RailInfo>,
 }
 
 impl Link {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Arc<PeerQp>>> {
+        self.pairs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Whether new submits may use it: some pair is neither broken nor
     /// retiring.
     pub fn is_usable(&self) -> bool {
-        self.pairs.iter().any(|qp| qp.is_usable())
+        self.lock().iter().any(|qp| qp.is_usable())
     }
 
-    /// The pairs new submits may use.
-    pub fn usable(&self) -> impl Iterator<Item = &Arc<PeerQp>> {
-        self.pairs.iter().filter(|qp| qp.is_usable())
+    /// The pairs new submits may use, now.
+    pub fn usable(&self) -> Vec<Arc<PeerQp>> {
+        self.lock()
+            .iter()
+            .filter(|qp| qp.is_usable())
+            .cloned()
+            .collect()
+    }
+
+    /// Every pair, broken ones included.
+    pub fn all(&self) -> Vec<Arc<PeerQp>> {
+        self.lock().clone()
+    }
+
+    /// The peer's rails, as it described them at connect.
+    pub fn theirs(&self) -> &[RailInfo] {
+        &self.theirs
     }
 }
 
@@ -97,17 +133,26 @@ impl Peers {
             if let Some(link) = self.connected(peer) {
                 return Ok(link);
             }
-            let pairs = exchange::connect(fabric, endpoint, peer, deadline).await?;
-            let link = Arc::new(Link { pairs });
+            let (pairs, theirs) = exchange::connect(fabric, endpoint, peer, deadline).await?;
+            let link = Arc::new(Link {
+                pairs: Mutex::new(pairs),
+                theirs,
+            });
             self.lock().entry(peer).or_default().connected = Some(link.clone());
-            self.release_when_drained(peer, &link);
+            tokio::spawn(keep(
+                Arc::downgrade(&self.0),
+                Arc::downgrade(&link),
+                fabric.clone(),
+                endpoint.clone(),
+                peer,
+            ));
             Ok(link)
         }
         .await;
         // A slot that never got a queue pair (the peer could not be reached)
         // goes with its last waiter: the lock is dropped under the table's
         // lock, so of two waiters leaving at once the second removes it.
-        // Slots holding a queue pair stay (see `Peers`).
+        // Slots holding a link stay (see `Peers`).
         let mut peers = self.lock();
         drop(connecting);
         if peers.get(&peer).is_some_and(|slot| {
@@ -118,36 +163,7 @@ impl Peers {
         connected
     }
 
-    /// Empties `peer`'s slot once every QP of `link` is broken and
-    /// drained, if the slot still holds it, and removes the slot unless a
-    /// connection attempt is under way in it.
-    fn release_when_drained(&self, peer: NodeAddr, link: &Arc<Link>) {
-        let table = Arc::downgrade(&self.0);
-        let drained: Vec<_> = link.pairs.iter().map(|qp| qp.drained().clone()).collect();
-        let link = Arc::downgrade(link);
-        tokio::spawn(async move {
-            for pair in drained {
-                pair.cancelled().await;
-            }
-            let Some(table) = table.upgrade() else { return };
-            let mut peers = table.lock().unwrap_or_else(|e| e.into_inner());
-            let Some(slot) = peers.get_mut(&peer) else {
-                return;
-            };
-            if slot
-                .connected
-                .as_ref()
-                .is_some_and(|held| std::ptr::eq(Arc::as_ptr(held), link.as_ptr()))
-            {
-                slot.connected = None;
-                if Arc::strong_count(&slot.connecting) == 1 {
-                    peers.remove(&peer);
-                }
-            }
-        });
-    }
-
-    /// Peers with a slot: a queue pair (usable or broken), or a connection
+    /// Peers with a slot: a link (usable or broken), or a connection
     /// attempt under way.
     pub(crate) fn len(&self) -> usize {
         self.lock().len()
@@ -158,7 +174,102 @@ impl Peers {
         self.lock()
             .values()
             .filter_map(|slot| slot.connected.as_ref())
-            .flat_map(|link| link.pairs.iter().cloned())
+            .flat_map(|link| link.all())
             .collect()
+    }
+}
+
+type Table = Mutex<BTreeMap<NodeAddr, PeerSlot>>;
+
+/// The link's keeper (see the module docs). Ends once the link is let go.
+async fn keep(
+    table: Weak<Table>,
+    link: Weak<Link>,
+    fabric: Arc<Fabric>,
+    endpoint: Endpoint,
+    peer: NodeAddr,
+) {
+    let mut repair_at = Instant::now() + REPAIR_EVERY;
+    loop {
+        tokio::time::sleep(KEEPER_TICK).await;
+        // The backend is gone, or the link was let go.
+        if table.strong_count() == 0 {
+            return;
+        }
+        let Some(held) = link.upgrade() else { return };
+        let pairs = held.all();
+        let usable: Vec<&Arc<PeerQp>> = pairs.iter().filter(|qp| qp.is_usable()).collect();
+        if usable.is_empty() {
+            // Wait for every pair's flushes, then empty the slot if it
+            // still holds this link.
+            drop(held);
+            for qp in &pairs {
+                qp.drained().cancelled().await;
+            }
+            let Some(table) = table.upgrade() else { return };
+            let mut peers = table.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(slot) = peers.get_mut(&peer)
+                && slot
+                    .connected
+                    .as_ref()
+                    .is_some_and(|l| std::ptr::eq(Arc::as_ptr(l), link.as_ptr()))
+            {
+                slot.connected = None;
+                if Arc::strong_count(&slot.connecting) == 1 {
+                    peers.remove(&peer);
+                }
+            }
+            return;
+        }
+        let stalled = usable
+            .iter()
+            .find(|qp| qp.is_busy() && qp.since_progress() >= qp.rail().stall_timeout);
+        if usable.len() > 1
+            && let Some(qp) = stalled
+        {
+            let stall = qp.rail().stall_timeout;
+            warn!(
+                peer = %peer.endpoint,
+                rail = %qp.rail().name(),
+                remote_rail = qp.remote_rail(),
+                ?stall,
+                "rail pair stalled with work due: failing it, its work moves to the other pairs"
+            );
+            metrics::counter!("ferry_rail_failovers_total", "rail" => qp.rail().name())
+                .increment(1);
+            qp.break_with(OpError::ConnectionLost {
+                endpoint: peer.endpoint,
+            });
+        }
+        let broken: Vec<Arc<PeerQp>> = pairs
+            .iter()
+            .filter(|qp| qp.is_broken() && qp.drained().is_cancelled())
+            .cloned()
+            .collect();
+        if broken.is_empty() || Instant::now() < repair_at {
+            continue;
+        }
+        repair_at = Instant::now() + REPAIR_EVERY;
+        for old in broken {
+            let (rail, remote) = (old.rail().clone(), old.remote_rail());
+            let Some(&their_rail) = held.theirs.iter().find(|t| t.index == remote) else {
+                continue;
+            };
+            let deadline = Instant::now() + PROBE_TIMEOUT + Duration::from_secs(1);
+            match exchange::reconnect_pair(&fabric, &endpoint, peer, rail, their_rail, deadline)
+                .await
+            {
+                Ok(qp) => {
+                    info!(peer = %peer.endpoint, rail = %qp.rail().name(), remote_rail = remote, "rail pair works again");
+                    let mut pairs = held.lock();
+                    if let Some(slot) = pairs.iter_mut().find(|q| Arc::ptr_eq(q, &old)) {
+                        *slot = qp;
+                    }
+                }
+                Err(why) => {
+                    tracing::debug!(peer = %peer.endpoint, rail = %old.rail().name(), remote_rail = remote, %why, "rail pair still down");
+                }
+            }
+        }
     }
 }

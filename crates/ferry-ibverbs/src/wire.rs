@@ -25,6 +25,22 @@ pub const CREDITS_LEN: usize = 8;
 
 /// The body that asks an owner for its rails.
 pub const RAILS_QUERY: [u8; 4] = *b"FQR1";
+const RELEASE_MAGIC: [u8; 4] = *b"FQX1";
+
+/// Tells the owner to let go of the queue pairs of lease `slot` on this
+/// control session (answered with an empty body).
+pub fn encode_release(slot: u16) -> [u8; 6] {
+    let mut b = [0; 6];
+    b[..4].copy_from_slice(&RELEASE_MAGIC);
+    b[4..].copy_from_slice(&slot.to_le_bytes());
+    b
+}
+
+/// Reads [`encode_release`]; `None` unless it is exactly such a frame.
+pub fn decode_release(b: &[u8]) -> Option<u16> {
+    let b: &[u8; 6] = b.try_into().ok()?;
+    (b[..4] == RELEASE_MAGIC).then(|| u16::from_le_bytes([b[4], b[5]]))
+}
 const PAIRS_MAGIC: [u8; 4] = *b"FQP2";
 /// Length of one rail in [`encode_rails`].
 const RAIL_LEN: usize = 22;
@@ -90,6 +106,9 @@ pub struct PairInfo {
     pub initiator_rail: u8,
     /// The owner's rail index.
     pub owner_rail: u8,
+    /// 0 for the pair ferry posts on; a lease's number for a queue pair
+    /// leased to code that posts itself (the owner keeps each apart).
+    pub slot: u16,
     /// The sender's queue pair on its end of the pair.
     pub qp: QpInfo,
 }
@@ -100,7 +119,8 @@ pub fn encode_pairs(pairs: &[PairInfo]) -> Vec<u8> {
     b.extend_from_slice(&PAIRS_MAGIC);
     b.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
     for p in pairs {
-        b.extend_from_slice(&[p.initiator_rail, p.owner_rail, 0, 0]);
+        b.extend_from_slice(&[p.initiator_rail, p.owner_rail]);
+        b.extend_from_slice(&p.slot.to_le_bytes());
         b.extend_from_slice(&p.qp.encode());
     }
     b
@@ -119,6 +139,7 @@ pub fn decode_pairs(b: &[u8]) -> Option<Vec<PairInfo>> {
             Some(PairInfo {
                 initiator_rail: p[0],
                 owner_rail: p[1],
+                slot: u16::from_le_bytes([p[2], p[3]]),
                 qp: QpInfo::decode(p[4..].try_into().unwrap())?,
             })
         })
@@ -223,11 +244,13 @@ mod tests {
             PairInfo {
                 initiator_rail: 0,
                 owner_rail: 1,
+                slot: 0,
                 qp: info,
             },
             PairInfo {
                 initiator_rail: 1,
                 owner_rail: 0,
+                slot: 7,
                 qp: QpInfo { status: 2, ..info },
             },
         ];
@@ -249,6 +272,8 @@ mod tests {
         assert_eq!(decode_rails(&frame).as_deref(), Some(&rails[..]));
         assert_eq!(decode_rails(&frame[..frame.len() - 1]), None);
         assert_eq!(decode_rails(&RAILS_QUERY), None);
+        assert_eq!(decode_release(&encode_release(9)), Some(9));
+        assert_eq!(decode_release(&RAILS_QUERY), None);
         assert_eq!(decode_credits(&[0; CREDITS_LEN + 1]), None);
     }
 }

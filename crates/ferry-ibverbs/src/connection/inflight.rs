@@ -5,9 +5,10 @@
 //! parent module's "Memory safety" section for the invariant it upholds.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use ferry_core::{BatchProgress, OpError, Region};
+use tokio::sync::Notify;
 
 use super::FOREIGN_WR_ID_BIT;
 use crate::notify::SendSlot;
@@ -18,6 +19,36 @@ pub(crate) struct Piece {
     pub op: usize,
     pub wr: WorkRequest,
     pub pin: Pin,
+    /// Where the piece goes if its queue pair fails under it, to be posted
+    /// again on another rail pair; `None` fails its op instead.
+    pub rescue: Option<Arc<Rescue>>,
+}
+
+/// Pieces of one batch whose queue pair failed under them (flushed, or
+/// retries exhausted), waiting for the batch to post them again on a pair
+/// that still works. A one-sided READ or WRITE of unchanged source bytes
+/// may run twice: the second run leaves the same bytes.
+#[derive(Default)]
+pub(crate) struct Rescue {
+    pieces: Mutex<Vec<Piece>>,
+    /// Wakes the batch once pieces wait here.
+    pub wake: Notify,
+}
+
+impl Rescue {
+    /// Keeps `piece` for the batch, and wakes it.
+    pub fn push(&self, piece: Piece) {
+        self.pieces
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(piece);
+        self.wake.notify_one();
+    }
+
+    /// The pieces waiting, in the order they failed.
+    pub fn take(&self) -> Vec<Piece> {
+        std::mem::take(&mut *self.pieces.lock().unwrap_or_else(|e| e.into_inner()))
+    }
 }
 
 /// What keeps a work request's local memory registered until the NIC is
@@ -31,13 +62,13 @@ pub(crate) enum Pin {
 }
 
 pub(super) struct Posted {
-    pub(super) wr_id: u64,
+    /// The request as posted (its id, and what a rescue posts again).
+    pub(super) wr: WorkRequest,
     pub(super) op: usize,
-    /// Bytes the request moves.
-    pub(super) bytes: u64,
     pub(super) progress: Arc<BatchProgress>,
     /// Keeps the local memory registered while the NIC may touch it.
     pub(super) pin: Pin,
+    pub(super) rescue: Option<Arc<Rescue>>,
 }
 
 #[derive(Default)]
@@ -66,20 +97,41 @@ impl Inflight {
         if wc.wr_id & FOREIGN_WR_ID_BIT != 0 {
             return 0;
         }
-        let queued = self.records.partition_point(|r| r.wr_id < wc.wr_id);
-        if self.records.get(queued).is_none_or(|r| r.wr_id != wc.wr_id) {
+        let queued = self.records.partition_point(|r| r.wr.wr_id < wc.wr_id);
+        if self
+            .records
+            .get(queued)
+            .is_none_or(|r| r.wr.wr_id != wc.wr_id)
+        {
             return 0;
         }
         for record in self.records.drain(..=queued) {
-            self.bytes -= record.bytes;
-            let target = record.wr_id == wc.wr_id;
+            self.bytes -= u64::from(record.wr.len);
+            let target = record.wr.wr_id == wc.wr_id;
             // Before an error completion, earlier requests succeeded; before
             // a flush, they were flushed too.
             let result = match error {
                 Some(e) if target || wc.is_flush() => Err(e.clone()),
                 _ => Ok(()),
             };
-            record.progress.piece_done(record.op, result);
+            match (result, record.rescue) {
+                // The path failed, not the op: an access error would fail
+                // on every pair alike. A notification is never sent twice.
+                (Err(e), Some(rescue))
+                    if !matches!(e, OpError::AccessDenied)
+                        && !matches!(record.pin, Pin::Notification(_)) =>
+                {
+                    // Without its rescue: the rescue holds it, and the
+                    // batch attaches it again when it posts it.
+                    rescue.push(Piece {
+                        op: record.op,
+                        wr: record.wr,
+                        pin: record.pin,
+                        rescue: None,
+                    });
+                }
+                (result, _) => record.progress.piece_done(record.op, result),
+            }
         }
         queued + 1
     }
@@ -129,11 +181,21 @@ mod tests {
             }
             .into_region();
             inflight.records.push_back(Posted {
-                wr_id,
+                wr: WorkRequest {
+                    wr_id,
+                    opcode: crate::verbs::RdmaOpcode::Write,
+                    local_addr: 0,
+                    len: 0,
+                    lkey: 0,
+                    remote_addr: 0,
+                    rkey: 0,
+                    signaled: true,
+                    fence: false,
+                },
                 op,
-                bytes: 0,
                 progress: progress.clone(),
                 pin: Pin::Region(pin),
+                rescue: None,
             });
         }
         (progress, released)
