@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
 # Two rails against one, in the two-VM soft-RoCE harness (tests/rxe/run.sh
-# --two --rails 2) with each wire rate-limited by `tc tbf`, so that the wire
-# rather than the emulated CPU is the bottleneck: `ferry serve` in VM a
+# --two --rails 2) with each wire rate-limited (`tc netem rate`), so that the
+# wire rather than the emulated CPU is the bottleneck: `ferry serve` in VM a
 # (both rails), `ferry bench` in VM b with one rail (FERRY_IBV_RAILS=rxe0)
 # and with both, 1 MiB and 16 MiB writes and reads, in ROUNDS interleaved
 # rounds; prints each configuration's median and the two-rail / one-rail
 # ratio. Control traffic goes over the management wire, which is not limited.
 #
-#   scripts/bench-rails.sh [RATE [SECONDS_PER_ROW [ROUNDS]]]   (default 16mbit 8 3)
+#   scripts/bench-rails.sh [RATE [SECONDS_PER_ROW [ROUNDS]]]   (default 16mbit 8 2)
+#
+# At 16 Mbit/s a one-rail row moves its 16 MiB region in about 8 s: a run
+# takes about 10 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rate=${1:-16mbit}
 seconds=${2:-8}
-rounds=${3:-3}
+rounds=${3:-2}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
 cargo build --release --locked -p ferry-cli >&2
 source scripts/target-dir.sh
-limit="for w in wire wire1; do /usr/bin/tc qdisc replace dev \$w root tbf rate $rate burst 32kb latency 400ms || exit 1; done"
-bench="ferry bench --handle /tmp/h.json --size 64M --block 1M,16M --duration $seconds --json"
+limit="for w in wire wire1; do /usr/bin/tc qdisc replace dev \$w root netem rate $rate || exit 1; done"
+bench="ferry bench --handle /tmp/h.json --size 16M --block 1M,16M --warmup 1 --duration $seconds --json"
 tests/rxe/run.sh --two --rails 2 --bin "$target_dir/release/ferry" -- \
     "sh -c '$limit' && on-peer '$limit' && \
-     on-peer '(ferry serve --listen 10.99.0.1:7100 --size 64M --handle-file /tmp/h.json > /tmp/serve.log 2>&1 &)' && \
+     on-peer '(ferry serve --listen 10.99.0.1:7100 --size 16M --handle-file /tmp/h.json > /tmp/serve.log 2>&1 &)' && \
      n=0; until on-peer test -s /tmp/h.json; do n=\$((n + 1)); [ \$n -lt 100 ] || exit 1; sleep 0.3; done; \
      on-peer cat /tmp/h.json | head -n 1 > /tmp/h.json && \
      for round in \$(seq $rounds); do \

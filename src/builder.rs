@@ -438,6 +438,7 @@ impl NodeBuilder {
             names.start_etcd(etcd);
         }
         let router = Arc::new(Router {
+            nic_required: self.required.contains(&RdmaTransportLevel::Nic),
             endpoint,
             ids: RegionIds::new(),
             tcp,

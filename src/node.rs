@@ -29,6 +29,9 @@ pub(crate) struct Router {
     pub ids: RegionIds,
     pub tcp: TcpBackend,
     pub ibverbs: Option<IbvBackend>,
+    /// Whether ibverbs is required (`NodeBuilder::require`): a peer no
+    /// rail reaches is then an error, never a fall-back to TCP.
+    pub nic_required: bool,
     pub memory: Option<MemoryBackend>,
     /// Fastest first.
     pub transports: Vec<TransportStatus>,
@@ -82,7 +85,11 @@ impl Router {
         let transports = remote.transports();
         if let Some(path) = self.memory.as_ref().and_then(|m| m.path(remote)) {
             Some(TransportPath::Memory(path))
-        } else if self.ibverbs.is_some() && transports.ibverbs.is_some() {
+        } else if let Some(ibverbs) = &self.ibverbs
+            && transports.ibverbs.is_some()
+            // A peer no rail reaches goes over TCP for a while, where it may.
+            && (self.nic_required || transports.tcp.is_none() || ibverbs.reaches(remote.owner()))
+        {
             Some(TransportPath::Nic)
         } else {
             transports.tcp.map(|_| TransportPath::Tcp)
@@ -178,12 +185,39 @@ impl Router {
         result
     }
 
-    /// The ibverbs backend's share of a batch; every op routed to it.
+    /// The ibverbs backend's share of a batch; every op routed to it. A
+    /// share whose first connect finds that no rail pair reaches its peer
+    /// runs again over TCP, where the node allows it, with what is left of
+    /// its deadline (said once per peer by the backend's warning, and
+    /// counted in `ferry_ibverbs_tcp_fallbacks_total`).
     async fn submit_ibverbs(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
         let Some(ibverbs) = &self.ibverbs else {
             return Err(SubmitError::BackendStopped);
         };
-        self.ibverbs_meters.submit(ibverbs, ops, timeout).await
+        // Copies are kept only for a share that connects now: only then can
+        // it find a peer no rail reaches.
+        let retry = (!self.nic_required
+            && ops
+                .iter()
+                .any(|op| !ibverbs.is_connected(op.remote.owner()))
+            && ops.iter().all(|op| op.remote.transports().tcp.is_some()))
+        .then(|| ops.clone());
+        let started = std::time::Instant::now();
+        let result = self.ibverbs_meters.submit(ibverbs, ops, timeout).await;
+        match (retry, &result) {
+            (
+                Some(ops),
+                Err(SubmitError::Op {
+                    error: OpError::PeerUnreachable { .. },
+                    ..
+                }),
+            ) if ops.iter().all(|op| !ibverbs.reaches(op.remote.owner())) => {
+                metrics::counter!("ferry_ibverbs_tcp_fallbacks_total").increment(1);
+                let left = timeout.saturating_sub(started.elapsed());
+                self.submit_tcp(ops, left).await
+            }
+            _ => result,
+        }
     }
 
     /// A batch whose every op goes over TCP, answered through `answer` from

@@ -632,3 +632,59 @@ async fn a_lease_posts_beside_ferry_and_breaks_when_the_peer_dies() {
         killed.elapsed().as_secs_f64()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs two VMs with two rails: run by tests/rxe/wire-tests.sh --rails 2"]
+async fn a_peer_no_rail_reaches_falls_back_to_tcp_unless_ibverbs_is_required() {
+    require_two_rails();
+    let heal = Heal;
+    for wire in ["wire", WIRE1] {
+        Cut::Loss.apply(wire);
+    }
+    let node = mgmt_node().await;
+    let mut peer = mgmt_peer().await;
+    let len = 1usize << 20;
+    let target = peer.process.alloc(len, Access::ReadWrite, 3).await;
+    let data = pattern(len, 33);
+    let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    src.write_at(0, &data).unwrap();
+    // Every pair's probe fails; the write goes over TCP (on the management
+    // wire) instead, and so does the next.
+    node.submit(
+        vec![RdmaOp::write(src.whole(), target.handle.clone())],
+        STEP_SHORT,
+    )
+    .await
+    .unwrap();
+    assert_eq!(peer.process.digest(&target).await, digest(&data));
+    let next = RdmaOp::write(src.whole(), target.handle.clone());
+    assert_eq!(node.route(&next), Some(RdmaTransportLevel::Tcp));
+    // A node that requires ibverbs gets an error naming the pairs tried.
+    let strict = rdma_node_with(|builder| {
+        builder
+            .listen("10.99.0.2:0".parse().unwrap())
+            .require(RdmaTransportLevel::Nic)
+    })
+    .await;
+    let local = strict.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    let error = strict
+        .submit(
+            vec![RdmaOp::write(local.whole(), target.handle.clone())],
+            STEP_SHORT,
+        )
+        .await
+        .expect_err("no rail reaches the peer");
+    let text = error.to_string();
+    assert!(
+        matches!(
+            error,
+            SubmitError::Op {
+                error: OpError::PeerUnreachable { .. },
+                ..
+            }
+        ) && text.contains("rxe0:1 -> rail 0")
+            && text.contains("rxe1:1 -> rail 1"),
+        "{text}"
+    );
+    heal.now();
+}

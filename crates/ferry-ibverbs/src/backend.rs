@@ -420,6 +420,18 @@ impl IbvBackend {
             .await
     }
 
+    /// Whether ibverbs may reach `peer`: false for a while (30 s) after
+    /// connecting found that no pair of rails reaches it, during which a
+    /// node routes its transfers over TCP where it may.
+    pub fn reaches(&self, peer: NodeAddr) -> bool {
+        self.shared.peers.reaches(peer)
+    }
+
+    /// Whether this node has usable queue pairs to `peer` now.
+    pub fn is_connected(&self, peer: NodeAddr) -> bool {
+        self.shared.peers.connected(peer).is_some()
+    }
+
     /// The manager actor, for workers that send it messages.
     pub fn actor(&self) -> &ActorRef<IbvManagerActor> {
         &self.actor

@@ -70,6 +70,20 @@ pub(crate) fn rail_infos(fabric: &Fabric) -> Vec<RailInfo> {
         .collect()
 }
 
+/// Why [`connect`] made no queue pair.
+pub(crate) enum Unconnected {
+    /// The exchange itself failed (the peer is unreachable, or refused).
+    Op(OpError),
+    /// The peer answered, and no pair of rails reaches it.
+    NoPair(OpError),
+}
+
+impl<E: Into<OpError>> From<E> for Unconnected {
+    fn from(e: E) -> Self {
+        Unconnected::Op(e.into())
+    }
+}
+
 /// A QP on one of our rails, at INIT, for one proposed pair.
 struct Proposed {
     rail: Arc<Rail>,
@@ -84,13 +98,14 @@ struct Proposed {
 /// details over this node's control session to it (by `deadline`), probes
 /// each pair, brings the working ones to RTS and starts their completion
 /// pollers. Returns them with the peer's rails. Fails with
-/// `PeerUnreachable`, naming the pairs tried, when none works.
+/// `PeerUnreachable`, naming the pairs tried, when none works
+/// ([`Unconnected::NoPair`]: the peer answered, but no rail reaches it).
 pub(crate) async fn connect(
     fabric: &Arc<Fabric>,
     endpoint: &Endpoint,
     peer: NodeAddr,
     deadline: Instant,
-) -> Result<(Vec<Arc<PeerQp>>, Vec<RailInfo>), OpError> {
+) -> Result<(Vec<Arc<PeerQp>>, Vec<RailInfo>), Unconnected> {
     let left = || deadline.saturating_duration_since(Instant::now());
     let session = endpoint.session(peer, left()).await?;
     let reply = session
@@ -146,10 +161,10 @@ pub(crate) async fn connect(
         }
     }
     if pairs.is_empty() {
-        return Err(OpError::PeerUnreachable {
+        return Err(Unconnected::NoPair(OpError::PeerUnreachable {
             endpoint: peer.endpoint,
             reason: format!("no rail pair reaches it over ibverbs: {}", tried.join("; ")),
-        });
+        }));
     }
     pairs.sort_by_key(|p| p.rail().index);
     let chosen: Vec<String> = pairs

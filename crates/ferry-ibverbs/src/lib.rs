@@ -25,6 +25,7 @@ mod connection;
 mod device;
 mod exchange;
 mod info;
+mod lanes;
 mod lease;
 mod mr_cache;
 mod notify;

@@ -76,6 +76,10 @@ struct PeerSlot {
     connecting: Arc<tokio::sync::Mutex<()>>,
 }
 
+/// How long a peer no rail pair reached is taken for unreachable over
+/// ibverbs before a submit tries it again (see [`Peers::reaches`]).
+pub(crate) const NO_PAIR_RETRY: Duration = Duration::from_secs(30);
+
 /// Links to peers, connected on first use. A B-tree: looked up for every
 /// submit, and small maps need no hashing.
 ///
@@ -87,9 +91,26 @@ struct PeerSlot {
 /// some pair of a link is usable, submits use those and leave the broken
 /// ones out.
 #[derive(Default)]
-pub(crate) struct Peers(Arc<Mutex<BTreeMap<NodeAddr, PeerSlot>>>);
+pub(crate) struct Peers(
+    Arc<Mutex<BTreeMap<NodeAddr, PeerSlot>>>,
+    /// Peers that answered but no rail pair reached, and when.
+    Mutex<BTreeMap<NodeAddr, Instant>>,
+);
 
 impl Peers {
+    /// Whether ibverbs may reach `peer`: false for [`NO_PAIR_RETRY`] after
+    /// a connect found that no rail pair reaches it.
+    pub(crate) fn reaches(&self, peer: NodeAddr) -> bool {
+        let mut unreachable = self.1.lock().unwrap_or_else(|e| e.into_inner());
+        match unreachable.get(&peer) {
+            Some(at) if at.elapsed() < NO_PAIR_RETRY => false,
+            Some(_) => {
+                unreachable.remove(&peer);
+                true
+            }
+            None => true,
+        }
+    }
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<NodeAddr, PeerSlot>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -133,7 +154,19 @@ impl Peers {
             if let Some(link) = self.connected(peer) {
                 return Ok(link);
             }
-            let (pairs, theirs) = exchange::connect(fabric, endpoint, peer, deadline).await?;
+            let (pairs, theirs) = match exchange::connect(fabric, endpoint, peer, deadline).await {
+                Ok(connected) => connected,
+                Err(exchange::Unconnected::Op(e)) => return Err(e),
+                Err(exchange::Unconnected::NoPair(e)) => {
+                    warn!(peer = %peer.endpoint, %e, "no rail pair reaches the peer: ibverbs is tried again in {NO_PAIR_RETRY:?}");
+                    metrics::counter!("ferry_ibverbs_unreachable_peers_total").increment(1);
+                    self.1
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(peer, Instant::now());
+                    return Err(e);
+                }
+            };
             let link = Arc::new(Link {
                 pairs: Mutex::new(pairs),
                 theirs,
