@@ -43,7 +43,10 @@ impl Shared {
             })
             .collect();
         let plans = std::mem::take(&mut group.plans);
-        group.keys = plans.iter().map(|p| (p.op, p.lkeys, p.rkeys)).collect();
+        // Only a piece that can be rescued is keyed again.
+        if several {
+            group.keys = plans.iter().map(|p| (p.op, p.lkeys, p.rkeys)).collect();
+        }
         let share: u64 = plans.iter().map(|p| p.len).sum();
         let stripe_min = self.fabric.stripe_min;
         // A share under the threshold goes whole to one pair.

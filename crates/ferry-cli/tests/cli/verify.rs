@@ -140,7 +140,13 @@ fn a_refused_transfer_names_the_part_of_the_run_it_failed_in() {
     json["transports"]["tcp"]["token"] = format!("{:032x}", token ^ 1).into();
     // In the soft-RoCE VM the bench goes over ibverbs: the key must be
     // wrong there too.
-    if let Some(rkeys) = json["transports"]["ibverbs"]["rkeys"].as_array_mut() {
+    // (`get_mut`, not indexing: indexing a null `ibverbs` would make it an
+    // object, and the handle unreadable.)
+    if let Some(rkeys) = json["transports"]
+        .get_mut("ibverbs")
+        .and_then(|ibverbs| ibverbs.get_mut("rkeys"))
+        .and_then(|rkeys| rkeys.as_array_mut())
+    {
         for rkey in rkeys {
             *rkey = (rkey.as_u64().unwrap() ^ 0x5a5a).into();
         }
