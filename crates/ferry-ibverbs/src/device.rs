@@ -220,6 +220,11 @@ pub(crate) struct Rail {
     /// Work requests and bytes posted on this rail's queue pairs so far.
     pub posted_wrs: AtomicU64,
     pub posted_bytes: AtomicU64,
+    /// The same, as `ferry_rail_wrs_total` and `ferry_rail_bytes_total`
+    /// (label `rail`, e.g. `mlx5_0:1`): registered when the rail opens, as
+    /// the node's other meters are (see `ferry`'s `meters` module).
+    pub wrs_metric: metrics::Counter,
+    pub bytes_metric: metrics::Counter,
 }
 
 impl Rail {
@@ -227,6 +232,8 @@ impl Rail {
     pub fn count_posted(&self, wrs: u64, bytes: u64) {
         self.posted_wrs.fetch_add(wrs, Ordering::Relaxed);
         self.posted_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.wrs_metric.increment(wrs);
+        self.bytes_metric.increment(bytes);
     }
 
     /// e.g. "rxe0:1"
@@ -434,6 +441,8 @@ fn open_rail(
         rate: sysfs(format!("{SYSFS_CLASS}/{device}/ports/{port}/rate")).unwrap_or_default(),
         posted_wrs: AtomicU64::new(0),
         posted_bytes: AtomicU64::new(0),
+        wrs_metric: metrics::counter!("ferry_rail_wrs_total", "rail" => format!("{device}:{port}")),
+        bytes_metric: metrics::counter!("ferry_rail_bytes_total", "rail" => format!("{device}:{port}")),
     })
 }
 
