@@ -195,11 +195,18 @@ impl Router {
             return Err(SubmitError::BackendStopped);
         };
         // Copies are kept only for a share that connects now: only then can
-        // it find a peer no rail reaches.
+        // it find a peer no rail reaches. Each owner is looked up once per
+        // run of ops to it (a batch usually has one).
+        let mut last = None;
+        let connects = |op: &RdmaOp| {
+            let owner = op.remote.owner();
+            last != Some(owner) && {
+                last = Some(owner);
+                !ibverbs.is_connected(owner)
+            }
+        };
         let retry = (!self.nic_required
-            && ops
-                .iter()
-                .any(|op| !ibverbs.is_connected(op.remote.owner()))
+            && ops.iter().any(connects)
             && ops.iter().all(|op| op.remote.transports().tcp.is_some()))
         .then(|| ops.clone());
         let started = std::time::Instant::now();
