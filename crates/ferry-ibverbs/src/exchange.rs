@@ -29,8 +29,8 @@ use crate::connection::PeerQp;
 use crate::device::{Fabric, Rail};
 use crate::notify::NotifyLane;
 use crate::verbs::{
-    Completion, CompletionChannel, CompletionQueue, PathConfig, QpEndpoint, QueuePair, RdmaOpcode,
-    VerbsError, WorkRequest,
+    Completion, CompletionChannel, CompletionQueue, PathConfig, QpEndpoint, QueuePair, VerbsError,
+    WorkRequest,
 };
 use crate::wire::{
     PairInfo, QpInfo, RAILS_QUERY, RailInfo, decode_pairs, decode_rails, encode_pairs,
@@ -432,17 +432,7 @@ pub(crate) async fn propose(
 /// Posts the zero-length, signaled RDMA WRITE that proves a pair works: it
 /// names no memory, so it needs no key and touches nothing at the owner.
 fn post_probe(qp: &QueuePair) -> Result<(), VerbsError> {
-    let probe = WorkRequest {
-        wr_id: 0,
-        opcode: RdmaOpcode::Write,
-        local_addr: 0,
-        len: 0,
-        lkey: 0,
-        remote_addr: 0,
-        rkey: 0,
-        signaled: true,
-        fence: false,
-    };
+    let probe = WorkRequest::empty_write(0);
     let mut buffers = Default::default();
     // SAFETY: a zero-length request carries no gather entry and reaches
     // no memory at either end.

@@ -59,11 +59,8 @@ impl Shared {
             }
             // Pairs whose two ends the op has keys for (a handle from this
             // owner has a key for each of its rails).
-            let reach = |lane: &Lane| {
-                let qp = lane.session.qp();
-                plan.lkeys.get(usize::from(qp.rail().index)).is_some()
-                    && plan.rkeys.get(usize::from(qp.remote_rail())).is_some()
-            };
+            let reach =
+                |lane: &Lane| pair_keys(lane.session.qp(), &plan.lkeys, &plan.rkeys).is_some();
             let eligible: Vec<usize> = (0..lanes.len()).filter(|&i| reach(&lanes[i])).collect();
             let pieces = if eligible.is_empty() {
                 progress.piece_done(plan.op, Err(OpError::NoSharedTransport));
@@ -136,12 +133,7 @@ impl Shared {
                 progress.piece_done(piece.op, Err(OpError::NoSharedTransport));
                 continue;
             };
-            let keyed = |qp: &PeerQp| {
-                Some((
-                    lkeys.get(usize::from(qp.rail().index))?,
-                    rkeys.get(usize::from(qp.remote_rail()))?,
-                ))
-            };
+            let keyed = |qp: &PeerQp| pair_keys(qp, &lkeys, &rkeys);
             let pairs = self
                 .peers
                 .connected(group.peer)
@@ -190,6 +182,16 @@ impl Shared {
 
 /// The (offset, length) pieces an op of `len` bytes is posted as, each at
 /// most `max` bytes: `len.div_ceil(max)` of them.
+/// The (lkey, rkey) a request on `qp` uses for memory with these keys:
+/// the local key on its rail and the remote key on the peer's; `None` if
+/// either is missing.
+fn pair_keys(qp: &PeerQp, lkeys: &RailKeys, rkeys: &RailKeys) -> Option<(u32, u32)> {
+    Some((
+        lkeys.get(usize::from(qp.rail().index))?,
+        rkeys.get(usize::from(qp.remote_rail()))?,
+    ))
+}
+
 pub(crate) fn pieces_of(len: usize, max: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..len).step_by(max).map(move |at| (at, max.min(len - at)))
 }
@@ -224,8 +226,8 @@ impl Lane {
     pub(crate) fn push(&mut self, plan: &OpPlan, at: u64, len: u64) -> u32 {
         let qp = self.session.qp();
         let max = qp.rail().max_msg as usize;
-        let lkey = plan.lkeys.get(usize::from(qp.rail().index)).unwrap_or(0);
-        let rkey = plan.rkeys.get(usize::from(qp.remote_rail())).unwrap_or(0);
+        // `spread` gives a lane only ops it has keys for.
+        let (lkey, rkey) = pair_keys(qp, &plan.lkeys, &plan.rkeys).unwrap_or((0, 0));
         let before = self.pieces.len();
         // An op's length is its local slice's, which fits usize.
         for (off, piece) in pieces_of(len as usize, max) {

@@ -23,7 +23,7 @@ use tracing::debug;
 use crate::connection::FOREIGN_WR_ID_BIT;
 use crate::device::Rail;
 use crate::exchange::Connected;
-use crate::verbs::{Completion, CompletionQueue, QueuePair, RdmaOpcode, WorkRequest};
+use crate::verbs::{Completion, CompletionQueue, QueuePair, WorkRequest};
 use crate::wire::encode_release;
 
 /// How long dropping a lease waits for its queue pairs' work to flush
@@ -223,17 +223,7 @@ impl Drop for IbvLease {
 /// Waits until everything posted on `pairs` (in the error state) has
 /// flushed, or [`DRAIN_DEADLINE`], then destroys them.
 fn drain(pairs: Vec<LeasedQp>) {
-    let marker = WorkRequest {
-        wr_id: DRAIN_MARKER,
-        opcode: RdmaOpcode::Write,
-        local_addr: 0,
-        len: 0,
-        lkey: 0,
-        remote_addr: 0,
-        rkey: 0,
-        signaled: true,
-        fence: false,
-    };
+    let marker = WorkRequest::empty_write(DRAIN_MARKER);
     let until = Instant::now() + DRAIN_DEADLINE;
     for pair in &pairs {
         let mut buffers = Default::default();

@@ -181,17 +181,7 @@ mod tests {
             }
             .into_region();
             inflight.records.push_back(Posted {
-                wr: WorkRequest {
-                    wr_id,
-                    opcode: crate::verbs::RdmaOpcode::Write,
-                    local_addr: 0,
-                    len: 0,
-                    lkey: 0,
-                    remote_addr: 0,
-                    rkey: 0,
-                    signaled: true,
-                    fence: false,
-                },
+                wr: WorkRequest::empty_write(wr_id),
                 op,
                 progress: progress.clone(),
                 pin: Pin::Region(pin),

@@ -122,6 +122,26 @@ pub struct WorkRequest {
     pub fence: bool,
 }
 
+impl WorkRequest {
+    /// A signaled, zero-length RDMA WRITE: it names no memory at either
+    /// end (posted without a gather entry), so it needs no key. Its
+    /// completion says the path to the peer works (a probe), or, on a queue
+    /// pair in the error state, that everything posted before it flushed.
+    pub fn empty_write(wr_id: u64) -> WorkRequest {
+        WorkRequest {
+            wr_id,
+            opcode: RdmaOpcode::Write,
+            local_addr: 0,
+            len: 0,
+            lkey: 0,
+            remote_addr: 0,
+            rkey: 0,
+            signaled: true,
+            fence: false,
+        }
+    }
+}
+
 /// Space for [`QueuePair::post`] to build its linked list in, reused from
 /// post to post so that posting does not allocate.
 #[derive(Default)]
