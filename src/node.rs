@@ -12,7 +12,7 @@ use ferry_core::{
     RdmaTransportLevel, Region, RegionId, RegionIds, RegionParts, RegisterError, RegisterRegion,
     RemoteBuffer, RemoteTransports, SubmitError,
 };
-use ferry_ibverbs::{IbvBackend, IbvTransportInfo};
+use ferry_ibverbs::{IbvBackend, IbvTransportInfo, PinError, RailPairs};
 use ferry_memory::{MemoryBackend, MemoryPath};
 use ferry_tcp::{TcpBackend, TcpTransportInfo};
 use kameo::actor::ActorRef;
@@ -76,9 +76,18 @@ impl Router {
     }
 
     /// The fastest transport this node and the op's remote side share, and
-    /// for the memory transport how it carries the op.
+    /// how it carries the op: for the memory transport by which path, for
+    /// ibverbs over which rail pairs.
     pub fn path(&self, op: &RdmaOp) -> Option<TransportPath> {
-        self.path_remote(&op.remote)
+        match self.path_remote(&op.remote)? {
+            TransportPath::Nic(_) => Some(TransportPath::Nic(
+                self.ibverbs
+                    .as_ref()
+                    .map(|i| i.path(op))
+                    .unwrap_or_default(),
+            )),
+            other => Some(other),
+        }
     }
 
     fn path_remote(&self, remote: &RemoteBuffer) -> Option<TransportPath> {
@@ -90,7 +99,7 @@ impl Router {
             // A peer no rail reaches goes over TCP for a while, where it may.
             && (self.nic_required || transports.tcp.is_none() || ibverbs.reaches(remote.owner()))
         {
-            Some(TransportPath::Nic)
+            Some(TransportPath::Nic(RailPairs::default()))
         } else {
             transports.tcp.map(|_| TransportPath::Tcp)
         }
@@ -432,16 +441,19 @@ fn merge(
     }
 }
 
-/// How a node carries an op ([`Node::path`]): its transport, and for the
+/// How a node carries an op ([`Node::path`]): its transport; for the
 /// same-host memory transport whether the region is a memfd mapped here or
-/// memory reached with `process_vm_readv`/`process_vm_writev`. Both are
-/// [`RdmaTransportLevel::Memory`].
+/// memory reached with `process_vm_readv`/`process_vm_writev` (both are
+/// [`RdmaTransportLevel::Memory`]); for ibverbs the rail pairs it may take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TransportPath {
     /// The TCP fallback.
     Tcp,
-    /// ibverbs RDMA.
-    Nic,
+    /// ibverbs RDMA, over these pairs of this node's and the peer's rails
+    /// (indices into `IbvTransportInfo::rails`): those on the local
+    /// region's preferred rails (see [`ferry_ibverbs::Placement`]). Empty
+    /// until the first op to the peer has connected its pairs.
+    Nic(RailPairs),
     /// Same-host memory, by this path.
     Memory(MemoryPath),
 }
@@ -451,7 +463,7 @@ impl TransportPath {
     pub fn level(self) -> RdmaTransportLevel {
         match self {
             TransportPath::Tcp => RdmaTransportLevel::Tcp,
-            TransportPath::Nic => RdmaTransportLevel::Nic,
+            TransportPath::Nic(_) => RdmaTransportLevel::Nic,
             TransportPath::Memory(_) => RdmaTransportLevel::Memory,
         }
     }
@@ -619,6 +631,16 @@ impl Node {
     /// `process_vm_readv` of a byte).
     pub fn path(&self, op: &RdmaOp) -> Option<TransportPath> {
         self.0.router.path(op)
+    }
+
+    /// Pins `region` to this node's rails `rails` (indices into
+    /// `transport_info().ibverbs.rails`): its ibverbs ops take only those
+    /// from now on (see [`ferry_ibverbs::IbvBackend::pin_rails`]). Without
+    /// a pin a region prefers the rails on its memory's NUMA node
+    /// ([`ferry_ibverbs::Placement`]).
+    pub fn pin_rails(&self, region: &Region, rails: &[u8]) -> Result<(), PinError> {
+        let ibverbs = self.0.router.ibverbs.as_ref().ok_or(PinError::NoIbverbs)?;
+        ibverbs.pin_rails(region.id(), region.generation(), rails)
     }
 
     /// Runs a batch: each op over the fastest transport both ends share.

@@ -255,7 +255,7 @@ async fn run_row(
     let via = match node.path(&ops[0]) {
         Some(TransportPath::Memory(_)) => "memory".to_string(),
         Some(TransportPath::Tcp) => "tcp".to_string(),
-        Some(TransportPath::Nic) => "ibverbs".to_string(),
+        Some(TransportPath::Nic(_)) => "ibverbs".to_string(),
         None => return Err("no transport reaches the target".into()),
     };
 

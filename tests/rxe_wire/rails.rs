@@ -17,6 +17,7 @@ use crate::peer::{RemotePeer, both, here, on_peer};
 use crate::{is_unfinished, ops, rdma_node, rdma_node_with};
 
 mod lease;
+mod placement;
 
 /// The second wire's interface in both VMs (`FERRY_RXE_WIRE1`).
 const WIRE1: &str = "wire1";
@@ -55,8 +56,14 @@ async fn pairs_to(node: &Node, peer: NodeAddr) -> Vec<(u8, u8, u32)> {
     pairs
 }
 
+/// Whether `node`'s rail `index` is marked down by a port event.
+async fn rail_down(node: &Node, index: usize) -> bool {
+    let info = node.ibverbs().unwrap().transport_info().await.unwrap();
+    info.rails[index].down
+}
+
 /// Bytes posted on each of `node`'s rails so far.
-async fn posted_bytes(node: &Node) -> Vec<u64> {
+pub(crate) async fn posted_bytes(node: &Node) -> Vec<u64> {
     let info = node.ibverbs().unwrap().transport_info().await.unwrap();
     info.rails.iter().map(|r| r.posted_bytes).collect()
 }
@@ -365,13 +372,31 @@ async fn a_rail_cut_under_a_256_mib_write_moves_its_work_to_the_other_rail() {
         src.write_at(0, &data).unwrap();
         let started = Instant::now();
         let write = node.submit(ops(&src, &target.handle, 1 << 20, true), BIG_STEP);
-        let (result, cut_at) =
-            tokio::join!(write, cut_after(Duration::from_secs(5), cut, &[WIRE1]));
+        let (result, (cut_at, failed_over, saw_down)) = tokio::join!(write, async {
+            let cut_at = cut_after(Duration::from_secs(5), cut, &[WIRE1]).await;
+            // Rail 1's pair leaves the usable ones: its work moves to
+            // rail 0 from then on.
+            while pairs_to(&node, addr).await.iter().any(|p| p.0 == 1)
+                && cut_at.elapsed() < Duration::from_secs(60)
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            (cut_at, cut_at.elapsed(), rail_down(&node, 1).await)
+        });
         result.unwrap_or_else(|e| panic!("{cut:?}: the write failed: {e}"));
         eprintln!(
-            "{cut:?}: 256 MiB written in {:.1} s, rail 1 cut {:.1} s in",
+            "{cut:?}: 256 MiB written in {:.1} s, rail 1 cut {:.1} s in, its pair failed {:.2} s after the cut",
             started.elapsed().as_secs_f64(),
-            (cut_at - started).as_secs_f64()
+            (cut_at - started).as_secs_f64(),
+            failed_over.as_secs_f64()
+        );
+        // A link taken down is reported by the port (its event marks the
+        // rail down); a lossy link with its carrier up is not, and is
+        // found by stall detection alone.
+        assert_eq!(
+            saw_down,
+            matches!(cut, Cut::Down),
+            "{cut:?}: rail 1 marked down"
         );
         assert_eq!(peer.process.digest(&target).await, digest(&data), "{cut:?}");
         eprintln!(
@@ -381,6 +406,7 @@ async fn a_rail_cut_under_a_256_mib_write_moves_its_work_to_the_other_rail() {
         );
         heal.now();
         let back = both_rails_used_again(&node, &mut peer, addr).await;
+        assert!(!rail_down(&node, 1).await, "{cut:?}: the port is up again");
         eprintln!(
             "{cut:?}: both rails in use again {:.1} s after the heal",
             back.as_secs_f64()
@@ -465,6 +491,10 @@ async fn a_peer_no_rail_reaches_falls_back_to_tcp_unless_ibverbs_is_required() {
     assert_eq!(peer.process.digest(&target).await, digest(&data));
     let next = RdmaOp::write(src.whole(), target.handle.clone());
     assert_eq!(node.route(&next), Some(RdmaTransportLevel::Tcp));
+    // A peer whose first batches to this node carry notifications falls
+    // back the same way: each notification arrives once, after its bytes.
+    let mut notifier = mgmt_peer().await;
+    notified_writes_from(&node, &mut notifier.process, 20).await;
     // A node that requires ibverbs gets an error naming the pairs tried.
     let strict = rdma_node_with(|builder| {
         builder

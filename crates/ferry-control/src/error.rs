@@ -139,7 +139,7 @@ impl From<ControlError> for OpError {
             ControlError::WrongNode {
                 expected, endpoint, ..
             } => OpError::UnknownNode { expected, endpoint },
-            ControlError::SessionClosed { endpoint } => OpError::ConnectionLost { endpoint },
+            ControlError::SessionClosed { endpoint } => OpError::connection_lost(endpoint),
             ControlError::AuthFailed { endpoint, reason } => OpError::AuthFailed {
                 endpoint,
                 reason: reason.to_string(),

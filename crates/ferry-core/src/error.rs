@@ -108,10 +108,20 @@ pub enum OpError {
     /// The connection, queue pair or control session to the owner broke (or
     /// stopped answering) before the op completed; for a write, a prefix of
     /// its bytes may have landed.
-    #[error("connection to {endpoint} lost before the op completed")]
+    #[error(
+        "connection to {endpoint} lost before the op completed{}",
+        lost_rails_text(rails)
+    )]
     ConnectionLost {
         /// The owner's endpoint.
         endpoint: SocketAddr,
+        /// Over ibverbs, the rail pairs the op could have taken, all of
+        /// which failed (`"mlx5_0:1 -> rail 0"`: a local device and port,
+        /// then the peer's rail): which NICs or wires to look at. Empty on
+        /// the other transports. Build it with [`OpError::connection_lost`]
+        /// where there is nothing to name.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        rails: Vec<String>,
     },
     /// None of this node's running transports can reach the handle: it
     /// carries no credentials for them, or the local region is not
@@ -143,6 +153,27 @@ pub enum OpError {
         /// Which side lacks what, for people.
         reason: String,
     },
+}
+
+impl OpError {
+    /// [`OpError::ConnectionLost`] with no rail pairs to name: a TCP
+    /// connection, a same-host peer or a control session broke.
+    pub fn connection_lost(endpoint: SocketAddr) -> Self {
+        Self::ConnectionLost {
+            endpoint,
+            rails: Vec::new(),
+        }
+    }
+}
+
+/// [`OpError::ConnectionLost`]'s rails, for people: nothing when there are
+/// none, else the pairs that failed.
+fn lost_rails_text(rails: &[String]) -> String {
+    if rails.is_empty() {
+        String::new()
+    } else {
+        format!(" (every rail pair failed: {})", rails.join(", "))
+    }
 }
 
 /// [`OpError::StaleGeneration`]'s text: a handle older than the slot
@@ -253,5 +284,33 @@ mod tests {
             RegisterError::IdInUse(crate::RegionId(7)).to_string(),
             "region id 7 is already registered with this backend"
         );
+    }
+
+    /// A lost ibverbs connection names the rail pairs that failed; one
+    /// with none reads, and serializes, as it always did, so a peer built
+    /// before rails decodes it.
+    #[test]
+    fn connection_lost_names_its_rails_only_when_it_has_some() {
+        let endpoint: SocketAddr = "10.0.0.1:7000".parse().unwrap();
+        let plain = OpError::connection_lost(endpoint);
+        assert_eq!(
+            plain.to_string(),
+            "connection to 10.0.0.1:7000 lost before the op completed"
+        );
+        let json = serde_json::to_string(&plain).unwrap();
+        assert_eq!(json, r#"{"ConnectionLost":{"endpoint":"10.0.0.1:7000"}}"#);
+        assert_eq!(serde_json::from_str::<OpError>(&json).unwrap(), plain);
+
+        let railed = OpError::ConnectionLost {
+            endpoint,
+            rails: vec!["mlx5_0:1 -> rail 0".into(), "mlx5_1:1 -> rail 1".into()],
+        };
+        assert_eq!(
+            railed.to_string(),
+            "connection to 10.0.0.1:7000 lost before the op completed \
+             (every rail pair failed: mlx5_0:1 -> rail 0, mlx5_1:1 -> rail 1)"
+        );
+        let json = serde_json::to_string(&railed).unwrap();
+        assert_eq!(serde_json::from_str::<OpError>(&json).unwrap(), railed);
     }
 }

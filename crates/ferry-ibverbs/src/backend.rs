@@ -29,13 +29,19 @@ use crate::info::{IbvRegionKeys, IbvTransportInfo};
 use crate::mr_cache::MrCache;
 use crate::passive::{self, PassiveQps};
 use crate::peers::Peers;
+use crate::placement::{PinError, Placement, RailPairs, RailSet, Route, numa_node_of};
 use crate::verbs::{MemoryRegion, VerbsError};
 
-/// A registered region's keys on each rail, by rail index.
+/// A registered region's keys on each rail, by rail index, and the rails
+/// its ops take.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Keys {
     pub lkeys: RailKeys,
     pub rkeys: RailKeys,
+    /// The NUMA node of the region's memory, when placement asked for it
+    /// and the kernel said.
+    pub numa_node: Option<u32>,
+    pub route: Route,
 }
 
 /// The keys of the regions registered on this node's rails, by region. A
@@ -162,9 +168,16 @@ impl Message<RegisterRegion> for IbvManagerActor {
             let keys: Vec<u32> = fabric.rails.iter().map(|r| key(&mrs[r.nic])).collect();
             RailKeys::new(&keys).expect("a fabric has at most MAX_RAILS rails")
         };
+        // The pages are pinned now (registered), so the kernel can say
+        // where they are. One rail has nothing to choose from.
+        let numa_node = (fabric.placement == Placement::Numa && fabric.rails.len() > 1)
+            .then(|| numa_node_of(addr))
+            .flatten();
         let keys = Keys {
             lkeys: per_rail(MemoryRegion::lkey),
             rkeys: per_rail(MemoryRegion::rkey),
+            numa_node,
+            route: Route::new(&fabric.numa_nodes(), numa_node, None),
         };
         let mut map = self.shared.registry.lock();
         if map.contains_key(&key) {
@@ -219,6 +232,9 @@ impl Message<TransportInfo> for IbvManagerActor {
                 generation,
                 lkeys: keys.lkeys,
                 rkeys: keys.rkeys,
+                numa_node: keys.numa_node,
+                allowed: keys.route.allowed,
+                preferred: keys.route.prefer,
             })
             .collect();
         Ok(IbvTransportInfo::new(
@@ -307,6 +323,7 @@ impl IbvBackend {
             passive,
             leases: AtomicU32::new(0),
         });
+        crate::ports::watch(&shared.fabric, Arc::downgrade(&shared));
         // Weak: the endpoint holds its handlers, and `Shared` the endpoint.
         let weak = Arc::downgrade(&shared);
         endpoint.serve(Service::IBVERBS_CREDITS, move |request| {
@@ -425,6 +442,40 @@ impl IbvBackend {
     /// node routes its transfers over TCP where it may.
     pub fn reaches(&self, peer: NodeAddr) -> bool {
         self.shared.peers.reaches(peer)
+    }
+
+    /// Pins the region `id` of `generation` to `rails` (indices, as in
+    /// [`IbvTransportInfo::rails`]): its ops take only those rails from
+    /// now on, preferring the ones on its memory's NUMA node, and fail
+    /// with `NoSharedTransport` where none of them reaches the peer. An op
+    /// already posted keeps its rails. Pinning again replaces the pin.
+    pub fn pin_rails(
+        &self,
+        id: RegionId,
+        generation: Generation,
+        rails: &[u8],
+    ) -> Result<(), PinError> {
+        let count = self.shared.fabric.rails.len();
+        if let Some(&rail) = rails.iter().find(|&&r| usize::from(r) >= count) {
+            return Err(PinError::NoSuchRail { rail, rails: count });
+        }
+        let pin = RailSet::of(rails).expect("checked against the rails");
+        if pin.is_empty() {
+            return Err(PinError::NoRail);
+        }
+        let mut registry = self.shared.registry.lock();
+        let keys = registry
+            .get_mut(&(id, generation))
+            .ok_or(PinError::UnknownRegion)?;
+        keys.route = Route::new(&self.shared.fabric.numa_nodes(), keys.numa_node, Some(pin));
+        Ok(())
+    }
+
+    /// The rail pairs `op` would take now (see [`crate::Placement`]):
+    /// empty when no pair to its peer is connected yet (they are probed at
+    /// the first op) or none may carry it.
+    pub fn path(&self, op: &RdmaOp) -> RailPairs {
+        self.shared.pairs_for(op)
     }
 
     /// Whether this node has usable queue pairs to `peer` now.

@@ -31,7 +31,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use ferry_control::Endpoint;
 use ferry_core::{
-    BatchProgress, DataPathNotification, NodeAddr, OpError, OpKind, RailKeys, RdmaOp, SubmitError,
+    BatchProgress, DataPathNotification, NodeAddr, OpError, OpKind, RdmaOp, SubmitError,
 };
 use tokio::time::Instant;
 use tracing::{Instrument, debug, debug_span};
@@ -39,7 +39,7 @@ use tracing::{Instrument, debug, debug_span};
 use crate::backend::Registry;
 use crate::connection::Rescue;
 use crate::device::Fabric;
-use crate::lanes::{Lane, OpPlan};
+use crate::lanes::{Lane, OpKeys, OpPlan};
 use crate::mr_cache::MrCache;
 use crate::notify::PendingNotification;
 use crate::passive::PassiveQps;
@@ -286,9 +286,7 @@ impl Shared {
         // pinned memory; the next op reconnects.
         for qp in self.peers.all() {
             if qp.has_work_of(&progress) {
-                qp.break_with(OpError::ConnectionLost {
-                    endpoint: qp.peer().endpoint,
-                });
+                qp.break_with(qp.lost());
             }
         }
         Err(error)
@@ -365,8 +363,11 @@ impl Shared {
                 local_addr: op.local.as_ptr() as u64,
                 remote_addr: op.remote.addr(),
                 len: op.len(),
-                lkeys: keys.lkeys,
-                rkeys: remote.rkeys,
+                keys: OpKeys {
+                    lkeys: keys.lkeys,
+                    rkeys: remote.rkeys,
+                    route: keys.route,
+                },
                 region: region.clone(),
             });
         }
@@ -383,7 +384,7 @@ pub(crate) struct PeerGroup {
     pub(crate) lanes: Vec<Lane>,
     /// Each op's keys on every rail at both ends, by op index (sorted):
     /// what a rescued piece is keyed with on its new pair.
-    pub(crate) keys: Vec<(usize, RailKeys, RailKeys)>,
+    pub(crate) keys: Vec<(usize, OpKeys)>,
     /// To post behind the pieces once the pairs are known.
     pub(crate) notification: Option<PendingNotification>,
 }

@@ -127,6 +127,19 @@ impl PeerQp {
         self.remote_rail
     }
 
+    /// The pair for people and errors: "rxe0:1 -> rail 1".
+    pub fn pair_name(&self) -> String {
+        format!("{} -> rail {}", self.rail.name(), self.remote_rail)
+    }
+
+    /// [`OpError::ConnectionLost`] naming this pair.
+    pub fn lost(&self) -> OpError {
+        OpError::ConnectionLost {
+            endpoint: self.peer.endpoint,
+            rails: vec![self.pair_name()],
+        }
+    }
+
     /// `ibv_mtu` value of the pair's path.
     pub fn mtu(&self) -> u32 {
         self.mtu
@@ -310,15 +323,12 @@ impl PeerQp {
     }
 
     fn error_for(&self, wc: &Completion, broken: Option<&OpError>) -> OpError {
-        let endpoint = self.peer.endpoint;
         if wc.is_remote_access_error() {
             OpError::AccessDenied
         } else if wc.is_flush() {
-            broken
-                .cloned()
-                .unwrap_or(OpError::ConnectionLost { endpoint })
+            broken.cloned().unwrap_or_else(|| self.lost())
         } else if wc.is_retry_exceeded() {
-            OpError::ConnectionLost { endpoint }
+            self.lost()
         } else {
             OpError::Protocol(format!("work completion failed: {}", wc.status_str()))
         }

@@ -5,11 +5,12 @@
 //! on every rail.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use ferry_core::MAX_RAILS;
 use tracing::info;
 
+use crate::placement::Placement;
 use crate::verbs::{Context, ProtectionDomain, QpTiming, SYSFS_CLASS, VerbsError, device_names};
 
 /// The owner's notification coalescing on a software RDMA device when
@@ -104,6 +105,10 @@ pub struct IbvConfig {
     /// its peer, by bytes; smaller ops each go whole to the pair with the
     /// fewest bytes outstanding. [`DEFAULT_STRIPE_MIN`] by default.
     pub stripe_min: u64,
+    /// Which rails a region prefers: by default those on its memory's NUMA
+    /// node (see [`Placement`]). A region can be pinned to rails of its
+    /// own with [`crate::IbvBackend::pin_rails`].
+    pub placement: Placement,
     /// How long a rail pair with work due may go without a completion
     /// before ferry takes it for stalled, while the peer has other pairs:
     /// it is failed (its queue pair flushed) and its unfinished work is
@@ -158,6 +163,7 @@ impl Default for IbvConfig {
             max_send_wr: 1024,
             max_wr_bytes: Some(DEFAULT_MAX_WR_BYTES),
             stripe_min: DEFAULT_STRIPE_MIN,
+            placement: Placement::Numa,
             stall_timeout: None,
             notify_slots: 32,
             notify_slot_len: 4096,
@@ -217,6 +223,8 @@ pub(crate) struct Rail {
     pub numa_node: Option<u32>,
     /// The port's rate as the kernel words it, e.g. `100 Gb/sec (4X EDR)`.
     pub rate: String,
+    /// Whether its port reported its link down (see the `ports` module).
+    pub down: AtomicBool,
     /// Work requests and bytes posted on this rail's queue pairs so far.
     pub posted_wrs: AtomicU64,
     pub posted_bytes: AtomicU64,
@@ -236,6 +244,16 @@ impl Rail {
         self.bytes_metric.increment(bytes);
     }
 
+    /// Whether its port reported its link down, and not up since.
+    pub fn is_down(&self) -> bool {
+        self.down.load(Ordering::Acquire)
+    }
+
+    /// Marks the port down or up; returns what it was.
+    pub fn set_down(&self, down: bool) -> bool {
+        self.down.swap(down, Ordering::AcqRel)
+    }
+
     /// e.g. "rxe0:1"
     pub fn name(&self) -> String {
         format!("{}:{}", self.context.name(), self.port)
@@ -248,12 +266,18 @@ pub(crate) struct Fabric {
     pub rails: Vec<Arc<Rail>>,
     pub notify_slot_len: u32,
     pub stripe_min: u64,
+    pub placement: Placement,
     pub qp_timing: QpTiming,
     /// See [`IbvConfig::share_registrations`].
     pub share_registrations: bool,
 }
 
 impl Fabric {
+    /// Each rail's NUMA node, by rail index.
+    pub fn numa_nodes(&self) -> Vec<Option<u32>> {
+        self.rails.iter().map(|r| r.numa_node).collect()
+    }
+
     /// Opens the configured rails (see [`IbvConfig::rails`]).
     pub fn open(config: &IbvConfig) -> Result<Fabric, VerbsError> {
         // Distinguishes "no device at all" (the normal TCP-only host) from a
@@ -284,6 +308,7 @@ impl Fabric {
             rails: Vec::new(),
             notify_slot_len: config.notify_slot_len,
             stripe_min: config.stripe_min.max(1),
+            placement: config.placement,
             qp_timing: config.qp_timing,
             share_registrations: config.share_registrations,
         };
@@ -439,6 +464,7 @@ fn open_rail(
             .and_then(|n| n.parse::<i32>().ok())
             .and_then(|n| u32::try_from(n).ok()),
         rate: sysfs(format!("{SYSFS_CLASS}/{device}/ports/{port}/rate")).unwrap_or_default(),
+        down: AtomicBool::new(false),
         posted_wrs: AtomicU64::new(0),
         posted_bytes: AtomicU64::new(0),
         wrs_metric: metrics::counter!("ferry_rail_wrs_total", "rail" => format!("{device}:{port}")),

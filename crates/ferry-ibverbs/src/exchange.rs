@@ -154,9 +154,7 @@ pub(crate) async fn connect(
             {
                 pairs.push(qp);
             } else {
-                qp.break_with(OpError::ConnectionLost {
-                    endpoint: peer.endpoint,
-                });
+                qp.break_with(qp.lost());
             }
         }
     }
@@ -465,8 +463,7 @@ async fn watch_session(conn: std::sync::Weak<PeerQp>, session: Session, closed: 
             && qp.since_progress() < peer_timeout
             && Instant::now() < grace_ends;
         if !progressing {
-            let endpoint = qp.peer().endpoint;
-            qp.break_with(OpError::ConnectionLost { endpoint });
+            qp.break_with(qp.lost());
             return;
         }
         if qp.is_usable() {

@@ -10,6 +10,7 @@ use ferry_core::{Generation, NodeAddr, RailKeys, RegionId};
 use crate::FOREIGN_WR_ID_BIT;
 use crate::connection::PeerQp;
 use crate::device::{Fabric, Rail};
+use crate::placement::RailSet;
 
 /// A queue pair as a GPU kernel (or other code posting its own work) needs it.
 #[derive(Clone, Debug)]
@@ -52,6 +53,14 @@ pub struct IbvRegionKeys {
     pub lkeys: RailKeys,
     /// The keys peers' work requests use, by rail; handles carry them.
     pub rkeys: RailKeys,
+    /// The NUMA node of the region's memory, where the kernel said and
+    /// the node has several rails to place it on.
+    pub numa_node: Option<u32>,
+    /// The rails its ops may take: every rail, or those it was pinned to
+    /// ([`crate::IbvBackend::pin_rails`]).
+    pub allowed: RailSet,
+    /// The rails among those its ops take first (see [`crate::Placement`]).
+    pub preferred: RailSet,
 }
 
 /// One rail: a port of an RDMA device this node moves bytes on.
@@ -82,6 +91,10 @@ pub struct IbvRailInfo {
     pub posted_wrs: u64,
     /// Bytes those work requests moved (or were to move).
     pub posted_bytes: u64,
+    /// Whether its port reported its link down and not up since: its
+    /// pairs are then failed where a peer has other pairs, and not
+    /// repaired until it is up.
+    pub down: bool,
     rail_ref: Arc<Rail>,
 }
 
@@ -175,6 +188,7 @@ impl IbvTransportInfo {
                     netdev: r.netdev.clone(),
                     posted_wrs: r.posted_wrs.load(Ordering::Relaxed),
                     posted_bytes: r.posted_bytes.load(Ordering::Relaxed),
+                    down: r.is_down(),
                     rail_ref: r.clone(),
                 })
                 .collect(),

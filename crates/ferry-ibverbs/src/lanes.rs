@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use ferry_core::{BatchProgress, OpError, RailKeys, Region};
+use ferry_core::{BatchProgress, OpError, RailKeys, RdmaOp, Region};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
@@ -13,6 +13,7 @@ use crate::batch::{PeerGroup, Shared};
 use crate::connection::{PeerQp, Piece, Pin, Rescue};
 use crate::notify::attach_notification;
 use crate::peers::Link;
+use crate::placement::{RailPair, RailPairs, Route};
 use crate::qp_session::QpSession;
 use crate::verbs::{RdmaOpcode, WorkRequest};
 
@@ -45,7 +46,7 @@ impl Shared {
         let plans = std::mem::take(&mut group.plans);
         // Only a piece that can be rescued is keyed again.
         if several {
-            group.keys = plans.iter().map(|p| (p.op, p.lkeys, p.rkeys)).collect();
+            group.keys = plans.iter().map(|p| (p.op, p.keys)).collect();
         }
         let share: u64 = plans.iter().map(|p| p.len).sum();
         let stripe_min = self.fabric.stripe_min;
@@ -58,10 +59,13 @@ impl Shared {
                 continue;
             }
             // Pairs whose two ends the op has keys for (a handle from this
-            // owner has a key for each of its rails).
-            let reach =
-                |lane: &Lane| pair_keys(lane.session.qp(), &plan.lkeys, &plan.rkeys).is_some();
-            let eligible: Vec<usize> = (0..lanes.len()).filter(|&i| reach(&lanes[i])).collect();
+            // owner has a key for each of its rails) on a rail it may take;
+            // of those, the ones on its preferred rails if any.
+            let reach = |lane: &Lane| pair_keys(lane.session.qp(), &plan.keys).is_some();
+            let mut eligible: Vec<usize> = (0..lanes.len()).filter(|&i| reach(&lanes[i])).collect();
+            plan.keys
+                .route
+                .narrow(&mut eligible, |&i| lanes[i].session.qp().rail().index);
             let pieces = if eligible.is_empty() {
                 progress.piece_done(plan.op, Err(OpError::NoSharedTransport));
                 continue;
@@ -113,6 +117,41 @@ impl Shared {
         group.lanes = lanes;
     }
 
+    /// The rail pairs `spread` would put `op` on now, its load aside: the
+    /// usable pairs to its peer on rails it may take, those on its
+    /// preferred rails if any. Empty when the peer's link is not connected.
+    pub(crate) fn pairs_for(&self, op: &RdmaOp) -> RailPairs {
+        let region = op.local.region();
+        let (Some(remote), Some(local)) = (
+            op.remote.transports().ibverbs,
+            self.registry
+                .lock()
+                .get(&(region.id(), region.generation()))
+                .copied(),
+        ) else {
+            return RailPairs::default();
+        };
+        let keys = OpKeys {
+            lkeys: local.lkeys,
+            rkeys: remote.rkeys,
+            route: local.route,
+        };
+        let Some(link) = self.peers.connected(op.remote.owner()) else {
+            return RailPairs::default();
+        };
+        let mut pairs: Vec<RailPair> = link
+            .usable()
+            .iter()
+            .filter(|qp| pair_keys(qp, &keys).is_some())
+            .map(|qp| RailPair {
+                rail: qp.rail().index,
+                remote_rail: qp.remote_rail(),
+            })
+            .collect();
+        keys.route.narrow(&mut pairs, |p| p.rail);
+        pairs.into_iter().collect()
+    }
+
     /// Posts the pieces waiting in `rescue` again, each on a usable pair
     /// to its peer with keys for it, with the fewest bytes outstanding;
     /// fails those whose peer has no pair left.
@@ -129,26 +168,29 @@ impl Shared {
                 let at = g.keys.binary_search_by_key(&piece.op, |k| k.0).ok()?;
                 Some((g, g.keys[at]))
             });
-            let Some((group, (_, lkeys, rkeys))) = found else {
+            let Some((group, (_, keys))) = found else {
                 progress.piece_done(piece.op, Err(OpError::NoSharedTransport));
                 continue;
             };
-            let keyed = |qp: &PeerQp| pair_keys(qp, &lkeys, &rkeys);
-            let pairs = self
-                .peers
-                .connected(group.peer)
-                .map(|link| link.usable())
-                .unwrap_or_default();
+            let keyed = |qp: &PeerQp| pair_keys(qp, &keys);
+            let link = self.peers.connected(group.peer);
+            let pairs = link.as_ref().map(|l| l.usable()).unwrap_or_default();
             let Some((qp, (lkey, rkey))) = pairs
                 .iter()
                 .filter_map(|qp| Some((qp, keyed(qp)?)))
                 .min_by_key(|(qp, _)| qp.outstanding_bytes())
             else {
                 warn!(peer = %group.peer.endpoint, "no rail pair to the peer works any more: the batch fails");
+                let rails = link
+                    .iter()
+                    .flat_map(|l| l.all())
+                    .map(|qp| qp.pair_name())
+                    .collect();
                 progress.piece_done(
                     piece.op,
                     Err(OpError::ConnectionLost {
                         endpoint: group.peer.endpoint,
+                        rails,
                     }),
                 );
                 continue;
@@ -182,14 +224,28 @@ impl Shared {
 
 /// The (offset, length) pieces an op of `len` bytes is posted as, each at
 /// most `max` bytes: `len.div_ceil(max)` of them.
-/// The (lkey, rkey) a request on `qp` uses for memory with these keys:
-/// the local key on its rail and the remote key on the peer's; `None` if
-/// either is missing.
-fn pair_keys(qp: &PeerQp, lkeys: &RailKeys, rkeys: &RailKeys) -> Option<(u32, u32)> {
+/// The (local, remote) keys `qp` carries an op with: `None` when the op
+/// may not take its rail, or has no key at one of its ends.
+fn pair_keys(qp: &PeerQp, keys: &OpKeys) -> Option<(u32, u32)> {
+    let rail = qp.rail().index;
+    if !keys.route.allowed.contains(rail) {
+        return None;
+    }
     Some((
-        lkeys.get(usize::from(qp.rail().index))?,
-        rkeys.get(usize::from(qp.remote_rail()))?,
+        keys.lkeys.get(usize::from(rail))?,
+        keys.rkeys.get(usize::from(qp.remote_rail()))?,
     ))
+}
+
+/// An op's keys on every rail at both ends, and the rails it may take.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct OpKeys {
+    /// The local region's, by this node's rail.
+    pub(crate) lkeys: RailKeys,
+    /// The handle's, by the owner's rail.
+    pub(crate) rkeys: RailKeys,
+    /// The local region's route.
+    pub(crate) route: Route,
 }
 
 pub(crate) fn pieces_of(len: usize, max: usize) -> impl Iterator<Item = (usize, usize)> {
@@ -204,8 +260,7 @@ pub(crate) struct OpPlan {
     pub(crate) local_addr: u64,
     pub(crate) remote_addr: u64,
     pub(crate) len: u64,
-    pub(crate) lkeys: RailKeys,
-    pub(crate) rkeys: RailKeys,
+    pub(crate) keys: OpKeys,
     /// Pinned by every piece.
     pub(crate) region: Region,
 }
@@ -227,7 +282,7 @@ impl Lane {
         let qp = self.session.qp();
         let max = qp.rail().max_msg as usize;
         // `spread` gives a lane only ops it has keys for.
-        let (lkey, rkey) = pair_keys(qp, &plan.lkeys, &plan.rkeys).unwrap_or((0, 0));
+        let (lkey, rkey) = pair_keys(qp, &plan.keys).unwrap_or((0, 0));
         let before = self.pieces.len();
         // An op's length is its local slice's, which fits usize.
         for (off, piece) in pieces_of(len as usize, max) {

@@ -31,6 +31,8 @@ mod mr_cache;
 mod notify;
 mod passive;
 mod peers;
+mod placement;
+mod ports;
 mod qp_session;
 mod report;
 pub mod verbs;
@@ -50,6 +52,7 @@ pub use ferry_core::DataPathNotification;
 pub use ferry_core::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 pub use info::{IbvQpHandle, IbvRailInfo, IbvRegionKeys, IbvTransportInfo};
 pub use lease::{IbvLease, LeasedQp};
+pub use placement::{PinError, Placement, RailPair, RailPairs, RailSet};
 /// The verbs bindings ferry is built with, for code that posts through the
 /// raw handles of [`IbvTransportInfo`].
 pub use rdma_sys as sys;

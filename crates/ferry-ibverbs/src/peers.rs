@@ -93,24 +93,32 @@ pub(crate) const NO_PAIR_RETRY: Duration = Duration::from_secs(30);
 #[derive(Default)]
 pub(crate) struct Peers(
     Arc<Mutex<BTreeMap<NodeAddr, PeerSlot>>>,
-    /// Peers that answered but no rail pair reached, and when.
-    Mutex<BTreeMap<NodeAddr, Instant>>,
+    /// Peers that answered but no rail pair reached: when, and the error
+    /// that said so.
+    Mutex<BTreeMap<NodeAddr, (Instant, OpError)>>,
 );
 
 impl Peers {
     /// Whether ibverbs may reach `peer`: false for [`NO_PAIR_RETRY`] after
     /// a connect found that no rail pair reaches it.
     pub(crate) fn reaches(&self, peer: NodeAddr) -> bool {
+        self.unreachable(peer).is_none()
+    }
+
+    /// The error of the connect that found no rail pair reaching `peer`,
+    /// for [`NO_PAIR_RETRY`] after it.
+    fn unreachable(&self, peer: NodeAddr) -> Option<OpError> {
         let mut unreachable = self.1.lock().unwrap_or_else(|e| e.into_inner());
         match unreachable.get(&peer) {
-            Some(at) if at.elapsed() < NO_PAIR_RETRY => false,
+            Some((at, error)) if at.elapsed() < NO_PAIR_RETRY => Some(error.clone()),
             Some(_) => {
                 unreachable.remove(&peer);
-                true
+                None
             }
-            None => true,
+            None => None,
         }
     }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<NodeAddr, PeerSlot>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -150,9 +158,14 @@ impl Peers {
         let connecting = self.lock().entry(peer).or_default().connecting.clone();
         let connected = async {
             let _turn = connecting.lock().await;
-            // Another submit may have connected while this one waited.
+            // Another submit may have connected while this one waited, or
+            // found that no pair reaches: a batch of concurrent submits
+            // probes once, not once each.
             if let Some(link) = self.connected(peer) {
                 return Ok(link);
+            }
+            if let Some(error) = self.unreachable(peer) {
+                return Err(error);
             }
             let (pairs, theirs) = match exchange::connect(fabric, endpoint, peer, deadline).await {
                 Ok(connected) => connected,
@@ -163,7 +176,7 @@ impl Peers {
                     self.1
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .insert(peer, Instant::now());
+                        .insert(peer, (Instant::now(), e.clone()));
                     return Err(e);
                 }
             };
@@ -254,29 +267,45 @@ async fn keep(
             }
             return;
         }
-        let stalled = usable
+        // Pairs on a rail whose port went down, and pairs with work due
+        // that made no progress for the stall timeout, are failed while
+        // one pair is left to take their work.
+        let failing: Vec<(&Arc<PeerQp>, &str)> = usable
             .iter()
-            .find(|qp| qp.is_busy() && qp.since_progress() >= qp.rail().stall_timeout);
-        if usable.len() > 1
-            && let Some(qp) = stalled
-        {
-            let stall = qp.rail().stall_timeout;
-            warn!(
-                peer = %peer.endpoint,
-                rail = %qp.rail().name(),
-                remote_rail = qp.remote_rail(),
-                ?stall,
-                "rail pair stalled with work due: failing it, its work moves to the other pairs"
-            );
-            metrics::counter!("ferry_rail_failovers_total", "rail" => qp.rail().name())
+            .filter_map(|qp| {
+                if qp.rail().is_down() {
+                    Some((*qp, "port_down"))
+                } else if qp.is_busy() && qp.since_progress() >= qp.rail().stall_timeout {
+                    Some((*qp, "stall"))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        if failing.len() < usable.len() {
+            for (qp, reason) in failing {
+                let stall = qp.rail().stall_timeout;
+                warn!(
+                    peer = %peer.endpoint,
+                    rail = %qp.rail().name(),
+                    remote_rail = qp.remote_rail(),
+                    reason,
+                    ?stall,
+                    "failing a rail pair (its port is down, or it stalled with work due): its work moves to the other pairs"
+                );
+                metrics::counter!(
+                    "ferry_rail_failovers_total",
+                    "rail" => qp.rail().name(),
+                    "reason" => reason
+                )
                 .increment(1);
-            qp.break_with(OpError::ConnectionLost {
-                endpoint: peer.endpoint,
-            });
+                qp.break_with(qp.lost());
+            }
         }
+        // A pair on a rail that is down stays failed until the port is up.
         let broken: Vec<Arc<PeerQp>> = pairs
             .iter()
-            .filter(|qp| qp.is_broken() && qp.drained().is_cancelled())
+            .filter(|qp| qp.is_broken() && qp.drained().is_cancelled() && !qp.rail().is_down())
             .cloned()
             .collect();
         if broken.is_empty() || Instant::now() < repair_at {

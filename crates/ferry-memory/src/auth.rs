@@ -102,9 +102,7 @@ pub(crate) async fn prove(
     };
     let lost = |e: std::io::Error| {
         tracing::debug!(owner = %owner.endpoint, "memory transport: the cluster secret's exchange failed: {e}");
-        OpError::ConnectionLost {
-            endpoint: owner.endpoint,
-        }
+        OpError::connection_lost(owner.endpoint)
     };
     let exchange = async {
         let mut hello = [0; HELLO_LEN];

@@ -491,7 +491,7 @@ impl MemoryBackend {
                                 .into(),
                         }
                     }
-                    Err(pvm::Fail::Gone) => OpError::ConnectionLost { endpoint },
+                    Err(pvm::Fail::Gone) => OpError::connection_lost(endpoint),
                     Err(pvm::Fail::Fault) => OpError::Protocol(
                         "the owner's registered memory is not mapped in it (process_vm: EFAULT)"
                             .into(),

@@ -155,11 +155,7 @@ impl Link {
         notification: &[u8],
         deadline: tokio::time::Instant,
     ) -> DataPathNotification {
-        let lost = || {
-            DataPathNotification::Failed(OpError::ConnectionLost {
-                endpoint: self.owner.endpoint,
-            })
-        };
+        let lost = || DataPathNotification::Failed(OpError::connection_lost(self.owner.endpoint));
         if !self.is_alive() {
             return lost();
         }
@@ -229,9 +225,7 @@ impl Link {
 
     fn unreachable(&self, reason: impl std::fmt::Display) -> OpError {
         tracing::debug!(owner = %self.owner.endpoint, "memory transport: same-host socket: {reason}");
-        OpError::ConnectionLost {
-            endpoint: self.owner.endpoint,
-        }
+        OpError::connection_lost(self.owner.endpoint)
     }
 
     /// Why `op`'s region died under its mapping: the mapping is dropped

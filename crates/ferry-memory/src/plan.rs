@@ -69,9 +69,7 @@ impl MemoryBackend {
         if !link.is_alive() {
             self.0.links.drop_link(owner.id);
             tracing::debug!(owner = %owner.endpoint, "memory transport: the owner closed its socket");
-            return Err(OpError::ConnectionLost {
-                endpoint: owner.endpoint,
-            });
+            return Err(OpError::connection_lost(owner.endpoint));
         }
         Ok(link)
     }

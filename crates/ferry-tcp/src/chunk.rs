@@ -207,6 +207,6 @@ impl Chunk {
 impl Drop for Chunk {
     fn drop(&mut self) {
         let endpoint = self.endpoint;
-        self.settle(Err((0, OpError::ConnectionLost { endpoint })));
+        self.settle(Err((0, OpError::connection_lost(endpoint))));
     }
 }

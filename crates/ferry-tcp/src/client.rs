@@ -183,7 +183,7 @@ impl Peers {
             .zip(outcomes)
             .map(|(owner, outcome)| {
                 let endpoint = owner.endpoint;
-                let lost = Err(OpError::ConnectionLost { endpoint });
+                let lost = Err(OpError::connection_lost(endpoint));
                 (owner, outcome.get().cloned().unwrap_or(lost))
             })
             .collect())

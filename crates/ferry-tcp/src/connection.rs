@@ -70,7 +70,7 @@ impl Conn {
         if let Err(mpsc::error::SendError(chunk)) = self.tx.send(chunk).await {
             // The connection ended after it was chosen.
             let endpoint = chunk.endpoint;
-            chunk.finish(Err(OpError::ConnectionLost { endpoint }));
+            chunk.finish(Err(OpError::connection_lost(endpoint)));
         }
     }
 }
@@ -175,7 +175,7 @@ async fn run_connection(
     }
     // Both loops have returned, so nothing reaches region memory through this
     // connection any more: only now may the chunks (and their pins) go.
-    let lost = || Err(OpError::ConnectionLost { endpoint });
+    let lost = || Err(OpError::connection_lost(endpoint));
     // In the order they were sent: a notified batch's notification stays
     // behind its chunks.
     let mut orphans: Vec<(u64, Chunk)> = pending

@@ -104,9 +104,7 @@ pub(crate) fn resend(
     config: ClientConfig,
     chunks: Vec<crate::chunk::Chunk>,
 ) {
-    let lost = Err(OpError::ConnectionLost {
-        endpoint: addr.endpoint,
-    });
+    let lost = Err(OpError::connection_lost(addr.endpoint));
     let Some(table) = table.upgrade() else {
         // The client is gone: nobody could send them.
         chunks.into_iter().for_each(|c| c.finish(lost.clone()));

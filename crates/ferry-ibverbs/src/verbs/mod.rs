@@ -415,9 +415,11 @@ impl Drop for MemoryRegion {
 }
 
 mod cq;
+mod events;
 mod qp;
 
 pub use cq::{Completion, CompletionChannel, CompletionQueue};
+pub use events::DeviceEvent;
 pub use qp::{PathConfig, PostBuffers, QpEndpoint, QpTiming, QueuePair, RdmaOpcode, WorkRequest};
 
 /// Where the kernel lists RDMA devices, one entry per device name.

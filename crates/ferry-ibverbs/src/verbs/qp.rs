@@ -42,7 +42,7 @@ pub struct PathConfig {
 /// about half a second (7 tries) fails the work request, which ferry
 /// reports as `ConnectionLost`. Soft-RoCE (rxe) treats a retry count of 7
 /// as "retry forever", like the RNR retry of 7 everywhere; there only the
-/// control session's peer timeout (see the README's "Liveness") ends a
+/// control session's peer timeout (see docs/operating.md, "Liveness") ends a
 /// dead peer's transfers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QpTiming {

@@ -189,9 +189,7 @@ async fn a_stopped_owner_fails_the_notification_with_a_typed_error() {
     }
     assert_eq!(
         link.notify(from, b"2", deadline()).await,
-        DataPathNotification::Failed(OpError::ConnectionLost {
-            endpoint: owner_addr.endpoint
-        })
+        DataPathNotification::Failed(OpError::connection_lost(owner_addr.endpoint))
     );
 }
 
