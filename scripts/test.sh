@@ -21,6 +21,10 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 cargo test --workspace --all-targets --all-features --locked
 cargo test --workspace --doc --all-features --locked
+# The README and the guide: under 200 lines, perf markers, links and anchors,
+# every page with Rust blocks compiled by src/doctests.rs (run above; the
+# Python blocks run in python/tests/test_docs.py).
+python3 scripts/check-docs.py
 # The API docs build without a warning: a doc link to an item that was
 # renamed or removed fails here instead of rotting.
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked -q
@@ -52,6 +56,10 @@ scripts/python-tests.sh
 # ferry as a NIXL backend: the FERRY plugin installed into a virtual
 # environment with NIXL 1.5.1 from PyPI, driven through NIXL's Python API.
 scripts/nixl-tests.sh
+# The guide's NIXL example, in the NIXL venv with the plugin just installed.
+source scripts/target-dir.sh
+FERRY_NIXL_PYTHON="$target_dir/nixl-venv/bin/python" "$target_dir/python-venv/bin/python" \
+    -m pytest -q -p no:cacheprovider python/tests/test_docs.py -k test_nixl_block_runs
 
 # Real RDMA: the ibverbs tests inside a soft-RoCE VM (no NIC or KVM needed;
 # downloads Debian's kernel, QEMU and rdma-core into ~/.cache/ferry-rxe once).

@@ -162,7 +162,7 @@ impl NodeBuilder {
 
     /// How long a peer may acknowledge nothing on its control session
     /// before it is declared lost (default [`crate::DEFAULT_PEER_TIMEOUT`],
-    /// 20 s; see the README's "Liveness"). Shorter finds dead hosts sooner;
+    /// 20 s; see docs/operating.md, "Liveness"). Shorter finds dead hosts sooner;
     /// too short fails healthy peers on a congested or lossy path.
     pub fn peer_timeout(mut self, timeout: std::time::Duration) -> Self {
         self.endpoint.peer_timeout = timeout;
@@ -171,7 +171,7 @@ impl NodeBuilder {
 
     /// How long RDMA transfers under way may go on, while they keep
     /// completing, after their peer's control session went silent (default
-    /// [`crate::DEFAULT_SILENT_GRACE`], 60 s; see the README's "Liveness").
+    /// [`crate::DEFAULT_SILENT_GRACE`], 60 s; see docs/operating.md, "Liveness").
     /// Give every node the same value: the owner keeps its end of a queue
     /// pair this long.
     pub fn silent_grace(mut self, grace: std::time::Duration) -> Self {
@@ -300,8 +300,8 @@ impl NodeBuilder {
     /// The cluster secret this node proves and requires: every connection
     /// to its endpoint and from it (control sessions, TCP data, same-host
     /// sockets) is then authenticated both ways, and peers without the
-    /// same secret are refused ([`ferry_control::auth`] says how, and the
-    /// README's "Who may talk to a node" what it protects). Without one,
+    /// same secret are refused ([`ferry_control::auth`] says how, and
+    /// docs/security.md what it protects). Without one,
     /// the secret comes from `FERRY_CLUSTER_SECRET` or the file
     /// `FERRY_CLUSTER_SECRET_FILE` names, if set; with neither, the node
     /// takes any peer that reaches it, as before.

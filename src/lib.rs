@@ -100,10 +100,9 @@ pub mod prelude {
     };
 }
 
-/// Compiles the README's example as a doc test.
-#[doc = include_str!("../README.md")]
+/// The README's and the guide's (docs/) code blocks, as doc tests.
 #[cfg(doctest)]
-pub struct ReadmeDoctests;
+mod doctests;
 
 /// Regions come only from [`Node::alloc`] and [`Node::register`]: a region
 /// assembled by hand would hand out handles that lie. Neither a `Region`

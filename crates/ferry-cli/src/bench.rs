@@ -162,7 +162,7 @@ pub struct BenchArgs {
     /// server the same.
     #[arg(long)]
     pub busy_poll_us: Option<u64>,
-    /// Worker threads of this process's runtime (see the README's
+    /// Worker threads of this process's runtime (see docs/operating.md,
     /// "Threads"); `--loopback` gives its server the same.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: u16,

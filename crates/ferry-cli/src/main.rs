@@ -116,7 +116,7 @@ struct Limits {
     frame_timeout_s: f64,
 }
 
-/// How a node tells a dead peer from a slow one (README, "Liveness").
+/// How a node tells a dead peer from a slow one (docs/operating.md, "Liveness").
 #[derive(Serialize)]
 struct Liveness {
     /// A peer that acknowledges nothing on its control session for this
@@ -213,7 +213,7 @@ fn print_info(info: &Info) {
     println!(
         "cluster secret: {}",
         if info.cluster_secret {
-            "set: every peer must prove it (README, \"Who may talk to a node\")"
+            "set: every peer must prove it (docs/security.md)"
         } else {
             "none: any process that reaches the port is taken at its word"
         }

@@ -57,7 +57,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub lease_ttl: u64,
     /// Seconds a peer may acknowledge nothing on its control session before
-    /// it is declared lost (see `ferry info`, and the README's "Liveness").
+    /// it is declared lost (see `ferry info`, and docs/operating.md, "Liveness").
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub peer_timeout: Option<u64>,
     /// Seconds RDMA transfers under way may go on, while they keep
@@ -71,7 +71,7 @@ pub struct ServeArgs {
     /// before its task sleeps (0: never poll; default 100).
     #[arg(long)]
     pub busy_poll_us: Option<u64>,
-    /// Worker threads of this process's runtime (see the README's
+    /// Worker threads of this process's runtime (see docs/operating.md,
     /// "Threads").
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: u16,
