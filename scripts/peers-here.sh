@@ -6,9 +6,15 @@
 PEERS=${PEERS:-../shared/peers}
 NIXL_PY=$HOME/.cache/peers-venv/bin/python
 MOONCAKE_PY=$HOME/.cache/peers-venv-mooncake/bin/python
-cargo build --release --locked -q -p ferry-cli
+# FERRY_PROFILE=debug takes the debug build instead: for smoke runs, which
+# check the scripts rather than the figures, and share the test suite's build.
+if [ "${FERRY_PROFILE:-release}" = debug ]; then
+    cargo build --locked -q -p ferry-cli
+else
+    cargo build --release --locked -q -p ferry-cli
+fi
 source scripts/target-dir.sh
-ferry=$target_dir/release/ferry
+ferry=$target_dir/${FERRY_PROFILE:-release}/ferry
 
 serve_tcp() {
     dir=$(mktemp -d)

@@ -1,0 +1,971 @@
+#!/usr/bin/env python3
+"""The performance page's rows and renderer, for scripts/perf-page.sh.
+
+perf-page.sh runs the benchmarks; this file turns what each tool printed into
+rows of one JSON-lines file per run (RUN_DIR/rows.jsonl, beside
+RUN_DIR/meta.json), and turns that file into docs/performance.md, the plots
+in docs/perf/*.svg and the README's headline table. Rendering never measures:
+every number on the page comes from the rows, so an old run re-renders with
+
+    python3 scripts/perf_page.py render target/perf-page/RUN [--out DIR] [--readme README.md]
+
+Subcommands (Python 3 standard library only; plots are SVG written here):
+
+    meta RUN_DIR KEY=VALUE...           meta.json: commit, date, machine, options
+    ingest KIND ROWS KEY=VALUE...       tool output on stdin -> rows (tagged KEY=VALUE)
+    render RUN_DIR [--out DIR] [--readme PATH] [--headline FILE]
+    check DIR                           the page and its plots are well formed
+
+Row fields: suite (which table), system, variant, transport, op, block,
+batch, round, cmd (the command, as run), and the measurements: gbps (1e9 B/s),
+mops, lat_p50_us, lat_p99_us, and for perftest's latency tools lat_rtt_us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from xml.sax.saxutils import escape
+
+REPO = Path(__file__).resolve().parent.parent
+PERF_BEGIN = "<!-- perf:begin -->"
+PERF_END = "<!-- perf:end -->"
+PAGE = "performance.md"
+PLOTS = "perf"
+# Plots every page has (the RDMA one only when the run had --rdma).
+REQUIRED_PLOTS = ("bandwidth-write.svg", "bandwidth-read.svg", "latency.svg")
+
+
+# ---------------------------------------------------------------- meta
+
+
+def sh(*args: str) -> str:
+    try:
+        return subprocess.run(args, cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def machine() -> Dict[str, str]:
+    """The machine, from /proc."""
+    info: Dict[str, str] = {}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        models = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+        info["cpu"] = models[0].strip() if models else platform.processor() or "unknown"
+        info["cores"] = str(len(re.findall(r"^processor\s*:", cpuinfo, re.M)) or os.cpu_count())
+    except OSError:
+        info["cpu"], info["cores"] = "unknown", str(os.cpu_count())
+    try:
+        kib = int(re.search(r"^MemTotal:\s*(\d+)", Path("/proc/meminfo").read_text(), re.M).group(1))
+        info["memory"] = f"{kib / 2**20:.1f} GiB"
+    except (OSError, AttributeError):
+        info["memory"] = "unknown"
+    try:
+        info["kernel"] = Path("/proc/sys/kernel/osrelease").read_text().strip()
+    except OSError:
+        info["kernel"] = platform.release()
+    try:
+        info["load"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        info["load"] = "unknown"
+    return info
+
+
+def cmd_meta(run_dir: Path, pairs: Sequence[str]) -> None:
+    # The script's own outputs do not make the tree dirty: a rerun rewrites them.
+    status = sh("git", "status", "--porcelain", "--", ".", f":!docs/{PAGE}", f":!docs/{PLOTS}",
+                ":!README.md")
+    commit = sh("git", "rev-parse", "--short", "HEAD") or "unknown"
+    meta = {
+        "commit": commit + ("+dirty" if status else ""),
+        "date": sh("date", "-u", "+%Y-%m-%d %H:%M UTC"),
+        "started": sh("date", "+%s"),
+        "machine": machine(),
+    }
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        meta[key] = value
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------- ingest
+
+NUMERIC = ("block", "batch", "round")
+
+
+def tags(pairs: Sequence[str]) -> Dict[str, object]:
+    out: Dict[str, object] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        out[key] = int(value) if key in NUMERIC and value else value
+    return out
+
+
+def from_json_rows(text: str) -> Iterable[dict]:
+    """Rows of `ferry bench --json` and of the peers' bench.py (same fields)."""
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        raw = json.loads(line)
+        if "gbps" not in raw:
+            continue
+        row = {k: raw[k] for k in ("gbps", "mops", "lat_p50_us", "lat_p99_us", "block", "batch", "op",
+                                   "workload", "version", "ucx", "verified", "streams")
+               if k in raw}
+        row["raw_transport"] = raw.get("transport")
+        yield row
+
+
+def from_numbers(text: str) -> Iterable[dict]:
+    """A bare GB/s figure per line (memcpy, the summed iperf3 runs)."""
+    for line in text.split():
+        yield {"gbps": float(line)}
+
+
+def from_sockperf(text: str) -> Iterable[dict]:
+    p50 = re.search(r"percentile 50\.000 =\s*([0-9.]+)", text)
+    p99 = re.search(r"percentile 99\.000 =\s*([0-9.]+)", text)
+    if p50 and p99:
+        yield {"lat_p50_us": float(p50.group(1)), "lat_p99_us": float(p99.group(1))}
+
+
+def from_ucx_perftest(text: str) -> Iterable[dict]:
+    # "Final: iters p50 avg overall bw_avg bw_overall rate_avg rate_overall";
+    # its MB/s are 2^20 B/s. The overall bandwidth, as bench-memory-vs-ucx.sh.
+    for line in text.splitlines():
+        words = line.split()
+        if words[:1] == ["Final:"] and len(words) >= 7:
+            yield {"gbps": float(words[6]) * 2**20 / 1e9}
+
+
+def from_rxe_console(text: str, base: dict) -> Iterable[dict]:
+    """The soft-RoCE VM's console: PERFPAGE-ROUND/-CMD markers, `ferry bench
+    --json` rows and rxe-pair's PERF lines, in the order they ran."""
+    current = dict(base)
+    for line in text.splitlines():
+        if line.startswith("PERFPAGE-ROUND "):
+            current["round"] = int(line.split()[1])
+        elif line.startswith("PERFPAGE-CMD "):
+            current["cmd"] = line[len("PERFPAGE-CMD "):].strip()
+        elif line.startswith("PERFPAGE-FAILED "):
+            yield dict(current, failed=True, system=line.split()[1] if len(line.split()) > 1 else "?")
+        elif line.startswith("PERF "):
+            kv = dict(w.split("=", 1) for w in line.split()[1:] if "=" in w)
+            tool = kv.get("tool", "")
+            row = dict(current, system="perftest", variant=tool, block=int(kv.get("bytes", 0)),
+                       op="read" if "_read_" in tool else "write")
+            if tool.endswith("_bw"):
+                row["gbps"] = float(kv["bw_avg_MiBps"]) * 2**20 / 1e9
+                row["mops"] = float(kv["msg_rate_Mpps"])
+            else:
+                typical = float(kv["t_typical_us"])
+                row["lat_p50_us"] = typical
+                row["lat_p99_us"] = float(kv["p99_us"])
+                # ib_write_lat reports one way (half its ping-pong); a ferry
+                # submit completes when acknowledged, one round trip.
+                # ib_read_lat's figure is the read's round trip.
+                row["lat_rtt_us"] = 2 * typical if tool == "ib_write_lat" else typical
+                row["lat_rtt_p99_us"] = 2 * row["lat_p99_us"] if tool == "ib_write_lat" else row["lat_p99_us"]
+            yield row
+        elif line.startswith("{"):
+            try:
+                found = list(from_json_rows(line))
+            except json.JSONDecodeError:
+                continue
+            for row in found:
+                yield dict(current, system="ferry", variant="submit", **row)
+
+
+def cmd_ingest(kind: str, rows_path: Path, pairs: Sequence[str]) -> int:
+    base = tags(pairs)
+    text = sys.stdin.read()
+    if kind == "failed":
+        found: List[dict] = [dict(base, failed=True)]
+    elif kind == "note":
+        found = [dict(base, note=True)]
+    elif kind == "rxe":
+        found = list(from_rxe_console(text, base))
+    else:
+        parse = {"json": from_json_rows, "gbps": from_numbers, "sockperf": from_sockperf,
+                 "ucx": from_ucx_perftest}[kind]
+        # What the tool printed (block, batch, op) wins over a tag's guess.
+        found = [{**base, **parsed} for parsed in parse(text)]
+    with open(rows_path, "a") as out:
+        for row in found:
+            out.write(json.dumps(row, sort_keys=True) + "\n")
+    if kind not in ("failed", "note") and not any("failed" not in r for r in found):
+        print(f"perf_page: no {kind} row in the output", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- numbers
+
+
+class Stat:
+    """The figures of one cell over the rounds."""
+
+    def __init__(self, values: Sequence[float]):
+        self.values = sorted(values)
+
+    def __bool__(self) -> bool:
+        return bool(self.values)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def lo(self) -> float:
+        return self.values[0]
+
+    @property
+    def hi(self) -> float:
+        return self.values[-1]
+
+
+def num(x: float) -> str:
+    if x != x:
+        return "—"
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    if abs(x) >= 1:
+        return f"{x:.2f}"
+    if abs(x) >= 0.01:
+        return f"{x:.3f}"
+    return f"{x:.3g}"
+
+
+def size(b: int) -> str:
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if b >= 1 << shift and b % (1 << shift) == 0:
+            return f"{b >> shift} {unit}"
+    return f"{b} B"
+
+
+def short_size(b: float) -> str:
+    b = int(round(b))
+    for shift, unit in ((30, "G"), (20, "M"), (10, "K")):
+        if b >= 1 << shift and b % (1 << shift) == 0:
+            return f"{b >> shift}{unit}"
+    return f"{b}"
+
+
+class Rows:
+    def __init__(self, rows: List[dict], rounds: int):
+        self.rows = [r for r in rows if not r.get("failed") and not r.get("note")]
+        self.failed = [r for r in rows if r.get("failed")]
+        self.notes = [r for r in rows if r.get("note")]
+        self.all = rows
+        self.rounds = rounds
+
+    def select(self, **want) -> List[dict]:
+        return [r for r in self.rows if all(r.get(k) == v for k, v in want.items())]
+
+    def stat(self, metric: str, **want) -> Stat:
+        return Stat([float(r[metric]) for r in self.select(**want) if r.get(metric) is not None])
+
+    def cell(self, st: Stat) -> str:
+        if not st:
+            return "—"
+        n = len(st.values)
+        if n == 1 and self.rounds <= 1:
+            return num(st.median)
+        spread = f"{num(st.lo)}–{num(st.hi)}"
+        return f"{num(st.median)} ({spread}{'' if n >= self.rounds else f', n={n}'})"
+
+    def commands(self, suite: str) -> List[str]:
+        seen: List[str] = []
+        for r in self.all:
+            if r.get("suite") != suite or not r.get("cmd"):
+                continue
+            line = ("# " if r.get("note") else "") + r["cmd"]
+            if line not in seen:
+                seen.append(line)
+        return seen
+
+    def first(self, field: str, **want) -> Optional[str]:
+        for r in self.select(**want):
+            if r.get(field):
+                return str(r[field])
+        return None
+
+
+def labelled(value: str, label: str) -> str:
+    return value if value == "—" else f"{value} ({label})"
+
+
+def ratio(a: Stat, b: Stat, time: bool = False) -> str:
+    """a over b (medians), or b over a for times: above 1, ferry is ahead."""
+    if not a or not b or a.median <= 0 or b.median <= 0:
+        return "—"
+    value = b.median / a.median if time else a.median / b.median
+    return f"{value:.2f}"
+
+
+def best(stats: Sequence[Stat], lower: bool = False) -> Stat:
+    present = [s for s in stats if s]
+    if not present:
+        return Stat([])
+    return (min if lower else max)(present, key=lambda s: s.median)
+
+
+def table(header: Sequence[str], rows: List[List[str]], align: Sequence[str]) -> List[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
+
+
+# ---------------------------------------------------------------- tables
+#
+# Each table: a heading, a header row (the check looks for both), and the
+# rows of the cells that this run measured.
+
+TCP_BW = "TCP loopback bandwidth"
+LAT = "Small-op latency"
+MEM_BW = "Same-host bandwidth: prepared requests"
+MEM_UCX = "Same-host bandwidth against UCX"
+RDMA = "RDMA on soft-RoCE against perftest"
+
+HEADERS = {
+    TCP_BW: ["op", "block × ops", "ferry submit", "ferry prepared", "NIXL", "Mooncake", "iperf3",
+             "submit ÷ best peer", "prepared ÷ best peer", "submit ÷ iperf3", "prepared ÷ iperf3"],
+    LAT: ["transport", "8-byte write", "ferry", "NIXL", "Mooncake", "physical", "ferry vs best peer (time)",
+          "ferry vs physical (time)"],
+    MEM_BW: ["op", "block × ops", "ferry memory", "NIXL shm", "memcpy", "ferry ÷ NIXL", "ferry ÷ memcpy"],
+    MEM_UCX: ["block", "ferry, one-block region", "ferry, 256 MiB region", "UCX posix,cma", "UCX tcp",
+              "memcpy, one block", "memcpy, 256 MiB", "one-block ÷ best UCX", "one-block ÷ memcpy",
+              "256 MiB ÷ best UCX", "256 MiB ÷ memcpy"],
+    RDMA: ["cell", "unit", "ferry", "perftest", "ferry vs perftest"],
+}
+
+
+def shapes(rows: Rows, suite: str, system: str = "ferry") -> List[Tuple[str, int, int]]:
+    found = {(r.get("op"), r.get("block"), r.get("batch")) for r in rows.select(suite=suite, system=system)
+             if r.get("gbps") is not None}
+    return sorted(found, key=lambda s: (s[0] != "write", s[1], s[2] or 0))
+
+
+def tcp_bw_table(rows: Rows) -> List[List[str]]:
+    out = []
+    for op, block, batch in shapes(rows, "tcp-bw"):
+        sub = rows.stat("gbps", suite="tcp-bw", system="ferry", variant="submit", op=op, block=block)
+        prep = rows.stat("gbps", suite="tcp-bw", system="ferry", variant="prepared", op=op, block=block)
+        nixl = rows.stat("gbps", suite="tcp-bw", system="nixl", op=op, block=block)
+        moon = rows.stat("gbps", suite="tcp-bw", system="mooncake", op=op, block=block)
+        ref = iperf3(rows, op)
+        peer = best([nixl, moon])
+        out.append([op, f"{size(block)} × {batch:,}", rows.cell(sub), rows.cell(prep), rows.cell(nixl),
+                    rows.cell(moon), rows.cell(ref), ratio(sub, peer), ratio(prep, peer), ratio(sub, ref),
+                    ratio(prep, ref)])
+    return out
+
+
+def iperf3(rows: Rows, op: str) -> Stat:
+    """The faster iperf3 variant's figures for OP (write: client to server; read: -R)."""
+    variants = {r.get("variant") for r in rows.select(suite="tcp-bw", system="iperf3", op=op)}
+    return best([rows.stat("gbps", suite="tcp-bw", system="iperf3", op=op, variant=v) for v in variants])
+
+
+def latency_cells(rows: Rows) -> List[Tuple[str, str, Stat, Stat, Stat, Stat]]:
+    """(transport, percentile, ferry, nixl, mooncake, physical) per line."""
+    out = []
+    for transport in ("tcp", "memory"):
+        if not rows.select(suite="lat", transport=transport):
+            continue
+        for metric, name in (("lat_p50_us", "p50 µs"), ("lat_p99_us", "p99 µs")):
+            get = lambda system: rows.stat(metric, suite="lat", transport=transport, system=system)
+            out.append((transport, name, get("ferry"), get("nixl"), get("mooncake"), get("sockperf")))
+    return out
+
+
+def lat_table(rows: Rows) -> List[List[str]]:
+    out = []
+    for transport, name, ferry, nixl, moon, phys in latency_cells(rows):
+        out.append([transport, name, rows.cell(ferry), rows.cell(nixl), rows.cell(moon), rows.cell(phys),
+                    ratio(ferry, best([nixl, moon], lower=True), time=True), ratio(ferry, phys, time=True)])
+    return out
+
+
+def mem_bw_table(rows: Rows) -> List[List[str]]:
+    out = []
+    for op, block, batch in shapes(rows, "mem-bw"):
+        ferry = rows.stat("gbps", suite="mem-bw", system="ferry", op=op, block=block)
+        nixl = rows.stat("gbps", suite="mem-bw", system="nixl", op=op, block=block)
+        cpy = rows.stat("gbps", suite="memcpy", system="memcpy", variant="256M", block=block)
+        out.append([op, f"{size(block)} × {batch:,}", rows.cell(ferry), rows.cell(nixl), rows.cell(cpy),
+                    ratio(ferry, nixl), ratio(ferry, cpy)])
+    return out
+
+
+def mem_ucx_table(rows: Rows) -> List[List[str]]:
+    out = []
+    blocks = sorted({r["block"] for r in rows.select(suite="mem-ucx") if r.get("gbps") is not None})
+    for block in blocks:
+        one = rows.stat("gbps", suite="mem-ucx", system="ferry", variant="one-block", block=block)
+        big = rows.stat("gbps", suite="mem-ucx", system="ferry", variant="256M", block=block)
+        posix = rows.stat("gbps", suite="mem-ucx", system="ucx", variant="posix,cma", block=block)
+        tcp = rows.stat("gbps", suite="mem-ucx", system="ucx", variant="tcp", block=block)
+        cpy1 = rows.stat("gbps", suite="memcpy", system="memcpy", variant="one-block", block=block)
+        cpy = rows.stat("gbps", suite="memcpy", system="memcpy", variant="256M", block=block)
+        ucx = best([posix, tcp])
+        out.append([size(block), rows.cell(one), rows.cell(big), rows.cell(posix), rows.cell(tcp), rows.cell(cpy1),
+                    rows.cell(cpy), ratio(one, ucx), ratio(one, cpy1), ratio(big, ucx), ratio(big, cpy)])
+    return out
+
+
+def rdma_table(rows: Rows) -> List[List[str]]:
+    out = []
+    mib = lambda st: Stat([v * 1e9 / 2**20 for v in st.values])
+    for op, block, _ in shapes(rows, "rdma"):
+        if block == 8:
+            continue
+        ferry = mib(rows.stat("gbps", suite="rdma", system="ferry", op=op, block=block))
+        ref = mib(rows.stat("gbps", suite="rdma", system="perftest", op=op, block=block))
+        out.append([f"{op} {size(block)}", "MiB/s", rows.cell(ferry), rows.cell(ref), ratio(ferry, ref)])
+    for op in ("write", "read"):
+        ferry = rows.stat("lat_p50_us", suite="rdma", system="ferry", op=op, block=8)
+        ref = rows.stat("lat_rtt_us", suite="rdma", system="perftest", op=op, block=8)
+        if ferry or ref:
+            out.append([f"8-byte {op}, p50 against perftest's round trip", "µs", rows.cell(ferry), rows.cell(ref),
+                        ratio(ferry, ref, time=True)])
+    return out
+
+
+# ---------------------------------------------------------------- plots
+
+PALETTE = {
+    "ferry TCP, submit": ("#1f5fbf", ""),
+    "ferry TCP, prepared": ("#4f9be8", ""),
+    "NIXL TCP": ("#e07b00", ""),
+    "Mooncake TCP": ("#2a9d3a", ""),
+    "iperf3 (physical)": ("#555555", "6,4"),
+    "ferry memory, prepared": ("#7b2fbf", ""),
+    "NIXL shm": ("#c0392b", ""),
+    "memcpy (physical)": ("#111111", "2,3"),
+    "ferry ibverbs": ("#1f5fbf", ""),
+    "perftest (physical)": ("#555555", "6,4"),
+}
+W, H = 820, 460
+LEFT, RIGHT, TOP, BOTTOM = 72, 230, 48, 64
+
+
+def svg_open(title: str, height: int = H) -> List[str]:
+    return [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" viewBox="0 0 {W} {height}" '
+        'font-family="sans-serif" font-size="12">',
+        f"<title>{escape(title)}</title>",
+        f'<rect x="0" y="0" width="{W}" height="{height}" fill="white"/>',
+        f'<text x="{W / 2:.0f}" y="24" text-anchor="middle" font-size="15" font-weight="bold">{escape(title)}</text>',
+    ]
+
+
+def nice_max(x: float) -> Tuple[float, float]:
+    """An axis top at or above x and its tick step."""
+    if x <= 0:
+        return 1.0, 0.2
+    exp = 10 ** math.floor(math.log10(x))
+    for m in (1, 2, 2.5, 5, 10):
+        if x <= m * exp:
+            top = m * exp
+            break
+    step = top / 5
+    return top, step
+
+
+def line_plot(title: str, series: Dict[str, List[Tuple[int, Stat]]], flat: Dict[str, Stat],
+              ylabel: str, scale: float = 1.0) -> str:
+    """GB/s (or SCALE times it) against block size, log x: one line per
+    series, each point the median with its min–max as an error bar; FLAT
+    series (no block size: iperf3) as dashed horizontal lines."""
+    blocks = sorted({b for pts in series.values() for b, st in pts if st})
+    out = svg_open(title)
+    x0, x1, y0, y1 = LEFT, W - RIGHT, H - BOTTOM, TOP
+    if not blocks:
+        out.append(f'<text x="{(x0 + x1) / 2:.0f}" y="{H / 2:.0f}" text-anchor="middle">not measured in this run</text>')
+        out.append("</svg>")
+        return "\n".join(out) + "\n"
+    lo, hi = math.log2(blocks[0]) - 1, math.log2(blocks[-1]) + 1
+    ymax = max([st.hi * scale for pts in series.values() for _, st in pts if st] +
+               [st.hi * scale for st in flat.values() if st] + [1e-9])
+    top, step = nice_max(ymax * 1.05)
+    fx = lambda b: x0 + (math.log2(b) - lo) / (hi - lo) * (x1 - x0)
+    fy = lambda v: y0 - v / top * (y0 - y1)
+    # Axes, grid and ticks.
+    out.append(f'<rect x="{x0}" y="{y1}" width="{x1 - x0}" height="{y0 - y1}" fill="none" stroke="#999"/>')
+    tick = 0.0
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9)) if step % 1 else 0
+    while tick <= top + step / 2:
+        y = fy(tick)
+        out.append(f'<line x1="{x0}" y1="{y:.1f}" x2="{x1}" y2="{y:.1f}" stroke="#e4e4e4"/>')
+        out.append(f'<text x="{x0 - 6}" y="{y + 4:.1f}" text-anchor="end">{tick:,.{decimals}f}</text>')
+        tick += step
+    for b in blocks:
+        x = fx(b)
+        out.append(f'<line x1="{x:.1f}" y1="{y0}" x2="{x:.1f}" y2="{y1}" stroke="#e4e4e4"/>')
+        out.append(f'<text x="{x:.1f}" y="{y0 + 16}" text-anchor="middle">{short_size(b)}</text>')
+    out.append(f'<text x="{(x0 + x1) / 2:.0f}" y="{H - 18}" text-anchor="middle">block size (bytes, log scale)</text>')
+    out.append(f'<text x="18" y="{(y0 + y1) / 2:.0f}" text-anchor="middle" '
+               f'transform="rotate(-90 18 {(y0 + y1) / 2:.0f})">{escape(ylabel)}</text>')
+    legend: List[Tuple[str, str, str]] = []
+    for name, st in flat.items():
+        if not st:
+            continue
+        color, dash = PALETTE.get(name, ("#777", "6,4"))
+        y = fy(st.median * scale)
+        out.append(f'<line class="series" x1="{x0}" y1="{y:.1f}" x2="{x1}" y2="{y:.1f}" stroke="{color}" stroke-width="1.5" '
+                   f'stroke-dasharray="{dash or "6,4"}"><title>{escape(name)}: {num(st.median * scale)}</title></line>')
+        legend.append((name, color, dash or "6,4"))
+    for name, pts in series.items():
+        pts = [(b, st) for b, st in pts if st]
+        if not pts:
+            continue
+        color, dash = PALETTE.get(name, ("#777", ""))
+        coords = " ".join(f"{fx(b):.1f},{fy(st.median * scale):.1f}" for b, st in pts)
+        dashed = f' stroke-dasharray="{dash}"' if dash else ""
+        out.append(f'<polyline class="series" points="{coords}" fill="none" stroke="{color}" stroke-width="2"{dashed}/>')
+        for b, st in pts:
+            x, y = fx(b), fy(st.median * scale)
+            ylo, yhi = fy(st.lo * scale), fy(st.hi * scale)
+            if yhi < ylo - 0.5:
+                out.append(f'<path d="M{x:.1f},{ylo:.1f}V{yhi:.1f}M{x - 3:.1f},{ylo:.1f}h6M{x - 3:.1f},{yhi:.1f}h6" '
+                           f'stroke="{color}" fill="none"/>')
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{color}">'
+                       f'<title>{escape(name)}, {short_size(b)}: {num(st.median * scale)} '
+                       f'({num(st.lo * scale)}–{num(st.hi * scale)})</title></circle>')
+        legend.append((name, color, dash))
+    lx, ly = x1 + 16, y1 + 6
+    for i, (name, color, dash) in enumerate(legend):
+        y = ly + i * 20
+        dashed = f' stroke-dasharray="{dash}"' if dash else ""
+        out.append(f'<line x1="{lx}" y1="{y}" x2="{lx + 26}" y2="{y}" stroke="{color}" stroke-width="2"{dashed}/>')
+        out.append(f'<text x="{lx + 32}" y="{y + 4}">{escape(name)}</text>')
+    y = ly + len(legend) * 20 + 10
+    out.append(f'<text x="{lx}" y="{y}" fill="#555" font-size="11">points: medians; bars: min–max</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def latency_plot(title: str, bars: List[Tuple[str, Stat, Stat]]) -> str:
+    """Horizontal bars, log x in µs: each bar the p50 median with its
+    min–max, a diamond at the p99 median."""
+    bars = [b for b in bars if b[1]]
+    height = TOP + 10 + 26 * len(bars) + 6 + 70
+    out = svg_open(title, height)
+    x0, x1 = 24 + 7 * max([len(name) for name, _, _ in bars] + [10]), W - 40
+    y0 = TOP + 10
+    if not bars:
+        out.append(f'<text x="{W / 2:.0f}" y="{height / 2:.0f}" text-anchor="middle">not measured in this run</text>')
+        out.append("</svg>")
+        return "\n".join(out) + "\n"
+    values = [v for _, p50, p99 in bars for v in (p50.values + p99.values)]
+    lo = math.floor(math.log10(max(min(values), 1e-3)))
+    hi = math.ceil(math.log10(max(values)))
+    if hi <= lo:
+        hi = lo + 1
+    fx = lambda v: x0 + (math.log10(max(v, 10 ** lo)) - lo) / (hi - lo) * (x1 - x0)
+    yb = y0 + 26 * len(bars) + 6
+    out.append(f'<rect x="{x0}" y="{y0}" width="{x1 - x0}" height="{yb - y0}" fill="none" stroke="#999"/>')
+    for e in range(lo, hi + 1):
+        x = fx(10 ** e)
+        out.append(f'<line x1="{x:.1f}" y1="{y0}" x2="{x:.1f}" y2="{yb}" stroke="#e4e4e4"/>')
+        out.append(f'<text x="{x:.1f}" y="{yb + 16}" text-anchor="middle">{10.0 ** e:,.{max(0, -e)}f}</text>')
+    out.append(f'<text x="{(x0 + x1) / 2:.0f}" y="{yb + 36}" text-anchor="middle">µs, log scale</text>')
+    for i, (name, p50, p99) in enumerate(bars):
+        y = y0 + 8 + 26 * i
+        color = "#1f5fbf" if name.split(" · ")[-1].startswith("ferry") else \
+            "#555555" if "RTT" in name else "#e07b00"
+        out.append(f'<text x="{x0 - 8}" y="{y + 13}" text-anchor="end">{escape(name)}</text>')
+        w = fx(p50.median) - x0
+        out.append(f'<rect class="series" x="{x0}" y="{y + 2}" width="{max(w, 1):.1f}" height="14" fill="{color}" opacity="0.8">'
+                   f'<title>{escape(name)}: p50 {num(p50.median)} µs ({num(p50.lo)}–{num(p50.hi)})</title></rect>')
+        if p50.hi > p50.lo:
+            out.append(f'<path d="M{fx(p50.lo):.1f},{y + 9}H{fx(p50.hi):.1f}M{fx(p50.lo):.1f},{y + 4}v10'
+                       f'M{fx(p50.hi):.1f},{y + 4}v10" stroke="black" fill="none"/>')
+        if p99:
+            x = fx(p99.median)
+            out.append(f'<path d="M{x:.1f},{y + 3}l6,6l-6,6l-6,-6z" fill="white" stroke="black">'
+                       f'<title>{escape(name)}: p99 {num(p99.median)} µs</title></path>')
+    y = yb + 56
+    out.append(f'<text x="{x0}" y="{y}" fill="#555" font-size="11">bars: p50 median, whiskers: its min–max '
+               'over the rounds; ◇: p99 median; grey: physical (round trips)</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def bandwidth_series(rows: Rows, op: str) -> Tuple[Dict[str, List[Tuple[int, Stat]]], Dict[str, Stat]]:
+    def pts(**want) -> List[Tuple[int, Stat]]:
+        blocks = sorted({r["block"] for r in rows.select(**want) if r.get("gbps") is not None})
+        return [(b, rows.stat("gbps", block=b, **want)) for b in blocks]
+
+    series = {
+        "ferry TCP, submit": pts(suite="tcp-bw", system="ferry", variant="submit", op=op),
+        "ferry TCP, prepared": pts(suite="tcp-bw", system="ferry", variant="prepared", op=op),
+        "NIXL TCP": pts(suite="tcp-bw", system="nixl", op=op),
+        "Mooncake TCP": pts(suite="tcp-bw", system="mooncake", op=op),
+        "ferry memory, prepared": pts(suite="mem-bw", system="ferry", op=op),
+        "NIXL shm": pts(suite="mem-bw", system="nixl", op=op),
+        "memcpy (physical)": pts(suite="memcpy", system="memcpy", variant="256M"),
+    }
+    return series, {"iperf3 (physical)": iperf3(rows, op)}
+
+
+def latency_bars(rows: Rows) -> List[Tuple[str, Stat, Stat]]:
+    bars = []
+    names = {"ferry": "ferry", "nixl": "NIXL", "mooncake": "Mooncake", "sockperf": "sockperf RTT"}
+    for transport in ("tcp", "memory"):
+        for system, name in names.items():
+            want = dict(suite="lat", transport=transport, system=system)
+            if rows.select(**want):
+                bars.append((f"{transport} · {name}", rows.stat("lat_p50_us", **want), rows.stat("lat_p99_us", **want)))
+    for op in ("write", "read"):
+        f = dict(suite="rdma", system="ferry", op=op, block=8)
+        p = dict(suite="rdma", system="perftest", op=op, block=8)
+        if rows.select(**f):
+            bars.append((f"soft-RoCE {op} · ferry", rows.stat("lat_p50_us", **f), rows.stat("lat_p99_us", **f)))
+        if rows.select(**p):
+            bars.append((f"soft-RoCE {op} · perftest RTT", rows.stat("lat_rtt_us", **p),
+                         rows.stat("lat_rtt_p99_us", **p)))
+    return bars
+
+
+def rdma_series(rows: Rows) -> Dict[str, List[Tuple[int, Stat]]]:
+    out = {}
+    for system, name in (("ferry", "ferry ibverbs"), ("perftest", "perftest (physical)")):
+        for op in ("write", "read"):
+            blocks = sorted({r["block"] for r in rows.select(suite="rdma", system=system, op=op)
+                             if r.get("gbps") is not None})
+            key = f"{name} {op}" if system == "ferry" else f"perftest {op} (physical)"
+            PALETTE.setdefault(key, (("#1f5fbf" if op == "write" else "#4f9be8") if system == "ferry" else
+                                     "#555555", "" if system == "ferry" else ("6,4" if op == "write" else "2,3")))
+            out[key] = [(b, rows.stat("gbps", suite="rdma", system=system, op=op, block=b)) for b in blocks]
+    return out
+
+
+# ---------------------------------------------------------------- page
+
+
+def versions(rows: Rows, meta: dict) -> str:
+    parts = []
+    nixl = rows.first("version", system="nixl")
+    if nixl:
+        ucx = rows.first("ucx", system="nixl")
+        parts.append(f"NIXL {nixl} (PyPI `nixl`, its bundled UCX {ucx or '?'})")
+    moon = rows.first("version", system="mooncake")
+    if moon:
+        parts.append(f"Mooncake Transfer Engine {moon}")
+    for key, name in (("iperf3", "iperf3"), ("sockperf", "sockperf"), ("ucx_perftest", "ucx_perftest (Debian's UCX)")):
+        if meta.get(f"version_{key}"):
+            parts.append(f"{name} {meta[f'version_{key}']}")
+    if meta.get("version_rustc"):
+        parts.append(meta["version_rustc"])
+    return "; ".join(parts) or "—"
+
+
+def duration(meta: dict) -> str:
+    try:
+        seconds = int(meta["finished"]) - int(meta["started"])
+    except (KeyError, ValueError):
+        return "unknown"
+    return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
+
+
+def section(lines: List[str], title: str, intro: str, rows: Rows, body: List[List[str]], suites: Sequence[str],
+            align: Sequence[str], missing: str) -> None:
+    lines += [f"## {title}", "", intro, ""]
+    header = HEADERS[title]
+    if not body:
+        body = [[f"not measured in this run: {missing}"] + ["—"] * (len(header) - 1)]
+    lines += table(header, body, align)
+    cmds = [c for s in suites for c in rows.commands(s)]
+    if cmds:
+        lines += ["", "Commands, each run once a round:", "", "```sh", *cmds, "```"]
+    lines.append("")
+
+
+def render_page(rows: Rows, meta: dict, run_dir: Path, plots: List[str]) -> str:
+    m = meta.get("machine", {})
+    rounds = rows.rounds
+    smoke = meta.get("smoke") == "1"
+    run_rel = os.path.relpath(run_dir, REPO) if str(run_dir).startswith(str(REPO)) else str(run_dir)
+    lines = [
+        "# Performance",
+        "",
+        "<!-- Generated by scripts/perf-page.sh (rendered by scripts/perf_page.py): do not edit by hand. -->",
+        "",
+        "What ferry's transfers cost on one machine, side by side with NIXL and Mooncake and with what the",
+        "hardware and kernel do alone (iperf3 and sockperf over loopback TCP, a one-thread `memcpy`, UCX's",
+        "`ucx_perftest`, perftest on soft-RoCE), every system measured in the same run, in interleaved rounds.",
+        "Every number here comes from that run: to regenerate this page, the plots in `docs/perf/` and the",
+        "README's headline table, run `scripts/perf-page.sh` (add `--rdma` for the soft-RoCE VM) on an idle",
+        "machine; `python3 scripts/perf_page.py render RUN_DIR` re-renders a run's rows without measuring.",
+        "",
+        "## This run",
+        "",
+    ]
+    if smoke:
+        lines += ["**Smoke run**: one short round of a subset of the cells, to check the script; "
+                  "these numbers are not measurements.", ""]
+    lines += [
+        f"- commit: `{meta.get('commit', 'unknown')}`",
+        f"- date: {meta.get('date', 'unknown')}; the run took {duration(meta)}",
+        f"- machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('memory', '?')} memory, "
+        f"Linux {m.get('kernel', '?')}; load average at the start {m.get('load', '?')}",
+        f"- command: `{meta.get('command', 'scripts/perf-page.sh')}`: {rounds} round{'s' if rounds != 1 else ''}, "
+        f"{meta.get('seconds', '?')} s per measurement",
+        f"- versions: {versions(rows, meta)}",
+        f"- rows: `{run_rel}/rows.jsonl` ({len(rows.rows)} measurements)",
+        "",
+        "Each cell is the median over the rounds, with the lowest and highest round in brackets. Ratios are",
+        "of medians and read the same way everywhere: above 1, ferry is ahead. For GB/s that is ferry's",
+        "figure over the other's; for times (marked \"time\") the other's over ferry's. The best peer is the",
+        "faster of NIXL and Mooncake in that cell; \"physical\" is the reference named in the column. GB/s",
+        "is 10⁹ bytes per second. \"—\": not measured in this run.",
+        "",
+        "## Plots",
+        "",
+    ]
+    for name in plots:
+        lines += [f"![{name[:-4]}]({PLOTS}/{name})", ""]
+
+    section(lines, TCP_BW,
+            "One request in flight against a 256 MiB region over 127.0.0.1: ferry's one-shot submits and its "
+            "transfer requests on prepared lists (`--prepared --strided`), against one long-lived `ferry serve` "
+            "with the same-host path off; NIXL with UCX's tcp transport; Mooncake's TCP transport; iperf3 with "
+            "as many TCP connections as ferry opens (the faster of one `iperf3 -P N` and N single-stream "
+            "processes; `read` is compared with `iperf3 -R`). GB/s.",
+            rows, tcp_bw_table(rows), ["tcp-bw"], ["---", "---"] + ["---:"] * 9,
+            "the TCP suite did not run")
+    section(lines, LAT,
+            "One 8-byte write per request, µs. TCP: against the same `ferry serve`; the physical line is "
+            "sockperf's ping-pong round trip (`--full-rtt`) with its smallest message, 14 bytes, since a "
+            "write completes when the target acknowledges it. memory: ferry's same-host transport and "
+            "NIXL over shared memory; no physical reference.",
+            rows, lat_table(rows), ["lat"], ["---", "---"] + ["---:"] * 6, "the latency suite did not run")
+    section(lines, MEM_BW,
+            "Same host, two processes, the bandwidth workload of the TCP table: ferry's memory transport "
+            "(`--loopback --transport memory --prepared --strided`) against NIXL over shared memory (UCX "
+            "posix and cma), and a one-thread `memcpy` of the same block size sweeping a 256 MiB buffer. "
+            "Mooncake has no same-host transport here. GB/s.",
+            rows, mem_bw_table(rows), ["mem-bw", "memcpy"], ["---", "---"] + ["---:"] * 5,
+            "the same-host suite did not run")
+    section(lines, MEM_UCX,
+            "`ucx_perftest -t ucp_put_bw` (UCX as Debian ships it, the engine under NIXL) puts one buffer of "
+            "the block size again and again, which stays in cache at 1 MiB; ferry is measured both that way "
+            "(a region of one block, beside a `memcpy` within one block) and sweeping a 256 MiB region, beside "
+            "a `memcpy` sweeping 256 MiB. Writes, GB/s.",
+            rows, mem_ucx_table(rows), ["mem-ucx", "memcpy"], ["---"] + ["---:"] * 10, "the same-host suite did not run")
+    section(lines, RDMA,
+            "ferry over ibverbs (`ferry bench --loopback --transport ibverbs`, two processes) against "
+            "perftest's `ib_write_bw`, `ib_read_bw`, `ib_write_lat` and `ib_read_lat` in the same boot of the "
+            "soft-RoCE VM (tests/rxe/run.sh), which runs under emulation: absolute figures mean little, the "
+            "ratios are the result. NIXL and Mooncake do not run in the VM. A submit completes when the "
+            "target acknowledges it, so its p50 is set against perftest's round trip (twice `ib_write_lat`'s "
+            "one-way figure; `ib_read_lat`'s own).",
+            rows, rdma_table(rows), ["rdma"], ["---", "---", "---:", "---:", "---:"],
+            "run `scripts/perf-page.sh --rdma`")
+
+    if rows.failed:
+        lines += ["## Failures", "", "These commands failed in this run; their cells are missing above.", "",
+                  "```text"]
+        for r in rows.failed:
+            lines.append(f"round {r.get('round', '?')}: {r.get('cmd', r.get('system', '?'))}")
+        lines += ["```", ""]
+    skipped = [v for k, v in sorted(meta.items()) if k.startswith("skipped_")]
+    if skipped:
+        lines += ["## Skipped", ""] + [f"- {s}" for s in skipped] + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def headline(rows: Rows, meta: dict) -> List[str]:
+    """The README's rows: a handful of cells, each with its ratios."""
+    nixl_v = rows.first("version", system="nixl")
+    moon_v = rows.first("version", system="mooncake")
+    ucx_v = (meta.get("version_ucx_perftest") or "").split("-")[0]  # no Debian revision
+    header = ["workload", "ferry", f"NIXL {nixl_v}" if nixl_v else "NIXL",
+              f"Mooncake TE {moon_v}" if moon_v else "Mooncake TE", f"UCX {ucx_v}" if ucx_v else "UCX",
+              "ferry ÷ best other", "ferry ÷ physical"]
+    med = lambda st: num(st.median) if st else "—"
+    body = []
+    for op, block, batch, plural in (("write", 1 << 20, 64, "writes"), ("read", 1 << 20, 64, "reads"),
+                                     ("write", 4096, 1024, "writes")):
+        want = dict(suite="tcp-bw", op=op, block=block)
+        ferry = rows.stat("gbps", system="ferry", variant="prepared", **want)
+        nixl = rows.stat("gbps", system="nixl", **want)
+        moon = rows.stat("gbps", system="mooncake", **want)
+        ref = iperf3(rows, op)
+        if ferry:
+            body.append([f"TCP, {size(block)} × {batch:,} {plural}, prepared, GB/s", med(ferry), med(nixl), med(moon),
+                         "—", ratio(ferry, best([nixl, moon])), labelled(ratio(ferry, ref), "iperf3")])
+    for transport, name, ferry, nixl, moon, phys in latency_cells(rows):
+        if transport == "tcp" and name.startswith("p50") and ferry:
+            body.append(["TCP, 8-byte write p50, µs", med(ferry), med(nixl), med(moon), "—",
+                         labelled(ratio(ferry, best([nixl, moon], lower=True), time=True), "time"),
+                         labelled(ratio(ferry, phys, time=True), "time, sockperf")])
+    want = dict(suite="mem-bw", op="write", block=4096)
+    ferry = rows.stat("gbps", system="ferry", **want)
+    if ferry:
+        nixl = rows.stat("gbps", system="nixl", **want)
+        cpy = rows.stat("gbps", suite="memcpy", system="memcpy", variant="256M", block=4096)
+        body.append(["same host, 4 KiB × 1,024 prepared writes, GB/s", med(ferry), med(nixl), "—", "—",
+                     ratio(ferry, nixl), labelled(ratio(ferry, cpy), "memcpy")])
+    blocks = sorted({r["block"] for r in rows.select(suite="mem-ucx", system="ferry")})
+    if blocks:
+        block = blocks[-1]
+        ferry = rows.stat("gbps", suite="mem-ucx", system="ferry", variant="one-block", block=block)
+        ucx = rows.stat("gbps", suite="mem-ucx", system="ucx", variant="posix,cma", block=block)
+        cpy = rows.stat("gbps", suite="memcpy", system="memcpy", variant="one-block", block=block)
+        body.append([f"same host, {size(block)} puts (one-block region), GB/s", med(ferry), "—", "—", med(ucx),
+                     ratio(ferry, ucx), labelled(ratio(ferry, cpy), "memcpy")])
+    n = rows.rounds
+    caption = (f"Loopback and same host, one request in flight: medians of {n} round{'s' if n != 1 else ''} of "
+               f"`{meta.get('command', '?')}` at commit `{meta.get('commit', '?')}`, {meta.get('date', '?')}; "
+               "every row's systems were measured in the same run.")
+    note = ("Above 1, ferry is ahead (\"(time)\": the other's time over ferry's); \"physical\": iperf3 or "
+            "sockperf on loopback, or a one-thread memcpy; \"—\": not measured.")
+    return (textwrap.wrap(caption, 76, break_on_hyphens=False) + [""]
+            + table(header, body, ["---"] + ["---:"] * 6) + [""]
+            + textwrap.wrap(note, 76, break_on_hyphens=False))
+
+
+def update_readme(readme: Path, block: List[str]) -> bool:
+    """Rewrites only the lines between the markers; False when they are missing."""
+    text = readme.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    begins = [i for i, line in enumerate(lines) if line.strip() == PERF_BEGIN]
+    ends = [i for i, line in enumerate(lines) if line.strip() == PERF_END]
+    if len(begins) != 1 or len(ends) != 1 or begins[0] > ends[0]:
+        return False
+    new = lines[: begins[0] + 1] + block + lines[ends[0]:]
+    if new != lines:
+        readme.write_text("\n".join(new), encoding="utf-8")
+    return True
+
+
+def cmd_render(run_dir: Path, out_dir: Path, readme: Optional[Path], headline_file: Optional[Path]) -> int:
+    meta = json.loads((run_dir / "meta.json").read_text())
+    all_rows = [json.loads(line) for line in (run_dir / "rows.jsonl").read_text().splitlines() if line.strip()]
+    rows = Rows(all_rows, int(meta.get("rounds", 1)))
+    plot_dir = out_dir / PLOTS
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    plots: Dict[str, str] = {}
+    for op in ("write", "read"):
+        series, flat = bandwidth_series(rows, op)
+        plots[f"bandwidth-{op}.svg"] = line_plot(f"{op.capitalize()}s: GB/s against block size, one request in flight",
+                                                 series, flat, "GB/s (10⁹ B/s)")
+    plots["latency.svg"] = latency_plot("8-byte write latency (read too on soft-RoCE)", latency_bars(rows))
+    if rows.select(suite="rdma"):
+        plots["rdma.svg"] = line_plot("soft-RoCE (emulated): MiB/s against block size", rdma_series(rows), {},
+                                      "MiB/s (2²⁰ B/s)", scale=1e9 / 2**20)
+    for stale in plot_dir.glob("*.svg"):
+        if stale.name not in plots:
+            stale.unlink()
+    for name, svg in plots.items():
+        (plot_dir / name).write_text(svg, encoding="utf-8")
+    (out_dir / PAGE).write_text(render_page(rows, meta, run_dir, list(plots)), encoding="utf-8")
+    block = headline(rows, meta)
+    if headline_file:
+        headline_file.write_text("\n".join([PERF_BEGIN] + block + [PERF_END]) + "\n", encoding="utf-8")
+    if readme:
+        if update_readme(readme, block):
+            print(f"perf_page: README headline table rewritten in {readme}", file=sys.stderr)
+        else:
+            print(f"perf_page: note: {readme} has no single {PERF_BEGIN} ... {PERF_END} pair; left it alone",
+                  file=sys.stderr)
+    print(f"perf_page: wrote {out_dir / PAGE} and {len(plots)} plot(s) in {plot_dir}", file=sys.stderr)
+    return cmd_check(out_dir)
+
+
+# ---------------------------------------------------------------- check
+
+
+def cmd_check(out_dir: Path) -> int:
+    problems = []
+    page = out_dir / PAGE
+    text = page.read_text(encoding="utf-8") if page.is_file() else ""
+    if not text:
+        problems.append(f"{page}: missing or empty")
+    for title, header in HEADERS.items():
+        if f"\n## {title}\n" not in text:
+            problems.append(f"{page}: no heading '## {title}'")
+        if "| " + " | ".join(header) + " |" not in text:
+            problems.append(f"{page}: no header row for '{title}'")
+    linked = re.findall(r"!\[[^\]]*\]\(([^)]+\.svg)\)", text)
+    for name in REQUIRED_PLOTS:
+        if f"{PLOTS}/{name}" not in linked:
+            problems.append(f"{page}: does not show {PLOTS}/{name}")
+    for target in linked:
+        path = out_dir / target
+        try:
+            root = ET.parse(path).getroot()
+        except (OSError, ET.ParseError) as e:
+            problems.append(f"{path}: {e}")
+            continue
+        if root.tag != "{http://www.w3.org/2000/svg}svg" or not root.get("viewBox"):
+            problems.append(f"{path}: not an <svg> with a viewBox")
+        if not any(el.get("class") == "series" for el in root.iter()):
+            problems.append(f"{path}: no measurement drawn")
+    if re.search(r"\bnan\b|\binf\b", text, re.I):
+        problems.append(f"{page}: a NaN or infinity in the page")
+    for p in problems:
+        print(f"perf_page check: {p}", file=sys.stderr)
+    if not problems:
+        print(f"perf_page check: ok: {page}, {len(linked)} plot(s), {len(HEADERS)} tables", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("meta")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("pairs", nargs="*")
+    p = sub.add_parser("set")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("pairs", nargs="*")
+    p = sub.add_parser("ingest")
+    p.add_argument("kind", choices=["json", "gbps", "sockperf", "ucx", "rxe", "failed", "note"])
+    p.add_argument("rows", type=Path)
+    p.add_argument("pairs", nargs="*")
+    p = sub.add_parser("render")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--out", type=Path, default=REPO / "docs")
+    p.add_argument("--readme", type=Path, help="rewrite the table between the perf markers of this file")
+    p.add_argument("--headline", type=Path, help="write the README's table (with its markers) to this file")
+    p = sub.add_parser("check")
+    p.add_argument("out", type=Path)
+    a = ap.parse_args()
+    if a.what == "meta":
+        cmd_meta(a.run_dir, a.pairs)
+        return 0
+    if a.what == "set":
+        path = a.run_dir / "meta.json"
+        meta = json.loads(path.read_text())
+        meta.update(p.partition("=")[::2] for p in a.pairs)
+        path.write_text(json.dumps(meta, indent=1) + "\n")
+        return 0
+    if a.what == "ingest":
+        return cmd_ingest(a.kind, a.rows, a.pairs)
+    if a.what == "render":
+        return cmd_render(a.run_dir, a.out, a.readme, a.headline)
+    return cmd_check(a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
