@@ -47,11 +47,11 @@ sampler=\$!
 ferry bench --handle /tmp/h.json --size 16M --block 1M --op write --duration $seconds --json > /tmp/bench.json &
 bench=\$!
 sleep $cut_at
-echo \"CUT \$(cut -d' ' -f1 /proc/uptime)\" >> /tmp/samples
+echo \"CUT \$(cut -d' ' -f1 /proc/uptime)\" > /tmp/cut
 $cut_cmd && on-peer '$cut_cmd'
 wait \$bench; rc=\$?
 kill \$sampler
-cat /tmp/samples
+cat /tmp/samples /tmp/cut
 sed 's/^{/BENCH {/' /tmp/bench.json
 exit \$rc
 " | tee "$out/console.log" >&2
@@ -77,11 +77,13 @@ PAYLOAD = 1024
 STEP = 0.5
 
 def rate(rail, t0, t1):
-    """MiB/s sent on `rail` (1 or 2 in a sample) between t0 and t1."""
-    inside = [s for s in samples if t0 <= s[0] <= t1]
-    if len(inside) < 2:
+    """MiB/s sent on `rail` (1 or 2 in a sample) from t0 to t1, between the
+    samples around them: a busy one-vCPU guest sometimes runs the sampler
+    late, so a window may hold no sample of its own."""
+    first = max((s for s in samples if s[0] <= t0), default=samples[0], key=lambda s: s[0])
+    last = min((s for s in samples if s[0] >= t1), default=samples[-1], key=lambda s: s[0])
+    if last[0] <= first[0]:
         return 0.0
-    first, last = inside[0], inside[-1]
     return (last[rail] - first[rail]) * PAYLOAD / (last[0] - first[0]) / 2**20
 
 start, end = samples[0][0], samples[-1][0]
