@@ -10,7 +10,10 @@ and docs/*.md. Exits 1, listing every problem, when
   - a page of docs/ is not linked from the guide's index, docs/README.md;
   - a page with ```rust blocks is not compiled by src/doctests.rs, or a page
     that is has a code fence without a language (rustdoc would take it for
-    Rust).
+    Rust);
+  - a guide page other than the generated docs/performance.md has a table
+    of measurements (GB/s, MiB/s, Mops, p50/p99 in a table row) or a
+    per-boot or per-run log ("this boot", "run 2:").
 
 Python 3 standard library only; run from anywhere:
     python3 scripts/check-docs.py
@@ -214,12 +217,37 @@ def check_doctests(problems: List[str]) -> None:
                     )
 
 
+# A measurement in a table row: a figure with a throughput or latency
+# unit, or a percentile. Tables of measurements belong on the generated
+# performance page (and the README's generated block), not in the guide.
+MEASURED = re.compile(r"\d\s*(GB/s|MB/s|MiB/s|Gbit/s|Mops)|\bp(50|99)\b")
+# Words of a lab notebook: figures tied to one boot or one run.
+LOGBOOK = re.compile(r"\b(this|that|one|per|each) boot\b|\b(run|round) \d+\b:", re.I)
+
+
+def check_measurement_logs(problems: List[str]) -> None:
+    """No guide page holds per-run measurement tables or per-boot logs."""
+    for page in sorted((REPO / "docs").glob("*.md")):
+        if page.name == "performance.md":
+            continue
+        for number, line in prose_lines(page.read_text()):
+            where = f"{rel(page)}:{number}"
+            if line.lstrip().startswith("|") and MEASURED.search(line):
+                problems.append(
+                    f"{where}: a table of measurements: it belongs on the generated "
+                    "docs/performance.md (scripts/perf-page.sh)"
+                )
+            elif LOGBOOK.search(line):
+                problems.append(f"{where}: a per-boot or per-run log: keep the conclusion only")
+
+
 def main() -> int:
     problems: List[str] = []
     check_readme(problems)
     checked = check_links(problems)
     check_index(problems)
     check_doctests(problems)
+    check_measurement_logs(problems)
     if problems:
         for problem in problems:
             print(problem)
