@@ -7,7 +7,9 @@
 # rounds; prints each configuration's median and the two-rail / one-rail
 # ratio. Control traffic goes over the management wire, which is not limited.
 #
-#   scripts/bench-rails.sh [RATE [SECONDS_PER_ROW [ROUNDS]]]   (default 16mbit 8 2)
+#   scripts/bench-rails.sh [RATE [SECONDS_PER_ROW [ROUNDS [ENV]]]]   (default 16mbit 8 2)
+#
+# ENV (e.g. FERRY_IBV_MAX_WR_BYTES=524288) is set for every `ferry bench`.
 #
 # At 16 Mbit/s a one-rail row moves its 16 MiB region in about 8 s: a run
 # takes about 10 minutes.
@@ -16,13 +18,14 @@ cd "$(dirname "$0")/.."
 rate=${1:-16mbit}
 seconds=${2:-8}
 rounds=${3:-2}
+env=${4:-}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
 cargo build --release --locked -p ferry-cli >&2
 source scripts/target-dir.sh
 limit="for w in wire wire1; do /usr/bin/tc qdisc replace dev \$w root netem rate $rate || exit 1; done"
-bench="ferry bench --handle /tmp/h.json --size 16M --block 1M,16M --warmup 1 --duration $seconds --json"
+bench="env $env ferry bench --handle /tmp/h.json --size 16M --block 1M,16M --warmup 1 --duration $seconds --json"
 tests/rxe/run.sh --two --rails 2 --bin "$target_dir/release/ferry" -- \
     "sh -c '$limit' && on-peer '$limit' && \
      on-peer '(ferry serve --listen 10.99.0.1:7100 --size 16M --handle-file /tmp/h.json > /tmp/serve.log 2>&1 &)' && \

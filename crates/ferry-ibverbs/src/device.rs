@@ -38,8 +38,29 @@ pub const SOFTWARE_STALL_TIMEOUT: std::time::Duration = std::time::Duration::fro
 pub const DEFAULT_STRIPE_MIN: u64 = 128 << 10;
 
 /// The default [`IbvConfig::max_wr_bytes`]: large enough that a NIC moves
-/// it at line rate, small enough to spread.
-pub const DEFAULT_MAX_WR_BYTES: u32 = 1 << 20;
+/// it at line rate (a 400 Gb/s port takes 10 µs per request), small enough
+/// to spread. In the two-VM soft-RoCE harness with rate-limited wires
+/// (`scripts/bench-rails.sh 16mbit 24 1`), 16 MiB reads over two rails
+/// moved 1.47 times one rail's bytes with 1 MiB requests and 1.98 times
+/// with 512 KiB ones; writes and 1 MiB reads were at 1.95-2.04 either way.
+pub const DEFAULT_MAX_WR_BYTES: u32 = 512 << 10;
+
+/// Sets [`IbvConfig::max_wr_bytes`] for the nodes of a process that leave
+/// it at its default: a number of bytes, or 0 for each port's maximum. For
+/// trying another work-request size on a fabric without rebuilding (`ferry
+/// bench`, `ferry serve`).
+pub const MAX_WR_BYTES_ENV: &str = "FERRY_IBV_MAX_WR_BYTES";
+
+/// [`MAX_WR_BYTES_ENV`]'s value as [`IbvConfig::max_wr_bytes`].
+fn parse_max_wr_bytes(value: &str) -> Result<Option<u32>, String> {
+    match value.trim().parse::<u32>() {
+        Ok(0) => Ok(None),
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(_) => Err(format!(
+            "{MAX_WR_BYTES_ENV}={value:?}: want a number of bytes (0: the port's maximum)"
+        )),
+    }
+}
 
 /// One rail asked for by name: a device, and one port of it or all its
 /// active ports.
@@ -99,7 +120,8 @@ pub struct IbvConfig {
     /// answering one READ with a burst of thousands of packets (in the
     /// two-VM soft-RoCE harness, 8 MiB READs over two rails lost response
     /// packets to the virtual wire's buffers and never completed; 1 MiB
-    /// ones did).
+    /// ones did). [`MAX_WR_BYTES_ENV`] sets it for a process whose nodes
+    /// leave the default.
     pub max_wr_bytes: Option<u32>,
     /// An op of at least this many bytes is split across every rail pair to
     /// its peer, by bytes; smaller ops each go whole to the pair with the
@@ -280,6 +302,19 @@ impl Fabric {
 
     /// Opens the configured rails (see [`IbvConfig::rails`]).
     pub fn open(config: &IbvConfig) -> Result<Fabric, VerbsError> {
+        let max_wr_bytes = match std::env::var(MAX_WR_BYTES_ENV) {
+            Ok(value) if config.max_wr_bytes == Some(DEFAULT_MAX_WR_BYTES) => {
+                parse_max_wr_bytes(&value).map_err(|e| VerbsError::Call {
+                    call: MAX_WR_BYTES_ENV,
+                    source: std::io::Error::other(e),
+                })?
+            }
+            _ => config.max_wr_bytes,
+        };
+        let config = &IbvConfig {
+            max_wr_bytes,
+            ..config.clone()
+        };
         // Distinguishes "no device at all" (the normal TCP-only host) from a
         // named device that is missing.
         let devices = device_names()?;
@@ -474,7 +509,17 @@ fn open_rail(
 
 #[cfg(test)]
 mod tests {
-    use super::RailName;
+    use super::{RailName, parse_max_wr_bytes};
+
+    #[test]
+    fn work_request_sizes_from_the_environment_parse_and_bad_ones_say_why() {
+        assert_eq!(parse_max_wr_bytes("524288"), Ok(Some(512 << 10)));
+        assert_eq!(parse_max_wr_bytes(" 0 "), Ok(None), "0: the port's maximum");
+        for bad in ["", "1M", "-1", "5000000000"] {
+            let error = parse_max_wr_bytes(bad).unwrap_err();
+            assert!(error.contains("FERRY_IBV_MAX_WR_BYTES"), "{bad}: {error}");
+        }
+    }
 
     #[test]
     fn rail_lists_parse_and_bad_ones_say_why() {
