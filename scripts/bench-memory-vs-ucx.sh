@@ -20,30 +20,9 @@ ferry=$target_dir/release/ferry
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# The memcpy reference: one thread copying between two 256 MiB buffers in
-# blocks of the size measured, for SECONDS_PER_RUN.
-cat >"$work/memcpy.c" <<'C'
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec / 1e9; }
-int main(int argc, char **argv) {
-    size_t block = strtoull(argv[1], 0, 10), total = 256u << 20;
-    double seconds = atof(argv[2]);
-    char *a = malloc(total), *b = malloc(total);
-    memset(a, 1, total); memset(b, 2, total);
-    size_t moved = 0, at = 0;
-    double start = now();
-    while (now() - start < seconds) {
-        memcpy(b + at, a + at, block);
-        moved += block; at = (at + block) % total;
-    }
-    printf("%.3f\n", moved / (now() - start) / 1e9);
-    return b[7] == 3;
-}
-C
-cc -O2 -o "$work/memcpy" "$work/memcpy.c"
+# The memcpy reference (scripts/memcpy-bench.c): one thread copying between
+# two buffers (256 MiB, or the third argument) in blocks of the size measured.
+cc -O2 -o "$work/memcpy" scripts/memcpy-bench.c
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", (b > 0 ? a / b : 0) }'; }
 median() { sort -g | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }

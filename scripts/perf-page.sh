@@ -230,33 +230,10 @@ note() { # SUITE TEXT: a line for the page's list of commands
     python3 scripts/perf_page.py ingest note "$rows" suite="$1" "cmd=$2" </dev/null
 }
 
-# The memcpy reference, bench-memory-vs-ucx.sh's: one thread copying
-# between two 256 MiB buffers in blocks of the size measured, for SECONDS;
-# here with an optional third argument, the buffers' size (one block: the
-# cache-resident copy that ucx_perftest's put is set against).
-cat >"$work/memcpy.c" <<'C'
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec / 1e9; }
-int main(int argc, char **argv) {
-    size_t block = strtoull(argv[1], 0, 10), total = argc > 3 ? strtoull(argv[3], 0, 10) : 256u << 20;
-    double seconds = atof(argv[2]);
-    char *a = malloc(total), *b = malloc(total);
-    memset(a, 1, total); memset(b, 2, total);
-    size_t moved = 0, at = 0;
-    double start = now();
-    while (now() - start < seconds) {
-        memcpy(b + at, a + at, block);
-        moved += block; at = (at + block) % total;
-    }
-    printf("%.3f\n", moved / (now() - start) / 1e9);
-    return b[7] == 3;
-}
-C
-cc -O2 -o "$work/memcpy" "$work/memcpy.c"
-note memcpy "\$WORK/memcpy BLOCK SECONDS [BUFFER]: perf-page.sh's one-thread memcpy in C (cc -O2)"
+# The memcpy reference (scripts/memcpy-bench.c): one thread copying between
+# two buffers (256 MiB, or the third argument) in blocks of the size measured.
+cc -O2 -o "$work/memcpy" scripts/memcpy-bench.c
+note memcpy "\$WORK/memcpy BLOCK SECONDS [BUFFER]: scripts/memcpy-bench.c (cc -O2)"
 
 # iperf3_sum PROCS STREAMS_PER_PROC [-R]: PROCS iperf3 pairs at once on
 # loopback, the summed GB/s (as bench-tcp-vs-iperf3.sh: iperf3 3.12 runs all
