@@ -28,7 +28,7 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", (b > 0 ? a / b : 0) }'
 median() { sort -g | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
 
 ucx() { # TLS SIZE -> GB/s
-    local port=$((20000 + RANDOM % 20000)) iters=$((4 << 30 / $2))
+    local port=$((20000 + RANDOM % 20000)) iters=$(((4 << 30) / $2))
     UCX_TLS=$1 ucx_perftest -p $port -t ucp_put_bw -s "$2" -n $iters >/dev/null 2>&1 &
     local server=$!
     sleep 0.5
