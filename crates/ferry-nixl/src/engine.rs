@@ -10,12 +10,12 @@
 //!
 //! NIXL's calls are synchronous: one that waits (a registration, a
 //! connect) blocks its caller on the process's runtime; a post hands the
-//! request to the runtime and returns at once, and a check only reads its
-//! status.
+//! request to the runtime and starts it, and a check drives the runtime one
+//! step and reads the request's status ([`crate::drive`]); neither waits.
 
 use std::collections::HashMap;
 use std::ptr::NonNull;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use ferry::prelude::*;
@@ -23,10 +23,10 @@ use ferry::{
     DeliveryKind, Inbox, LocalDescList, MemoryBlock, NodeAddr, OpError, RemoteDescList, Xfer,
     XferError, XferStatus,
 };
-use tokio::runtime::Runtime;
 use tracing::warn;
 
 use crate::descs::{Desc, bind};
+use crate::drive::{Driver, driver};
 use crate::notif::{frame_notif, unframe_notif};
 use crate::options::Options;
 
@@ -85,27 +85,9 @@ impl Tables {
     }
 }
 
-/// The runtime every engine of the process runs on: one worker drives
-/// every node's connections, and a call from NIXL runs its own future on
-/// the calling thread. One, not more: on a 2-core host a second worker's
-/// wake-ups took the core from the thread polling the socket, and an
-/// 8-byte TCP write's p50 through NIXL was 240 µs with two workers per
-/// engine (ferry's Python package found the same, 60-100 µs against 23).
-fn runtime() -> &'static Runtime {
-    static RUNTIME: OnceLock<Runtime> = OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("ferry-nixl")
-            .enable_all()
-            .build()
-            .expect("a tokio runtime: a thread and an epoll instance")
-    })
-}
-
 /// The FERRY engine of one NIXL agent.
 pub struct Engine {
-    runtime: &'static Runtime,
+    driver: &'static Driver,
     node: Node,
     /// This agent's name.
     agent: String,
@@ -122,11 +104,17 @@ pub struct Request {
     remote: Vec<u64>,
 }
 
+impl Request {
+    fn status(&self) -> XferStatus {
+        self.xfer.lock().unwrap_or_else(|e| e.into_inner()).status()
+    }
+}
+
 impl Engine {
     /// Starts a ferry node for agent `agent` on the process's runtime.
     pub fn new(agent: &str, params: &HashMap<String, String>) -> Result<Engine, String> {
         let options = Options::parse(params)?;
-        let runtime = runtime();
+        let driver = driver();
         let mut builder = Node::builder()
             .name(format!("nixl-{agent}"))
             .listen(options.listen)
@@ -143,12 +131,12 @@ impl Engine {
         if let Some(n) = options.tcp_connections {
             builder = builder.tcp_connections(n);
         }
-        let node = runtime
+        let node = driver
             .block_on(builder.spawn())
             .map_err(|e| format!("cannot start a ferry node: {e}"))?;
         let inbox = node.inbox().map_err(|e| format!("the node's inbox: {e}"))?;
         Ok(Engine {
-            runtime,
+            driver,
             node,
             agent: agent.to_string(),
             deadline: options.deadline,
@@ -202,10 +190,7 @@ impl Engine {
             );
             return Status::NotFound;
         };
-        match self
-            .runtime
-            .block_on(self.node.connect(addr, self.deadline))
-        {
+        match self.driver.block_on(self.node.connect(addr, self.deadline)) {
             Ok(_) => Status::Success,
             Err(e) => {
                 warn!(agent, "FERRY: connect: {e}");
@@ -245,7 +230,7 @@ impl Engine {
             Status::InvalidParam
         })?;
         let region = self
-            .runtime
+            .driver
             .block_on(self.node.register(memory, Access::ReadWrite))
             .map_err(|e| {
                 warn!(addr, len, "FERRY: registerMem: {e}");
@@ -384,7 +369,7 @@ impl Engine {
                 let remote_list =
                     RemoteDescList::new(remotes.memory, remotes.descs).map_err(invalid)?;
                 let prepared = self
-                    .runtime
+                    .driver
                     .block_on(self.node.prepare_remote(remote_list, self.deadline))
                     .map_err(|e| {
                         warn!(agent, "FERRY: prepXfer: {e}");
@@ -445,30 +430,39 @@ impl Engine {
             }
         }
         xfer.set_notification(notif.map(|msg| frame_notif(&self.agent, msg)));
-        match xfer.post(self.deadline) {
+        if xfer.post(self.deadline).is_err() {
+            return Status::RepostActive;
+        }
+        drop(xfer);
+        // Started here, as UCX starts a send inside its post: the first
+        // bytes leave before the caller's first check.
+        if request.status() == XferStatus::InProgress {
+            self.driver.poll();
+        }
+        match request.status() {
             // Done within the post (a small same-host copy): NIXL takes
             // `Success` from postXfer as complete, and skips the checks.
-            Ok(()) if xfer.status() == XferStatus::Done => Status::Success,
-            Ok(()) => Status::InProgress,
-            Err(_) => Status::RepostActive,
+            XferStatus::Done => Status::Success,
+            // A failure is the checks' to report.
+            _ => Status::InProgress,
         }
     }
 
     /// `checkXfer`: where the request stands; never waits.
     pub fn check(&self, request: &Request) -> Status {
-        let status = request
-            .xfer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .status();
-        match status {
-            XferStatus::InProgress => {
-                // NIXL's callers poll this in a tight loop (its UCX backend
-                // makes progress inside the check). Here the runtime's
-                // worker moves the bytes: give it the core the poller holds.
+        let mut status = request.status();
+        if status == XferStatus::InProgress {
+            // NIXL's callers poll this in a tight loop: the bytes move
+            // here (see `drive`), or on the thread that drives now, which
+            // then gets the core this caller holds.
+            if self.driver.poll() {
+                status = request.status();
+            } else {
                 std::thread::yield_now();
-                Status::InProgress
             }
+        }
+        match status {
+            XferStatus::InProgress => Status::InProgress,
             XferStatus::Done => Status::Success,
             XferStatus::Ready => Status::InvalidParam,
             XferStatus::Failed(e) => {
@@ -500,6 +494,9 @@ impl Engine {
 
     /// `getNotifs`: every notification that came, with its sender agent.
     pub fn notifs(&self, mut each: impl FnMut(&[u8], &[u8])) {
+        // Callers poll this in a loop, as they poll checkXfer: the bytes
+        // sent to this agent move here too.
+        let drove = self.driver.poll();
         let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
         let mut none = true;
         while let Some(delivery) = inbox.try_recv() {
@@ -514,10 +511,8 @@ impl Engine {
                 }
             }
         }
-        if none {
-            // Callers poll this in a loop, as they poll checkXfer (NIXL's
-            // UCX backend moves bytes inside it): give the core to the
-            // runtime's worker, which moves them here.
+        if none && !drove {
+            // The thread that drives now moves them: give it the core.
             std::thread::yield_now();
         }
     }
@@ -533,7 +528,7 @@ impl Engine {
         };
         let body = frame_notif(&self.agent, msg);
         match self
-            .runtime
+            .driver
             .block_on(self.node.notify(addr, body, self.deadline))
         {
             Ok(()) => Status::Success,
@@ -547,7 +542,7 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        self.runtime.block_on(self.node.shutdown());
+        self.driver.block_on(self.node.shutdown());
     }
 }
 

@@ -8,8 +8,9 @@
 //! it against ferry's own declaration of that ABI (`shim/nixl_abi.h`) and
 //! forwards each call over a C interface (`shim/ferry_nixl.h`) to the Rust
 //! engine here ([`engine`]), which drives a [`ferry::Node`] on the
-//! process's one-worker runtime. Routing is ferry's: same-host memory between agents of one
-//! host, ibverbs where both ends have a device, TCP otherwise.
+//! process's runtime; NIXL's polling caller moves the bytes ([`drive`]).
+//! Routing is ferry's: same-host memory between agents of one host,
+//! ibverbs where both ends have a device, TCP otherwise.
 //!
 //! Host memory (DRAM) only for now: GPU memory is left to another backend
 //! loaded beside it (UCX). `ferry nixl install` puts the plugin where a
@@ -19,6 +20,7 @@
 #![allow(non_snake_case)]
 
 pub mod descs;
+pub mod drive;
 pub mod engine;
 mod ffi;
 mod notif;

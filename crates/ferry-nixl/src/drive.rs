@@ -1,0 +1,237 @@
+//! Who moves the bytes: NIXL's caller, while it polls, or a thread of the
+//! plugin's own, while it does not.
+//!
+//! NIXL's callers (vLLM, SGLang, NIXL's benchmarks) post a request and
+//! then spin on `check_xfer_state`, and the target side spins on
+//! `get_new_notifs`; NIXL's UCX backend moves the bytes inside those
+//! calls. With a runtime worker of ferry's own beside the spinning caller,
+//! a 2-core host had four busy threads for two cores (two per process), and
+//! a 1 MiB TCP write through NIXL ran at half of ferry's own Python API.
+//!
+//! So every engine of the process runs on one current-thread runtime, and
+//! whoever polls drives it: each `checkXfer` and `getNotifs` (and a post)
+//! runs the tasks that are ready and polls the sockets once, on the
+//! caller's thread, as UCX's progress does. When no caller has polled for
+//! [`QUIET`], the background thread takes the runtime over and drives it
+//! until a caller polls again (or a blocking call waits for it), so a
+//! request posted and checked only later still moves, and a node still
+//! serves its peers when its own agent is idle. A call never waits for the
+//! runtime: when another thread drives it, the call leaves the work to it.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use tokio::runtime::Runtime;
+use tokio::sync::Notify;
+
+/// How long after a caller's last poll the background thread takes the
+/// runtime over: long enough that a caller polling in a loop is never
+/// interrupted (a Python loop calls in every microsecond or two), short
+/// enough that a request left alone after its post is picked up at once
+/// next to a round trip.
+pub const QUIET: Duration = Duration::from_micros(200);
+
+/// The process's runtime and the state of who drives it.
+pub struct Driver {
+    runtime: Runtime,
+    epoch: Instant,
+    /// When a caller last polled (or is polling), in nanoseconds since
+    /// `epoch`.
+    last_poll: AtomicU64,
+    /// Set while the background thread drives the runtime (or is about
+    /// to): a poll then leaves the work to it.
+    background: AtomicBool,
+    /// Ends the background thread's turn: a caller wants to drive.
+    hand_over: Notify,
+    /// Blocking calls waiting on the runtime right now: the background
+    /// thread drives while there are any.
+    blocked: AtomicUsize,
+    /// Wakes the background thread from its wait for quiet.
+    wake: (Mutex<()>, Condvar),
+    /// Held by the caller driving the runtime: a second caller polling at
+    /// the same time leaves the work to the first.
+    polling: Mutex<()>,
+}
+
+/// The process's driver, with its background thread started.
+pub fn driver() -> &'static Driver {
+    static DRIVER: OnceLock<Driver> = OnceLock::new();
+    static BACKGROUND: std::sync::Once = std::sync::Once::new();
+    let driver = DRIVER.get_or_init(|| Driver {
+        runtime: tokio::runtime::Builder::new_current_thread()
+            .thread_name("ferry-nixl")
+            .enable_all()
+            .build()
+            .expect("a tokio runtime: an epoll instance"),
+        epoch: Instant::now(),
+        last_poll: AtomicU64::new(0),
+        background: AtomicBool::new(false),
+        hand_over: Notify::new(),
+        blocked: AtomicUsize::new(0),
+        wake: (Mutex::new(()), Condvar::new()),
+        polling: Mutex::new(()),
+    });
+    BACKGROUND.call_once(|| {
+        std::thread::Builder::new()
+            .name("ferry-nixl".into())
+            .spawn(move || driver.background())
+            .expect("a thread for the plugin's runtime");
+    });
+    driver
+}
+
+impl Driver {
+    /// The runtime's handle, for nodes and requests to spawn their tasks.
+    pub fn handle(&self) -> &tokio::runtime::Handle {
+        self.runtime.handle()
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn since_last_poll(&self) -> Duration {
+        Duration::from_nanos(self.now().saturating_sub(self.last_poll.load(SeqCst)))
+    }
+
+    /// Runs `future` to its end on the calling thread, the runtime driven
+    /// meanwhile by the background thread (for a registration, a connect:
+    /// NIXL's calls that wait by contract).
+    pub fn block_on<F: Future>(&self, future: F) -> F::Output {
+        self.blocked.fetch_add(1, SeqCst);
+        // Under the lock, so the wake-up cannot fall between the
+        // background thread's look at `blocked` and its wait.
+        drop(self.wake.0.lock().unwrap_or_else(|e| e.into_inner()));
+        self.wake.1.notify_one();
+        let out = self.runtime.handle().block_on(future);
+        self.blocked.fetch_sub(1, SeqCst);
+        out
+    }
+
+    /// One step of progress on the calling thread: the ready tasks run and
+    /// the sockets are polled once (twice, so that what the poll woke also
+    /// runs). Returns at once, having done nothing, when another thread
+    /// drives the runtime; `false` then.
+    pub fn poll(&self) -> bool {
+        self.last_poll.store(self.now(), SeqCst);
+        if self.blocked.load(SeqCst) > 0 {
+            return false;
+        }
+        if self.background.load(SeqCst) {
+            self.hand_over.notify_one();
+            return false;
+        }
+        let Ok(_turn) = self.polling.try_lock() else {
+            return false;
+        };
+        // The background thread saw this poll's time before deciding to
+        // drive (see `background`), unless this thread stalled for longer
+        // than QUIET since: then this permit ends its turn.
+        self.hand_over.notify_one();
+        self.runtime.block_on(async {
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+        });
+        true
+    }
+
+    /// The background thread: waits until no caller has polled for
+    /// QUIET (or a blocking call needs the runtime), then drives it until
+    /// a caller polls.
+    fn background(&self) {
+        loop {
+            {
+                let mut guard = self.wake.0.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    let quiet = self.since_last_poll();
+                    if quiet >= QUIET || self.blocked.load(SeqCst) > 0 {
+                        break;
+                    }
+                    guard = (self.wake.1.wait_timeout(guard, QUIET - quiet))
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+            }
+            // Announced before looking at the callers again, as a poll
+            // stores its time before looking at this flag: of two at the
+            // same moment, one sees the other.
+            self.background.store(true, SeqCst);
+            if self.since_last_poll() >= QUIET || self.blocked.load(SeqCst) > 0 {
+                self.runtime.block_on(self.hand_over.notified());
+            }
+            self.background.store(false, SeqCst);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    const DEADLINE: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn a_task_this_thread_never_polls_for_still_runs() {
+        let (tx, rx) = mpsc::channel();
+        driver().handle().spawn(async move {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            tx.send(()).unwrap();
+        });
+        rx.recv_timeout(DEADLINE)
+            .expect("the background thread drove the task to its end");
+    }
+
+    #[test]
+    fn a_polling_caller_runs_the_tasks_itself() {
+        let driver = driver();
+        let me = std::thread::current().id();
+        let (tx, rx) = mpsc::channel();
+        let (mut on_caller, mut driven) = (0, 0);
+        for _ in 0..100 {
+            let tx = tx.clone();
+            driver.handle().spawn(async move {
+                tx.send(std::thread::current().id()).unwrap();
+            });
+            let start = Instant::now();
+            loop {
+                driven += usize::from(driver.poll());
+                if let Ok(ran_on) = rx.try_recv() {
+                    on_caller += usize::from(ran_on == me);
+                    break;
+                }
+                assert!(start.elapsed() < DEADLINE, "a task never ran");
+            }
+        }
+        // Each poll leaves the work to the background thread when it
+        // drives at that moment; a caller that keeps polling gets the
+        // runtime within a hand-over, and then runs the tasks.
+        assert!(driven > 0, "no poll ever drove the runtime");
+        assert!(on_caller > 0, "no task ran on the polling thread");
+    }
+
+    #[test]
+    fn a_blocking_call_completes_while_another_thread_polls() {
+        let driver = driver();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let poller = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(SeqCst) {
+                    driver.poll();
+                }
+            })
+        };
+        let start = Instant::now();
+        let slept = driver.block_on(async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            start.elapsed()
+        });
+        stop.store(true, SeqCst);
+        poller.join().unwrap();
+        assert!(slept >= Duration::from_millis(20));
+        assert!(start.elapsed() < DEADLINE);
+    }
+}
