@@ -9,14 +9,16 @@
 //! a 1 MiB TCP write through NIXL ran at half of ferry's own Python API.
 //!
 //! So every engine of the process runs on one current-thread runtime, and
-//! whoever polls drives it: each `checkXfer` and `getNotifs` (and a post)
-//! runs the tasks that are ready and polls the sockets once, on the
-//! caller's thread, as UCX's progress does. When no caller has polled for
-//! [`QUIET`], the background thread takes the runtime over and drives it
-//! until a caller polls again (or a blocking call waits for it), so a
+//! a caller that polls in a loop drives it: each `checkXfer` and
+//! `getNotifs` (and a post) runs the tasks that are ready and polls the
+//! sockets once, on the caller's thread, as UCX's progress does. Otherwise
+//! the background thread drives it: a caller that checks now and then (a
+//! serving loop's once per step) reads the status and leaves the runtime
+//! where it is; one that polls again within [`HOT`] takes it over; and
+//! [`QUIET`] after its last poll the background thread takes it back, so a
 //! request posted and checked only later still moves, and a node still
 //! serves its peers when its own agent is idle. A call never waits for the
-//! runtime: when another thread drives it, the call leaves the work to it.
+//! runtime: when another thread drives it, the call leaves the work there.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
@@ -27,11 +29,16 @@ use tokio::runtime::Runtime;
 use tokio::sync::Notify;
 
 /// How long after a caller's last poll the background thread takes the
-/// runtime over: long enough that a caller polling in a loop is never
-/// interrupted (a Python loop calls in every microsecond or two), short
-/// enough that a request left alone after its post is picked up at once
-/// next to a round trip.
-pub const QUIET: Duration = Duration::from_micros(200);
+/// runtime back. It looks that often while a caller drives (two context
+/// switches each time, on a core the callers need: at 200 us they were
+/// 10,000 a second, most of a 2-core host's); only an in-flight request
+/// whose caller stopped polling waits this long, once.
+pub const QUIET: Duration = Duration::from_millis(1);
+
+/// A caller polling again within this long is polling in a loop, and takes
+/// the runtime over from the background thread (a Python loop calls in
+/// every microsecond or few).
+pub const HOT: Duration = Duration::from_micros(50);
 
 /// The process's runtime and the state of who drives it.
 pub struct Driver {
@@ -115,26 +122,39 @@ impl Driver {
     /// runs). Returns at once, having done nothing, when another thread
     /// drives the runtime; `false` then.
     pub fn poll(&self) -> bool {
-        self.last_poll.store(self.now(), SeqCst);
+        self.poll_with(|| ()).1
+    }
+
+    /// `start` (a request's post), then one step of progress, on the
+    /// calling thread when it may drive: inside the runtime, so what
+    /// `start` spawns is queued here, without waking the runtime's thread.
+    /// Whether this call drove, with `start`'s result.
+    pub fn poll_with<T>(&self, start: impl FnOnce() -> T) -> (T, bool) {
+        let now = self.now();
+        let previous = self.last_poll.swap(now, SeqCst);
         if self.blocked.load(SeqCst) > 0 {
-            return false;
+            return (start(), false);
         }
         if self.background.load(SeqCst) {
-            self.hand_over.notify_one();
-            return false;
+            if Duration::from_nanos(now.saturating_sub(previous)) < HOT {
+                self.hand_over.notify_one();
+            }
+            return (start(), false);
         }
         let Ok(_turn) = self.polling.try_lock() else {
-            return false;
+            return (start(), false);
         };
         // The background thread saw this poll's time before deciding to
         // drive (see `background`), unless this thread stalled for longer
         // than QUIET since: then this permit ends its turn.
         self.hand_over.notify_one();
-        self.runtime.block_on(async {
+        let out = self.runtime.block_on(async {
+            let out = start();
             tokio::task::yield_now().await;
             tokio::task::yield_now().await;
+            out
         });
-        true
+        (out, true)
     }
 
     /// The background thread: waits until no caller has polled for
@@ -173,8 +193,16 @@ mod tests {
 
     const DEADLINE: Duration = Duration::from_secs(10);
 
+    /// The driver is the process's: one test at a time, or one test's
+    /// blocking call keeps another's polls from driving.
+    fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+        static SERIAL: Mutex<()> = Mutex::new(());
+        SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     #[test]
     fn a_task_this_thread_never_polls_for_still_runs() {
+        let _serial = one_at_a_time();
         let (tx, rx) = mpsc::channel();
         driver().handle().spawn(async move {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -186,6 +214,7 @@ mod tests {
 
     #[test]
     fn a_polling_caller_runs_the_tasks_itself() {
+        let _serial = one_at_a_time();
         let driver = driver();
         let me = std::thread::current().id();
         let (tx, rx) = mpsc::channel();
@@ -213,7 +242,27 @@ mod tests {
     }
 
     #[test]
+    fn a_check_now_and_then_leaves_the_runtime_to_the_background_thread() {
+        let _serial = one_at_a_time();
+        let driver = driver();
+        let start = Instant::now();
+        while !driver.background.load(SeqCst) {
+            assert!(
+                start.elapsed() < DEADLINE,
+                "the background thread never drove"
+            );
+            std::thread::sleep(QUIET);
+        }
+        for _ in 0..3 {
+            std::thread::sleep(3 * QUIET);
+            assert!(!driver.poll(), "a lone poll took the runtime");
+            assert!(driver.background.load(SeqCst));
+        }
+    }
+
+    #[test]
     fn a_blocking_call_completes_while_another_thread_polls() {
+        let _serial = one_at_a_time();
         let driver = driver();
         let stop = std::sync::Arc::new(AtomicBool::new(false));
         let poller = {

@@ -430,15 +430,13 @@ impl Engine {
             }
         }
         xfer.set_notification(notif.map(|msg| frame_notif(&self.agent, msg)));
-        if xfer.post(self.deadline).is_err() {
+        // Started here when this caller drives, as UCX starts a send
+        // inside its post: the first bytes leave before the first check.
+        let (posted, _) = self.driver.poll_with(|| xfer.post(self.deadline));
+        if posted.is_err() {
             return Status::RepostActive;
         }
         drop(xfer);
-        // Started here, as UCX starts a send inside its post: the first
-        // bytes leave before the caller's first check.
-        if request.status() == XferStatus::InProgress {
-            self.driver.poll();
-        }
         match request.status() {
             // Done within the post (a small same-host copy): NIXL takes
             // `Success` from postXfer as complete, and skips the checks.
