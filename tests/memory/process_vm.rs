@@ -19,6 +19,18 @@ const PROCESS_VM: Option<TransportPath> = Some(TransportPath::Memory(MemoryPath:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn from_raw_regions_go_over_process_vm_byte_for_byte() {
+    regions_byte_for_byte().await;
+}
+
+/// On a current-thread runtime (the NIXL plugin's) a batch's first share
+/// is copied on the runtime's thread, a step at a time, beside the copy
+/// threads: the same bytes land.
+#[tokio::test(flavor = "current_thread")]
+async fn from_raw_regions_go_over_process_vm_byte_for_byte_on_a_current_thread_runtime() {
+    regions_byte_for_byte().await;
+}
+
+async fn regions_byte_for_byte() {
     let node = node().await;
     let mut peer = sharing_peer().await;
     // Across one piece (1 MiB) and several, at an offset into the region.
@@ -58,14 +70,18 @@ async fn from_raw_regions_go_over_process_vm_byte_for_byte() {
         assert!(back.to_vec() == data, "{len} B read back differs");
         peer.drop_region(&target).await;
     }
-    // Memory ferry allocated still goes through a mapping, and says so.
-    let shared = peer.alloc(4096, Access::ReadWrite, 1).await;
-    let local = node.alloc(4096, Access::ReadWrite).await.unwrap();
+    // Memory ferry allocated still goes through a mapping, and says so;
+    // its bytes too, over several copy steps.
+    let len = (3 << 20) + 5;
+    let shared = peer.alloc(len, Access::ReadWrite, 1).await;
+    let local = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
     let op = RdmaOp::read(local.whole(), shared.handle.clone());
     assert_eq!(
         node.path(&op),
         Some(TransportPath::Memory(MemoryPath::Mapped))
     );
+    node.submit(vec![op], DEADLINE).await.unwrap();
+    assert_eq!(digest(&local.to_vec()), digest(&shared.original()));
     assert_eq!(peer.panics().await, 0);
 }
 
@@ -75,6 +91,16 @@ async fn from_raw_regions_go_over_process_vm_byte_for_byte() {
 /// thread (over it), written and read back byte for byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_small_ops_over_process_vm_land_byte_for_byte() {
+    many_small_ops_byte_for_byte().await;
+}
+
+/// As above, on a current-thread runtime: blocks split across copy steps.
+#[tokio::test(flavor = "current_thread")]
+async fn many_small_ops_over_process_vm_land_byte_for_byte_on_a_current_thread_runtime() {
+    many_small_ops_byte_for_byte().await;
+}
+
+async fn many_small_ops_byte_for_byte() {
     let node = node().await;
     let mut peer = sharing_peer().await;
     for (round, count) in [(0u8, 150usize), (1, 700)] {

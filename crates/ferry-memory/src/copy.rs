@@ -16,6 +16,9 @@ const INLINE: u64 = (1 << 20) + 1;
 const PER_THREAD: u64 = 4 << 20;
 /// At most this many threads per batch.
 const MAX_THREADS: usize = 4;
+/// What a copy on a current-thread runtime moves before it yields: a poll
+/// of the runtime takes about this long (a third of a millisecond).
+const STEP: usize = 1 << 20;
 
 /// Where an op's remote bytes are, checked against the region.
 pub(crate) enum Located {
@@ -144,26 +147,75 @@ pub(crate) async fn run(batch: Arc<Batch>) -> Vec<Result<(), Fail>> {
             room -= take;
         }
     }
-    let tasks = runs.into_iter().map(|run| {
-        let batch = batch.clone();
-        tokio::task::spawn_blocking(move || copy_run(&batch, run))
-    });
+    // On a current-thread runtime (the NIXL plugin's, which the caller
+    // polling for the request drives) the first run is copied here, a
+    // step per poll, beside the threads: a blocking thread of its own
+    // competed for a 2-core host's cores with the two spinning callers.
+    let mut runs = runs.into_iter();
+    let here = on_current_thread().then(|| runs.next()).flatten();
+    let tasks: Vec<_> = runs
+        .map(|run| {
+            let batch = batch.clone();
+            tokio::task::spawn_blocking(move || copy_run(&batch, run))
+        })
+        .collect();
     let mut outcome = vec![Ok(()); batch.planned.len()];
-    for done in futures_join(tasks).await {
+    for step in here.map(steps).unwrap_or_default() {
+        merge(&mut outcome, copy_run(&batch, step));
+        tokio::task::yield_now().await;
+    }
+    for done in futures_join(tasks.into_iter()).await {
         match done {
-            Ok(pieces) => {
-                for (i, result) in pieces {
-                    if outcome[i].is_ok() {
-                        outcome[i] = result;
-                    }
-                }
-            }
+            Ok(pieces) => merge(&mut outcome, pieces),
             // A copy thread cannot panic short of a bug; its ops are
             // reported through the owner's answer, not as done.
             Err(_) => outcome.iter_mut().for_each(|a| *a = Err(Fail::Dead)),
         }
     }
     outcome
+}
+
+/// Each piece's result into its op's outcome, where no earlier piece of
+/// the op failed.
+fn merge(outcome: &mut [Result<(), Fail>], pieces: Vec<(usize, Result<(), Fail>)>) {
+    for (i, result) in pieces {
+        if outcome[i].is_ok() {
+            outcome[i] = result;
+        }
+    }
+}
+
+/// Whether this task runs on a current-thread runtime.
+fn on_current_thread() -> bool {
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread)
+}
+
+/// `run` cut into steps of at most [`STEP`] bytes, pieces split where
+/// they cross a step's end.
+fn steps(run: Vec<Piece>) -> Vec<Vec<Piece>> {
+    let mut steps = vec![Vec::new()];
+    let mut room = STEP;
+    for piece in run {
+        let mut offset = piece.offset;
+        let end = piece.offset + piece.len;
+        while offset < end {
+            if room == 0 {
+                steps.push(Vec::new());
+                room = STEP;
+            }
+            let len = room.min(end - offset);
+            let step = steps.last_mut().expect("never empty");
+            step.push(Piece {
+                planned: piece.planned,
+                offset,
+                len,
+            });
+            offset += len;
+            room -= len;
+        }
+    }
+    steps
 }
 
 /// Copies `run`'s pieces in order; each piece's planned op and how it
@@ -244,4 +296,47 @@ async fn futures_join<T>(
         out.push(task.await);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steps_cut_pieces_at_step_ends_and_keep_every_byte_in_order() {
+        let piece = |planned, offset, len| Piece {
+            planned,
+            offset,
+            len,
+        };
+        let run = vec![
+            piece(0, 7, 3 * STEP + 5),
+            piece(1, 0, 10),
+            piece(2, 0, STEP),
+        ];
+        let steps = steps(run);
+        let bytes: Vec<usize> = steps
+            .iter()
+            .map(|s| s.iter().map(|p| p.len).sum())
+            .collect();
+        assert_eq!(bytes, [STEP, STEP, STEP, STEP, 15]);
+        let flat: Vec<(usize, usize, usize)> = steps
+            .iter()
+            .flatten()
+            .map(|p| (p.planned, p.offset, p.len))
+            .collect();
+        assert_eq!(
+            flat,
+            [
+                (0, 7, STEP),
+                (0, 7 + STEP, STEP),
+                (0, 7 + 2 * STEP, STEP),
+                (0, 7 + 3 * STEP, 5),
+                (1, 0, 10),
+                (2, 0, STEP - 15),
+                (2, STEP - 15, 15),
+            ]
+        );
+        assert!(super::steps(Vec::new()).iter().all(Vec::is_empty));
+    }
 }
