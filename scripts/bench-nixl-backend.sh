@@ -5,7 +5,10 @@
 # sitting, ROUNDS interleaved rounds, medians. Beside them, each round, the
 # physical references the targets are set against:
 #   tcp  four single-stream iperf3 processes at once (their sum), and
-#   shm  a two-thread memcpy (numpy) of each cell's request size;
+#   shm  a two-thread memcpy (numpy) of each cell's request size, and
+#        one thread's process_vm_writev of the cell's blocks
+#        (scripts/memcpy-bench.c pvm): the kernel copy ferry makes for
+#        memory it did not allocate, as NIXL's is;
 # and, with FERRY_PY=1, ferry's own Python API (python/bench.py, prepared
 # requests) on the same cells.
 #
@@ -76,6 +79,19 @@ total = sum(json.load(open(f))["end"]["sum_received"]["bits_per_second"] for f i
 print(total / 8e9)' "$out"/iperf.530?
 }
 
+cc -O2 -o "$out/memcpy-bench" scripts/memcpy-bench.c
+
+# One thread's process_vm_writev of each cell's blocks, GB/s.
+pvm_ref() {
+    local block
+    for block in 4096 65536 1048576 16777216; do
+        local gbps
+        gbps=$("$out/memcpy-bench" $block "$seconds" $((256 << 20)) pvm)
+        echo "pvm shm bw write $block $gbps"
+        echo "pvm shm bw read $block $gbps"
+    done
+}
+
 # A two-thread memcpy of each cell's request between two 256 MiB buffers.
 memcpy_ref() {
     "$NIXL_PY" - "$seconds" <<'PY'
@@ -122,6 +138,7 @@ for round in $(seq "$rounds"); do
     done
     echo "iperf3x4 tcp bw write 0 $(iperf3_x4)" >>"$out/rows"
     memcpy_ref >>"$out/rows"
+    pvm_ref >>"$out/rows"
 done
 
 python3 - "$out/rows" <<'PY'
@@ -134,9 +151,9 @@ iperf = statistics.median(cells.get(("tcp", "bw", "write", 0), {}).get("iperf3x4
 med = lambda xs: statistics.median(xs) if xs else float("nan")
 size = lambda b: f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB" if b >= 1024 else f"{b} B"
 py = any("ferry-py" in by for by in cells.values())
-print("| transport | cell | UCX | FERRY | FERRY / UCX | physical | FERRY / physical |"
+print("| transport | cell | UCX | FERRY | FERRY / UCX | physical | FERRY / physical | process_vm | FERRY / process_vm |"
       + (" ferry Python | FERRY / ferry Python |" if py else ""))
-print("|---|---|---|---|---|---|---|" + ("---|---|" if py else ""))
+print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if py else ""))
 for (transport, workload, op, block), by in sorted(cells.items()):
     if "FERRY" not in by:
         continue
@@ -144,9 +161,11 @@ for (transport, workload, op, block), by in sorted(cells.items()):
     if workload == "bw":
         phys = iperf if transport == "tcp" else med(cells.get(("shm", "bw", op, block), {}).get("memcpy", []))
         line = f"| {transport} | {op} {size(block)} GB/s | {u:.2f} | {f:.2f} | {f / u:.2f} | {phys:.2f} | {f / phys:.2f} |"
+        pvm = med(by.get("pvm", []))
+        line += f" {pvm:.2f} | {f / pvm:.2f} |" if transport == "shm" else " | |"
         line += f" {p:.2f} | {f / p:.2f} |" if py else ""
     else:
-        line = f"| {transport} | {op} 8 B p50 µs | {u:.1f} | {f:.1f} | {f / u:.2f} (lower is better) | | |"
+        line = f"| {transport} | {op} 8 B p50 µs | {u:.1f} | {f:.1f} | {f / u:.2f} (lower is better) | | | | |"
         line += f" {p:.1f} | {f / p:.2f} (lower is better) |" if py else ""
     print(line)
 print()

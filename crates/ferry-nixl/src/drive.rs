@@ -122,14 +122,19 @@ impl Driver {
     /// runs). Returns at once, having done nothing, when another thread
     /// drives the runtime; `false` then.
     pub fn poll(&self) -> bool {
-        self.poll_with(|| ()).1
+        self.poll_with(|| (), |_| false).1
     }
 
-    /// `start` (a request's post), then one step of progress, on the
-    /// calling thread when it may drive: inside the runtime, so what
-    /// `start` spawns is queued here, without waking the runtime's thread.
-    /// Whether this call drove, with `start`'s result.
-    pub fn poll_with<T>(&self, start: impl FnOnce() -> T) -> (T, bool) {
+    /// `start` (a request's post), then, unless `settled` says its result
+    /// needs nothing more, one step of progress, on the calling thread
+    /// when it may drive: inside the runtime, so what `start` spawns is
+    /// queued here, without waking the runtime's thread. Whether this call
+    /// drove, with `start`'s result.
+    pub fn poll_with<T>(
+        &self,
+        start: impl FnOnce() -> T,
+        settled: impl FnOnce(&T) -> bool,
+    ) -> (T, bool) {
         let now = self.now();
         let previous = self.last_poll.swap(now, SeqCst);
         if self.blocked.load(SeqCst) > 0 {
@@ -150,8 +155,10 @@ impl Driver {
         self.hand_over.notify_one();
         let out = self.runtime.block_on(async {
             let out = start();
-            tokio::task::yield_now().await;
-            tokio::task::yield_now().await;
+            if !settled(&out) {
+                tokio::task::yield_now().await;
+                tokio::task::yield_now().await;
+            }
             out
         });
         (out, true)
