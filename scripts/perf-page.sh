@@ -8,7 +8,8 @@
 # ucx_perftest, and, with --rdma, perftest in the soft-RoCE VM (tests/rxe/).
 # The cells and commands are those of bench-tcp-bw-vs-peers.sh,
 # bench-tcp-small-vs-peers.sh, bench-prepared-vs-nixl.sh,
-# bench-memory-vs-ucx.sh, bench-tcp-vs-iperf3.sh and bench-rdma-vs-perftest.sh:
+# bench-memory-vs-ucx.sh, bench-tcp-vs-iperf3.sh, bench-nixl-backend.sh and
+# bench-rdma-vs-perftest.sh:
 #
 #   TCP bandwidth   ferry submit and prepared requests (one long-lived `ferry
 #                   serve`), NIXL (UCX tcp), Mooncake (tcp): 4K x1024, 64K
@@ -20,6 +21,11 @@
 #   same host       ferry's memory transport (prepared) against NIXL shm and
 #                   memcpy, same shapes; ferry against ucx_perftest put_bw
 #                   (posix,cma and tcp) at 1M and 16M
+#   through NIXL    NIXL's bench.py with --backend FERRY (ferry's plugin,
+#                   built with ferry-cli's profile and installed into the
+#                   NIXL venv) beside its UCX rows above: TCP and shm
+#                   bandwidth and 8-byte write latency, as
+#                   bench-nixl-backend.sh
 #   --rdma          one VM boot: ferry over ibverbs against ib_write_bw,
 #                   ib_read_bw (64 B to 1 MiB), ib_write_lat, ib_read_lat
 #
@@ -41,15 +47,15 @@
 #                page/, or --out, never docs), then checks that the page
 #                and every plot are well formed; a peer whose venv is
 #                missing is skipped with a line saying so. Fails on a
-#                failure of ferry's own; a peer's or a tool's shows on the
-#                page and in a line here.
+#                failure of ferry's own (its NIXL plugin's included); a
+#                peer's or a tool's shows on the page and in a line here.
 #
-# Takes about 15 minutes with the defaults on a 2-core machine (about 3 a
+# Takes about 20 minutes with the defaults on a 2-core machine (about 4 a
 # round), --rdma about 8 more; --smoke about a minute (--rdma: 2). Add the
-# release build of ferry-cli (3-5 minutes the first time; --smoke uses the
-# debug build, FERRY_PROFILE=release to override). A full run needs
-# the peers' venvs (../shared/peers/*/setup.sh) and stops without them;
-# installs iperf3, sockperf and ucx-utils when missing. Exits 1 when any
+# release build of ferry-cli and ferry-nixl (3-5 minutes the first time;
+# --smoke uses the debug build, FERRY_PROFILE=release to override). A full
+# run needs the peers' venvs (../shared/peers/*/setup.sh) and stops without
+# them; installs iperf3, sockperf and ucx-utils when missing. Exits 1 when any
 # command failed (the page is written anyway, listing them). Run it on an
 # idle machine: other load moves every number.
 set -euo pipefail
@@ -120,6 +126,18 @@ peer_here() { # NAME PYTHON SETUP
 }
 peer_here nixl "$NIXL_PY" "$PEERS/nixl/setup.sh" || have_nixl=0
 peer_here mooncake "$MOONCAKE_PY" "$PEERS/mooncake/setup.sh" || have_mooncake=0
+# ferry as a NIXL backend: the FERRY plugin, built as ferry-cli is, copied
+# into the NIXL venv's plugin directory (as bench-nixl-backend.sh does).
+if ((have_nixl)); then
+    echo "perf-page: building ferry-nixl (${FERRY_PROFILE:-release}) and installing its plugin" >&2
+    if [ "${FERRY_PROFILE:-release}" = debug ]; then
+        cargo build --locked -q -p ferry-nixl
+    else
+        cargo build --release --locked -q -p ferry-nixl
+    fi
+    plugin=$target_dir/${FERRY_PROFILE:-release}/libplugin_FERRY.so
+    "$ferry" nixl install --python "$NIXL_PY" --plugin "$plugin" >&2
+fi
 for tool in iperf3 sockperf ucx_perftest; do
     command -v $tool >/dev/null && continue
     echo "perf-page: skipping $tool: not installed" >&2
@@ -223,7 +241,8 @@ measure() {
     python3 scripts/perf_page.py ingest failed "$rows" suite="$suite" system="$system" round="$round" \
         "cmd=$shown" "log=$log" </dev/null
     failures=$((failures + 1))
-    [ "$system" = ferry ] && ferry_failures=$((ferry_failures + 1))
+    # (nixl-ferry: ferry's NIXL plugin, ferry's own code)
+    case $system in ferry | nixl-ferry) ferry_failures=$((ferry_failures + 1)) ;; esac
     return 0
 }
 note() { # SUITE TEXT: a line for the page's list of commands
@@ -288,6 +307,11 @@ if command -v sockperf >/dev/null; then
 fi
 note tcp-bw "in the background: FERRY_DISABLE_MEMORY=1 $ferry_shown serve --size 256M --no-ibverbs --handle-file \$SERVE_DIR/h"
 note lat "the tcp rows use the same ferry serve as the TCP bandwidth table"
+if ((have_nixl)); then
+    plugin_shown=$plugin
+    case $plugin in "$PWD"/*) plugin_shown=${plugin#"$PWD"/} ;; esac
+    note nixl-ferry "once, before the rounds: $(show "$ferry" nixl install --python "$NIXL_PY" --plugin "$plugin_shown")"
+fi
 round=0
 
 for round in $(seq "$rounds"); do
@@ -303,6 +327,9 @@ for round in $(seq "$rounds"); do
     done
     ((have_nixl)) && measure json tcp-bw nixl transport=tcp -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
         --transport tcp --workload bw --op both --blocks $peer_blocks --duration "$seconds" --no-prog-thread
+    ((have_nixl)) && measure json tcp-bw nixl-ferry transport=tcp -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
+        --backend FERRY --transport tcp --workload bw --op both --blocks $peer_blocks --duration "$seconds" \
+        --no-prog-thread
     ((have_mooncake)) && measure json tcp-bw mooncake transport=tcp -- "$MOONCAKE_PY" \
         "$PEERS/mooncake/bench.py" --protocol tcp --workload bw --op both --blocks $peer_blocks \
         --duration "$seconds"
@@ -327,6 +354,9 @@ for round in $(seq "$rounds"); do
         --batch 1 --duration "$seconds" --warmup 200 --json
     ((have_nixl)) && measure json lat nixl transport=tcp -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
         --transport tcp --workload lat --op write --duration "$seconds" --no-prog-thread "${lat_args[@]}"
+    ((have_nixl)) && measure json lat nixl-ferry transport=tcp -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
+        --backend FERRY --transport tcp --workload lat --op write --duration "$seconds" --no-prog-thread \
+        "${lat_args[@]}"
     ((have_mooncake)) && measure json lat mooncake transport=tcp -- "$MOONCAKE_PY" \
         "$PEERS/mooncake/bench.py" --protocol tcp --workload lat --op write --duration "$seconds" \
         "${mooncake_lat_args[@]}"
@@ -336,6 +366,9 @@ for round in $(seq "$rounds"); do
         --block 8 --batch 1 --duration "$seconds" --warmup 200 --json
     ((have_nixl)) && measure json lat nixl transport=memory -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
         --transport shm --workload lat --op write --duration "$seconds" --no-prog-thread "${lat_args[@]}"
+    ((have_nixl)) && measure json lat nixl-ferry transport=memory -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
+        --backend FERRY --transport shm --workload lat --op write --duration "$seconds" --no-prog-thread \
+        "${lat_args[@]}"
 
     echo "perf-page: round $round of $rounds: same host" >&2
     for op in write read; do
@@ -348,6 +381,9 @@ for round in $(seq "$rounds"); do
     done
     ((have_nixl)) && measure json mem-bw nixl transport=shm -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
         --transport shm --workload bw --op both --blocks $peer_blocks --duration "$seconds" --no-prog-thread
+    ((have_nixl)) && measure json mem-bw nixl-ferry transport=shm -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
+        --backend FERRY --transport shm --workload bw --op both --blocks $peer_blocks --duration "$seconds" \
+        --no-prog-thread
     for block in "${mem_blocks[@]}"; do
         measure gbps memcpy memcpy variant=256M block="$block" op=write -- "$work/memcpy" "$block" "$seconds"
     done

@@ -19,6 +19,8 @@ Subcommands (Python 3 standard library only; plots are SVG written here):
 Row fields: suite (which table), system, variant, transport, op, block,
 batch, round, cmd (the command, as run), and the measurements: gbps (1e9 B/s),
 mops, lat_p50_us, lat_p99_us, and for perftest's latency tools lat_rtt_us.
+System nixl is NIXL's bench.py on its UCX backend; nixl-ferry the same
+bench.py with --backend FERRY (ferry's NIXL plugin), in the same suites.
 """
 
 from __future__ import annotations
@@ -267,6 +269,11 @@ def short_size(b: float) -> str:
     return f"{b}"
 
 
+# The system of NIXL's bench.py run with --backend FERRY (ferry's NIXL
+# plugin); "nixl" is the same bench.py on NIXL's UCX backend.
+NIXL_FERRY = "nixl-ferry"
+
+
 class Rows:
     def __init__(self, rows: List[dict], rounds: int):
         self.rows = [r for r in rows if not r.get("failed") and not r.get("note")]
@@ -290,10 +297,10 @@ class Rows:
         spread = f"{num(st.lo)}–{num(st.hi)}"
         return f"{num(st.median)} ({spread}{'' if n >= self.rounds else f', n={n}'})"
 
-    def commands(self, suite: str) -> List[str]:
+    def commands(self, suite: str, exclude: Sequence[str] = (NIXL_FERRY,)) -> List[str]:
         seen: List[str] = []
         for r in self.all:
-            if r.get("suite") != suite or not r.get("cmd"):
+            if r.get("suite") != suite or not r.get("cmd") or r.get("system") in exclude:
                 continue
             line = ("# " if r.get("note") else "") + r["cmd"]
             if line not in seen:
@@ -341,6 +348,7 @@ TCP_BW = "TCP loopback bandwidth"
 LAT = "Small-op latency"
 MEM_BW = "Same-host bandwidth: prepared requests"
 MEM_UCX = "Same-host bandwidth against UCX"
+NIXL_API = "Through NIXL's API"
 RDMA = "RDMA on soft-RoCE against perftest"
 
 HEADERS = {
@@ -352,6 +360,8 @@ HEADERS = {
     MEM_UCX: ["block", "ferry, one-block region", "ferry, 256 MiB region", "UCX posix,cma", "UCX tcp",
               "memcpy, one block", "memcpy, 256 MiB", "one-block ÷ best UCX", "one-block ÷ memcpy",
               "256 MiB ÷ best UCX", "256 MiB ÷ memcpy"],
+    NIXL_API: ["transport", "cell", "FERRY (through NIXL)", "UCX (through NIXL)", "FERRY ÷ UCX",
+               "ferry's own API", "FERRY ÷ ferry's own", "physical", "FERRY ÷ physical"],
     RDMA: ["cell", "unit", "ferry", "perftest", "ferry vs perftest"],
 }
 
@@ -428,6 +438,76 @@ def mem_ucx_table(rows: Rows) -> List[List[str]]:
         out.append([size(block), rows.cell(one), rows.cell(big), rows.cell(posix), rows.cell(tcp), rows.cell(cpy1),
                     rows.cell(cpy), ratio(one, ucx), ratio(one, cpy1), ratio(big, ucx), ratio(big, cpy)])
     return out
+
+
+def nixl_api_cells(rows: Rows) -> List[Tuple[str, str, str, Stat, Stat, Stat, Stat, str]]:
+    """The rows of the NIXL table: (transport, cell, kind, FERRY, UCX,
+    ferry's own, physical, physical's name); kind is "bw" or "lat"."""
+    out = []
+    nixl = (NIXL_FERRY, "nixl")
+    for transport, bw_suite, lat_transport in (("TCP", "tcp-bw", "tcp"), ("same host", "mem-bw", "memory")):
+        found = {(r.get("op"), r.get("block"), r.get("batch")) for r in rows.rows
+                 if r.get("suite") == bw_suite and r.get("system") in nixl and r.get("gbps") is not None}
+        for op, block, batch in sorted(found, key=lambda s: (s[0] != "write", s[1] or 0, s[2] or 0)):
+            want = dict(suite=bw_suite, op=op, block=block)
+            ferry = rows.stat("gbps", system=NIXL_FERRY, **want)
+            ucx = rows.stat("gbps", system="nixl", **want)
+            if bw_suite == "tcp-bw":
+                own = rows.stat("gbps", system="ferry", variant="prepared", **want)
+                phys, phys_name = iperf3(rows, op), "iperf3"
+            else:
+                own = rows.stat("gbps", system="ferry", **want)
+                phys = rows.stat("gbps", suite="memcpy", system="memcpy", variant="256M", block=block)
+                phys_name = "memcpy"
+            out.append((transport, f"{op} {size(block)} × {batch or 0:,}, GB/s", "bw", ferry, ucx, own, phys,
+                        phys_name))
+        want = dict(suite="lat", transport=lat_transport)
+        if any(rows.select(system=system, **want) for system in nixl):
+            ferry = rows.stat("lat_p50_us", system=NIXL_FERRY, **want)
+            ucx = rows.stat("lat_p50_us", system="nixl", **want)
+            own = rows.stat("lat_p50_us", system="ferry", **want)
+            phys = rows.stat("lat_p50_us", system="sockperf", **want)
+            out.append((transport, "8-byte write p50, µs", "lat", ferry, ucx, own, phys,
+                        "sockperf" if lat_transport == "tcp" else ""))
+    return out
+
+
+def nixl_api_table(rows: Rows) -> List[List[str]]:
+    out = []
+    for transport, cell, kind, ferry, ucx, own, phys, _ in nixl_api_cells(rows):
+        time = kind == "lat"
+        mark = (lambda r: labelled(r, "time")) if time else (lambda r: r)
+        out.append([transport, cell, rows.cell(ferry), rows.cell(ucx), mark(ratio(ferry, ucx, time)),
+                    rows.cell(own), mark(ratio(ferry, own, time)), rows.cell(phys), mark(ratio(ferry, phys, time))])
+    return out
+
+
+def nixl_api_commands(rows: Rows) -> List[str]:
+    """The commands of the rows the NIXL table uses, in the order they ran:
+    NIXL's bench.py on both backends first, then ferry's own and the
+    physical references (the same commands as in the tables above)."""
+    seen: List[str] = []
+
+    def add(pick) -> None:
+        for r in rows.all:
+            if r.get("cmd") and pick(r):
+                line = ("# " if r.get("note") else "") + r["cmd"]
+                if line not in seen:
+                    seen.append(line)
+
+    nixl_suites = ("tcp-bw", "lat", "mem-bw", NIXL_FERRY)
+    add(lambda r: r.get("suite") == NIXL_FERRY)
+    add(lambda r: r.get("suite") in nixl_suites and r.get("system") in (NIXL_FERRY, "nixl"))
+    if len(seen) == 0:
+        return seen
+    seen.append("# ferry's own API and the physical references (the commands of the tables above):")
+    add(lambda r: r.get("note") and r.get("suite") in ("tcp-bw", "memcpy"))
+    add(lambda r: r.get("suite") == "tcp-bw" and r.get("system") == "ferry" and r.get("variant") == "prepared")
+    add(lambda r: r.get("suite") == "lat" and r.get("system") in ("ferry", "sockperf"))
+    add(lambda r: r.get("suite") == "mem-bw" and r.get("system") == "ferry")
+    add(lambda r: r.get("suite") == "tcp-bw" and r.get("system") == "iperf3")
+    add(lambda r: r.get("suite") == "memcpy" and r.get("system") == "memcpy" and r.get("variant") == "256M")
+    return seen
 
 
 def rdma_table(rows: Rows) -> List[List[str]]:
@@ -687,13 +767,14 @@ def duration(meta: dict) -> str:
 
 
 def section(lines: List[str], title: str, intro: str, rows: Rows, body: List[List[str]], suites: Sequence[str],
-            align: Sequence[str], missing: str) -> None:
+            align: Sequence[str], missing: str, cmds: Optional[List[str]] = None) -> None:
     lines += [f"## {title}", "", intro, ""]
     header = HEADERS[title]
     if not body:
         body = [[f"not measured in this run: {missing}"] + ["—"] * (len(header) - 1)]
     lines += table(header, body, align)
-    cmds = [c for s in suites for c in rows.commands(s)]
+    if cmds is None:
+        cmds = [c for s in suites for c in rows.commands(s)]
     if cmds:
         lines += ["", "Commands, each run once a round:", "", "```sh", *cmds, "```"]
     lines.append("")
@@ -774,6 +855,20 @@ def render_page(rows: Rows, meta: dict, run_dir: Path, plots: List[str]) -> str:
             "(a region of one block, beside a `memcpy` within one block) and sweeping a 256 MiB region, beside "
             "a `memcpy` sweeping 256 MiB. Writes, GB/s.",
             rows, mem_ucx_table(rows), ["mem-ucx", "memcpy"], ["---"] + ["---:"] * 10, "the same-host suite did not run")
+    section(lines, NIXL_API,
+            "ferry as a NIXL backend (`--backend FERRY`: its plugin, `libplugin_FERRY.so`, installed into "
+            "NIXL's venv) against NIXL's own UCX backend, measured by the same harness, NIXL's `bench.py`, on "
+            "the same workloads in the same run: one request in flight, each made per iteration from "
+            "descriptor lists prepared once (bench.py's default `prepped` mode). TCP: UCX's tcp transport "
+            "against ferry's TCP (its same-host path off); same host: UCX's posix and cma against ferry's "
+            "memory transport. NIXL's memory is the caller's, not allocated by ferry, so ferry copies it with "
+            "`process_vm_writev`, not through a shared mapping as with its own API. ferry's own API: its "
+            "prepared requests in the tables above (`ferry prepared` over TCP, ferry memory on the same host, "
+            "ferry's lines of the latency table); physical: iperf3 (TCP bandwidth), sockperf's round trip "
+            "(TCP latency), a one-thread `memcpy` sweeping 256 MiB (same host). GB/s; latency in µs, its "
+            "ratios of times (\"(time)\").",
+            rows, nixl_api_table(rows), [], ["---", "---"] + ["---:"] * 7,
+            "needs NIXL's venv (`../shared/peers/nixl/setup.sh`)", nixl_api_commands(rows))
     section(lines, RDMA,
             "ferry over ibverbs (`ferry bench --loopback --transport ibverbs`, two processes) against "
             "perftest's `ib_write_bw`, `ib_read_bw`, `ib_write_lat` and `ib_read_lat` in the same boot of the "
@@ -836,12 +931,30 @@ def headline(rows: Rows, meta: dict) -> List[str]:
         cpy = rows.stat("gbps", suite="memcpy", system="memcpy", variant="one-block", block=block)
         body.append([f"same host, {size(block)} puts (one-block region), GB/s", med(ferry), "—", "—", med(ucx),
                      ratio(ferry, ucx), labelled(ratio(ferry, cpy), "memcpy")])
+    # Through NIXL's API: ferry's plugin in the ferry column, NIXL's UCX
+    # backend in NIXL's, both driven by NIXL's bench.py.
+    for suite, where, block, batch in (("tcp-bw", "TCP", 1 << 20, 64), ("mem-bw", "same host", 4096, 1024)):
+        want = dict(suite=suite, op="write", block=block)
+        ferry = rows.stat("gbps", system=NIXL_FERRY, **want)
+        if not ferry:
+            continue
+        nixl = rows.stat("gbps", system="nixl", **want)
+        if suite == "tcp-bw":
+            phys = labelled(ratio(ferry, iperf3(rows, "write")), "iperf3")
+        else:
+            cpy = rows.stat("gbps", suite="memcpy", system="memcpy", variant="256M", block=block)
+            phys = labelled(ratio(ferry, cpy), "memcpy")
+        body.append([f"through NIXL, {where}, {size(block)} × {batch:,} writes, GB/s",
+                     med(ferry), med(nixl), "—", "—", ratio(ferry, nixl), phys])
     n = rows.rounds
     caption = (f"Loopback and same host, one request in flight: medians of {n} round{'s' if n != 1 else ''} of "
                f"`{meta.get('command', '?')}` at commit `{meta.get('commit', '?')}`, {meta.get('date', '?')}; "
                "every row's systems were measured in the same run.")
     note = ("Above 1, ferry is ahead (\"(time)\": the other's time over ferry's); \"physical\": iperf3 or "
             "sockperf on loopback, or a one-thread memcpy; \"—\": not measured.")
+    if any(r[0].startswith("through NIXL") for r in body):
+        note += (" \"Through NIXL\": NIXL's own benchmark on ferry's NIXL backend (in the ferry column) and "
+                 "on NIXL's UCX backend (in NIXL's).")
     return (textwrap.wrap(caption, 76, break_on_hyphens=False) + [""]
             + table(header, body, ["---"] + ["---:"] * 6) + [""]
             + textwrap.wrap(note, 76, break_on_hyphens=False))
