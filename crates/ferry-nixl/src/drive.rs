@@ -107,14 +107,21 @@ impl Driver {
     /// meanwhile by the background thread (for a registration, a connect:
     /// NIXL's calls that wait by contract).
     pub fn block_on<F: Future>(&self, future: F) -> F::Output {
+        /// Counts a blocking call until it ends, panicking included (the
+        /// boundary catches the panic; the count must not stay up).
+        struct Blocked<'a>(&'a AtomicUsize);
+        impl Drop for Blocked<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, SeqCst);
+            }
+        }
         self.blocked.fetch_add(1, SeqCst);
+        let _blocked = Blocked(&self.blocked);
         // Under the lock, so the wake-up cannot fall between the
         // background thread's look at `blocked` and its wait.
         drop(self.wake.0.lock().unwrap_or_else(|e| e.into_inner()));
         self.wake.1.notify_one();
-        let out = self.runtime.handle().block_on(future);
-        self.blocked.fetch_sub(1, SeqCst);
-        out
+        self.runtime.handle().block_on(future)
     }
 
     /// One step of progress on the calling thread: the ready tasks run and
