@@ -1,7 +1,8 @@
 //! The copies of a batch, once every op has its mapping or `process_vm`
 //! grant: inline when small, else on blocking threads, a long batch or op
 //! split across a few of them by bytes (one thread's memcpy does not
-//! saturate memory).
+//! saturate memory). On a current-thread runtime the first share stays on
+//! the runtime's thread, copied a step at a time.
 
 use std::sync::Arc;
 
