@@ -112,47 +112,29 @@ fn copy(batch: &Batch, planned: &Planned, offset: usize, len: usize) -> Result<(
 /// (for a dead region, the owner is asked why).
 pub(crate) async fn run(batch: Arc<Batch>) -> Vec<Result<(), Fail>> {
     let total: u64 = batch.planned.iter().map(|p| batch.op(p).len()).sum();
-    if total < INLINE {
-        let whole = (0..batch.planned.len()).map(|i| Piece {
+    // One piece per op, whole.
+    let whole: Vec<Piece> = (0..batch.planned.len())
+        .map(|i| Piece {
             planned: i,
             offset: 0,
             len: batch.op(&batch.planned[i]).len() as usize,
-        });
+        })
+        .collect();
+    if total < INLINE {
         let mut outcome = vec![Ok(()); batch.planned.len()];
-        for (i, result) in copy_run(&batch, whole.collect()) {
+        for (i, result) in copy_run(&batch, whole) {
             outcome[i] = result;
         }
         return outcome;
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = (total / PER_THREAD).clamp(1, cores.min(MAX_THREADS) as u64);
-    let share = total.div_ceil(threads) as usize;
-    // Cut the batch into `threads` runs of about `share` bytes.
-    let mut runs: Vec<Vec<Piece>> = vec![Vec::new()];
-    let mut room = share;
-    for (i, p) in batch.planned.iter().enumerate() {
-        let mut offset = 0;
-        let len = batch.op(p).len() as usize;
-        while offset < len {
-            if room == 0 {
-                runs.push(Vec::new());
-                room = share;
-            }
-            let take = room.min(len - offset);
-            runs.last_mut().expect("never empty").push(Piece {
-                planned: i,
-                offset,
-                len: take,
-            });
-            offset += take;
-            room -= take;
-        }
-    }
+    // Cut the batch into `threads` runs of about the same bytes.
+    let mut runs = cut(whole, total.div_ceil(threads) as usize).into_iter();
     // On a current-thread runtime (the NIXL plugin's, which the caller
     // polling for the request drives) the first run is copied here, a
     // step per poll, beside the threads: a blocking thread of its own
     // competed for a 2-core host's cores with the two spinning callers.
-    let mut runs = runs.into_iter();
     let here = on_current_thread().then(|| runs.next()).flatten();
     let tasks: Vec<_> = runs
         .map(|run| {
@@ -161,7 +143,7 @@ pub(crate) async fn run(batch: Arc<Batch>) -> Vec<Result<(), Fail>> {
         })
         .collect();
     let mut outcome = vec![Ok(()); batch.planned.len()];
-    for step in here.map(steps).unwrap_or_default() {
+    for step in here.map(|run| cut(run, STEP)).unwrap_or_default() {
         merge(&mut outcome, copy_run(&batch, step));
         tokio::task::yield_now().await;
     }
@@ -192,22 +174,23 @@ fn on_current_thread() -> bool {
         .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread)
 }
 
-/// `run` cut into steps of at most [`STEP`] bytes, pieces split where
-/// they cross a step's end.
-fn steps(run: Vec<Piece>) -> Vec<Vec<Piece>> {
-    let mut steps = vec![Vec::new()];
-    let mut room = STEP;
-    for piece in run {
+/// `pieces` cut, in order, into groups of at most `size` bytes (the last
+/// may hold fewer), a piece split where it crosses a group's end: a batch
+/// into the threads' runs, a run into the steps of a current-thread copy.
+fn cut(pieces: Vec<Piece>, size: usize) -> Vec<Vec<Piece>> {
+    let mut groups = vec![Vec::new()];
+    let mut room = size;
+    for piece in pieces {
         let mut offset = piece.offset;
         let end = piece.offset + piece.len;
         while offset < end {
             if room == 0 {
-                steps.push(Vec::new());
-                room = STEP;
+                groups.push(Vec::new());
+                room = size;
             }
             let len = room.min(end - offset);
-            let step = steps.last_mut().expect("never empty");
-            step.push(Piece {
+            let group = groups.last_mut().expect("never empty");
+            group.push(Piece {
                 planned: piece.planned,
                 offset,
                 len,
@@ -216,7 +199,7 @@ fn steps(run: Vec<Piece>) -> Vec<Vec<Piece>> {
             room -= len;
         }
     }
-    steps
+    groups
 }
 
 /// Copies `run`'s pieces in order; each piece's planned op and how it
@@ -304,7 +287,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn steps_cut_pieces_at_step_ends_and_keep_every_byte_in_order() {
+    fn cut_splits_pieces_at_group_ends_and_keeps_every_byte_in_order() {
         let piece = |planned, offset, len| Piece {
             planned,
             offset,
@@ -315,7 +298,7 @@ mod tests {
             piece(1, 0, 10),
             piece(2, 0, STEP),
         ];
-        let steps = steps(run);
+        let steps = cut(run, STEP);
         let bytes: Vec<usize> = steps
             .iter()
             .map(|s| s.iter().map(|p| p.len).sum())
@@ -338,6 +321,6 @@ mod tests {
                 (2, STEP - 15, 15),
             ]
         );
-        assert!(super::steps(Vec::new()).iter().all(Vec::is_empty));
+        assert!(cut(Vec::new(), STEP).iter().all(Vec::is_empty));
     }
 }
