@@ -298,13 +298,17 @@ class Rows:
         return f"{num(st.median)} ({spread}{'' if n >= self.rounds else f', n={n}'})"
 
     def commands(self, suite: str, exclude: Sequence[str] = (NIXL_FERRY,)) -> List[str]:
-        seen: List[str] = []
+        return self.commands_where(lambda r: r.get("suite") == suite and r.get("system") not in exclude)
+
+    def commands_where(self, pick, seen: Optional[List[str]] = None) -> List[str]:
+        """The commands of the rows `pick` takes, in the order they ran, each
+        once (notes as comments), appended to `seen`."""
+        seen = [] if seen is None else seen
         for r in self.all:
-            if r.get("suite") != suite or not r.get("cmd") or r.get("system") in exclude:
-                continue
-            line = ("# " if r.get("note") else "") + r["cmd"]
-            if line not in seen:
-                seen.append(line)
+            if r.get("cmd") and pick(r):
+                line = ("# " if r.get("note") else "") + r["cmd"]
+                if line not in seen:
+                    seen.append(line)
         return seen
 
     def first(self, field: str, **want) -> Optional[str]:
@@ -489,11 +493,7 @@ def nixl_api_commands(rows: Rows) -> List[str]:
     seen: List[str] = []
 
     def add(pick) -> None:
-        for r in rows.all:
-            if r.get("cmd") and pick(r):
-                line = ("# " if r.get("note") else "") + r["cmd"]
-                if line not in seen:
-                    seen.append(line)
+        rows.commands_where(pick, seen)
 
     nixl_suites = ("tcp-bw", "lat", "mem-bw", NIXL_FERRY)
     add(lambda r: r.get("suite") == NIXL_FERRY)
