@@ -22,7 +22,7 @@ use kameo::actor::ActorRef;
 use kameo::message::{Context, Message};
 use kameo::reply::DelegatedReply;
 
-use crate::node::{NodeTransportInfo, Router};
+use crate::router::{NodeTransportInfo, Router};
 use crate::transports::TransportStatus;
 
 /// The node's manager actor; see the module docs. Spawned by

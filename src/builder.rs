@@ -20,7 +20,8 @@ use tracing::info;
 use crate::actor::NodeActor;
 use crate::meters::Meters;
 use crate::names::Names;
-use crate::node::{Node, NodeInner, Router};
+use crate::node::{Node, NodeInner};
+use crate::router::Router;
 use crate::transports::{TransportState, TransportStatus};
 
 /// Setting this environment variable to `1` keeps a node off RDMA, as

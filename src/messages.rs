@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::meters::Submitted;
-use crate::node::Router;
+use crate::router::Router;
 use crate::{IntoBody, Node, NodeActor};
 
 /// Why a submit with a notification failed.

@@ -16,7 +16,8 @@ use kameo::reply::DelegatedReply;
 use tokio::time::Instant;
 
 use crate::actor::NodeActor;
-use crate::node::{Node, Router};
+use crate::node::Node;
+use crate::router::Router;
 
 /// A peer's descriptor list, checked, routed and connected once
 /// ([`Node::prepare_remote`]): requests built on it take each region's

@@ -23,22 +23,24 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_core::{
-    DescError, DescIndices, Indices, LocalDescList, OpKind, RdmaOp, RdmaTransportLevel,
-    SubmitError, check_pairs, op_at,
+    DescError, DescIndices, Indices, LocalDescList, OpKind, RdmaTransportLevel, SubmitError,
+    check_pairs,
 };
-use futures_util::StreamExt;
-use futures_util::stream::FuturesOrdered;
 use kameo::message::{Context, Message};
 use tokio::sync::watch;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::IntoBody;
 use crate::actor::NodeActor;
 use crate::estimate::Estimate;
-use crate::messages::{NotifyError, submit_with_notification};
-use crate::node::{Node, Router};
-use crate::prepare::{PreparedRemote, route_regions};
+use crate::messages::NotifyError;
+use crate::node::Node;
+use crate::prepare::PreparedRemote;
+use crate::router::Router;
+
+mod drive;
+
+use drive::{Job, drive};
 
 /// The most ops in one slice of a request.
 pub const SLICE_OPS: usize = 1024;
@@ -121,20 +123,6 @@ pub enum PostError {
     /// It is in progress: post it again once it is done or failed.
     #[error("the request is in progress")]
     InProgress,
-}
-
-/// What a request moves, shared by the request and the task driving it.
-#[derive(Clone)]
-struct Job {
-    router: Arc<Router>,
-    kind: OpKind,
-    local: LocalDescList,
-    local_idx: Indices,
-    remote: PreparedRemote,
-    remote_idx: Indices,
-    notification: Option<Bytes>,
-    count: usize,
-    bytes: u64,
 }
 
 /// Shared by the request and its driver.
@@ -382,298 +370,6 @@ impl Drop for Xfer {
     fn drop(&mut self) {
         self.cancel();
     }
-}
-
-impl Job {
-    /// The peer and transport its estimate is for: its first region's.
-    fn path(&self) -> (ferry_core::NodeAddr, RdmaTransportLevel) {
-        let regions = self.remote.list().regions();
-        let level = self
-            .remote
-            .levels()
-            .first()
-            .copied()
-            .unwrap_or(RdmaTransportLevel::Tcp);
-        let peer = regions
-            .first()
-            .map_or(self.router.addr(), |region| region.owner());
-        (peer, level)
-    }
-
-    /// Whether every op goes to one peer over one transport: only such
-    /// requests teach the estimates.
-    fn single_path(&self, levels: &[RdmaTransportLevel]) -> bool {
-        self.remote.owners().len() == 1 && levels.windows(2).all(|w| w[0] == w[1])
-    }
-
-    /// The end of the slice starting at `start`, and its bytes.
-    fn slice_end(&self, start: usize) -> (usize, u64) {
-        let descs = self.local.descs();
-        let mut bytes = 0;
-        let mut end = start;
-        while end < self.count && end - start < SLICE_OPS {
-            let len = descs
-                .get(self.local_idx.at(end) as usize)
-                .map_or(0, |d| d.len);
-            if end > start && bytes + len > SLICE_BYTES {
-                break;
-            }
-            bytes += len;
-            end += 1;
-        }
-        (end, bytes)
-    }
-
-    /// The ops at positions `start..end`, and each one's transport. The
-    /// pairs were checked when the request was made; an error here would be
-    /// a list that changed under it, and fails the post instead of a task.
-    fn slice(
-        &self,
-        start: usize,
-        end: usize,
-        levels: &[RdmaTransportLevel],
-    ) -> Result<(Vec<RdmaOp>, Vec<RdmaTransportLevel>), DescError> {
-        let remote = self.remote.list();
-        let mut ops = Vec::with_capacity(end - start);
-        let mut op_levels = Vec::with_capacity(end - start);
-        for k in start..end {
-            let r = self.remote_idx.at(k);
-            let op = op_at(self.kind, &self.local, self.local_idx.at(k), remote, r, k)?;
-            let region = remote.descs().get(r as usize).map_or(0, |d| d.region);
-            ops.push(op);
-            op_levels.push(levels[region as usize]);
-        }
-        Ok((ops, op_levels))
-    }
-
-    /// Each region's transport for this post, routed once per post and
-    /// region (not per op): as prepared, unless a same-host owner closed
-    /// its socket since (stopped, or restarted under a new id), whose
-    /// regions then take the next transport, whose answer says what is at
-    /// the address now. Errors name the first position whose region has
-    /// no transport left.
-    fn levels_now(&self) -> Result<Vec<RdmaTransportLevel>, SubmitError> {
-        let regions = self.remote.list().regions();
-        if let Some(memory) = &self.router.memory {
-            memory.forget_dead_owners_of(regions);
-        }
-        route_regions(&self.router, regions).map_err(|e| {
-            let DescError::Region { region, error } = e else {
-                unreachable!("routing names regions")
-            };
-            let descs = self.remote.list().descs();
-            let index = (0..self.count)
-                .find(|&k| {
-                    descs
-                        .get(self.remote_idx.at(k) as usize)
-                        .is_some_and(|d| d.region as usize == region)
-                })
-                .unwrap_or(0);
-            SubmitError::Op { index, error }
-        })
-    }
-}
-
-/// A post's status to settle: by its driver, or, if the driver never
-/// finished (its runtime shut down and dropped the task), on drop, so that
-/// nothing stays in progress forever. Settling disarms it: a later post may
-/// already be in progress when the driver's frame goes.
-struct Settle(Option<Arc<State>>);
-
-impl Settle {
-    fn settle(mut self, status: XferStatus) {
-        if let Some(state) = self.0.take() {
-            state.status.send_replace(status);
-        }
-    }
-}
-
-impl Drop for Settle {
-    fn drop(&mut self) {
-        if let Some(state) = self.0.take() {
-            let stopped = XferError::Submit(SubmitError::BackendStopped);
-            state.status.send_replace(XferStatus::Failed(stopped));
-        }
-    }
-}
-
-/// Runs one post and settles its status.
-async fn drive(job: Arc<Job>, state: Arc<State>, cancel: CancellationToken, timeout: Duration) {
-    let settle = Settle(Some(state.clone()));
-    let started = Instant::now();
-    let result = run(&job, &state, &cancel, started + timeout, timeout).await;
-    if let Ok(levels) = &result
-        && job.single_path(levels)
-    {
-        let (peer, level) = job.path();
-        let took = started.elapsed();
-        (job.router.estimates).record(peer, level, job.count, job.bytes, took);
-    }
-    settle.settle(match result {
-        Ok(_) => XferStatus::Done,
-        Err(e) => XferStatus::Failed(e),
-    });
-}
-
-/// Posts the slices, a window at a time; returns the transports taken.
-async fn run(
-    job: &Job,
-    state: &State,
-    cancel: &CancellationToken,
-    deadline: Instant,
-    timeout: Duration,
-) -> Result<Vec<RdmaTransportLevel>, XferError> {
-    let router = &job.router;
-    if router.is_shut_down() {
-        return Err(SubmitError::ShutDown.into());
-    }
-    let levels = job.levels_now()?;
-    let total = job.count;
-    if total == 0 {
-        // No data for a notification to follow: it goes on its own to
-        // each owner of the remote list, as NIXL's requests of no
-        // descriptors do.
-        if let Some(body) = &job.notification {
-            notify_owners(router, job.remote.owners(), body, deadline).await?;
-        }
-        return Ok(levels);
-    }
-    let mut next = 0;
-    let mut in_flight = FuturesOrdered::new();
-    let mut bytes_in_flight = 0;
-    // The next slice, once measured: (end, bytes).
-    let mut upcoming = None;
-    let mut failure: Option<XferError> = None;
-    let mut timed_out = false;
-    // Ops of timed-out slices that did not finish: moved or not, unknown.
-    let mut unknown = 0;
-    loop {
-        while failure.is_none()
-            && !timed_out
-            && in_flight.len() < SLICES_IN_FLIGHT
-            && next < total
-            && !cancel.is_cancelled()
-        {
-            let (end, bytes) = *upcoming.get_or_insert_with(|| job.slice_end(next));
-            if in_flight.len() >= 2 && bytes_in_flight + bytes > WINDOW_BYTES {
-                break;
-            }
-            let notification = job.notification.clone().filter(|_| end == total);
-            // The notification goes once every other slice is done.
-            if notification.is_some() && !in_flight.is_empty() {
-                break;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                timed_out = true;
-                break;
-            }
-            let (ops, op_levels) = match job.slice(next, end, &levels) {
-                Ok(slice) => slice,
-                Err(e) => {
-                    failure = Some(e.into());
-                    break;
-                }
-            };
-            let start = next;
-            in_flight.push_back(async move {
-                let result = match notification {
-                    None => router
-                        .submit_routed(ops, op_levels, left)
-                        .await
-                        .map_err(XferError::Submit),
-                    Some(body) => submit_with_notification(router, ops, left, body)
-                        .await
-                        .map_err(|e| match e {
-                            NotifyError::Submit(e) => XferError::Submit(e),
-                            e => XferError::Notify(e),
-                        }),
-                };
-                (start, end, bytes, result)
-            });
-            bytes_in_flight += bytes;
-            next = end;
-            upcoming = None;
-        }
-        let Some((start, end, bytes, result)) = in_flight.next().await else {
-            break;
-        };
-        bytes_in_flight -= bytes;
-        match result {
-            Ok(()) => {
-                state.completed.fetch_add(end - start, Ordering::Relaxed);
-            }
-            Err(XferError::Submit(SubmitError::Timeout { unfinished, .. })) => {
-                timed_out = true;
-                let unfinished = unfinished.min(end - start);
-                (state.completed).fetch_add(end - start - unfinished, Ordering::Relaxed);
-                unknown += unfinished;
-            }
-            Err(XferError::Submit(SubmitError::Op { index, error })) => {
-                let index = start + index;
-                // The lowest failing position, as for a submit.
-                match &failure {
-                    Some(XferError::Submit(SubmitError::Op { index: lower, .. }))
-                        if *lower < index => {}
-                    _ => failure = Some(SubmitError::Op { index, error }.into()),
-                }
-            }
-            Err(e) => {
-                failure.get_or_insert(e);
-            }
-        }
-    }
-    let completed = state.completed.load(Ordering::Relaxed);
-    if let Some(failure) = failure {
-        return Err(failure);
-    }
-    // The caller asked to stop: that is what it hears, also when the
-    // window it had in flight could only end at the deadline.
-    if cancel.is_cancelled() && completed < total {
-        return Err(XferError::Cancelled {
-            completed,
-            unknown,
-            total,
-        });
-    }
-    if timed_out {
-        return Err(SubmitError::Timeout {
-            timeout,
-            unfinished: total - completed,
-            total,
-        }
-        .into());
-    }
-    if completed < total {
-        return Err(XferError::Cancelled {
-            completed,
-            unknown,
-            total,
-        });
-    }
-    Ok(levels)
-}
-
-/// Sends `body` as a notification to each of `owners` (a request of no
-/// ops), each within what is left until `deadline`.
-async fn notify_owners(
-    router: &Router,
-    owners: &[ferry_core::NodeAddr],
-    body: &Bytes,
-    deadline: Instant,
-) -> Result<(), XferError> {
-    if body.len() > router.messages.max_len() {
-        return Err(XferError::Notify(NotifyError::TooLarge {
-            len: body.len(),
-            limit: router.messages.max_len(),
-        }));
-    }
-    for &owner in owners {
-        let left = deadline.saturating_duration_since(Instant::now());
-        (router.messages.notify(owner, body.clone(), left).await)
-            .map_err(|error| XferError::Notify(NotifyError::Notification { owner, error }))?;
-    }
-    Ok(())
 }
 
 /// Asks a [`NodeActor`] for a request ([`Node::make_xfer`]); the worker
