@@ -244,7 +244,7 @@ pub(crate) async fn submit_with_notification(
                     return notify_behind_tcp(router, ops, timeout, notification).await;
                 }
                 Some(RdmaTransportLevel::Nic) => {
-                    if no_rail_reaches(router, owner, &ops, timeout).await {
+                    if router.no_rail_reaches(owner, &ops, timeout).await {
                         let left = deadline.saturating_duration_since(Instant::now());
                         return notify_behind_tcp(router, ops, left, notification).await;
                     }
@@ -362,35 +362,6 @@ async fn notify_behind_tcp(
         "tcp",
     )
     .await
-}
-
-/// Whether a notified batch to `owner` goes over TCP after all: it would
-/// be the first over ibverbs, the node allows a fallback, its ops carry TCP
-/// credentials, and connecting (which the batch would do anyway) finds
-/// that no rail pair reaches the owner. Counted and warned about as
-/// [`Router::submit`]'s fallback is.
-async fn no_rail_reaches(
-    router: &Router,
-    owner: NodeAddr,
-    ops: &[RdmaOp],
-    timeout: Duration,
-) -> bool {
-    let Some(ibverbs) = &router.ibverbs else {
-        return false;
-    };
-    if router.nic_required
-        || ibverbs.is_connected(owner)
-        || !ops.iter().all(|op| op.remote.transports().tcp.is_some())
-    {
-        return false;
-    }
-    match ibverbs.connect(owner, timeout).await {
-        Err(OpError::PeerUnreachable { .. }) if !ibverbs.reaches(owner) => {
-            metrics::counter!("ferry_ibverbs_tcp_fallbacks_total").increment(1);
-            true
-        }
-        _ => false,
-    }
 }
 
 /// A batch all over ibverbs to one owner: its notification is a SEND on

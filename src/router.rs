@@ -214,25 +214,48 @@ impl Router {
                 !ibverbs.is_connected(owner)
             }
         };
-        let retry = (!self.nic_required
-            && ops.iter().any(connects)
-            && ops.iter().all(|op| op.remote.transports().tcp.is_some()))
-        .then(|| ops.clone());
+        let retry = (self.may_fall_back(&ops) && ops.iter().any(connects)).then(|| ops.clone());
         let started = std::time::Instant::now();
         let result = self.ibverbs_meters.submit(ibverbs, ops, timeout).await;
         match (retry, &result) {
-            (
-                Some(ops),
-                Err(SubmitError::Op {
-                    error: OpError::PeerUnreachable { .. },
-                    ..
-                }),
-            ) if ops.iter().all(|op| !ibverbs.reaches(op.remote.owner())) => {
-                metrics::counter!("ferry_ibverbs_tcp_fallbacks_total").increment(1);
+            (Some(ops), Err(SubmitError::Op { error, .. }))
+                if no_rail_reached(ibverbs, ops.iter().map(|op| op.remote.owner()), error) =>
+            {
                 let left = timeout.saturating_sub(started.elapsed());
                 self.submit_tcp(ops, left).await
             }
             _ => result,
+        }
+    }
+
+    /// Whether a batch of `ops` over ibverbs may run over TCP instead, should
+    /// no rail pair reach its owner: the node allows it (ibverbs is not
+    /// required) and every op carries the owner's TCP credentials. Asked
+    /// by every path that falls back, so that they agree.
+    pub fn may_fall_back(&self, ops: &[RdmaOp]) -> bool {
+        !self.nic_required && ops.iter().all(|op| op.remote.transports().tcp.is_some())
+    }
+
+    /// Whether a notified batch to `owner` goes over TCP after all: it would
+    /// be the first over ibverbs, it [may fall back](Self::may_fall_back),
+    /// and connecting (which the batch would do anyway) finds that no rail
+    /// pair reaches the owner. Counted and warned about as
+    /// [`Router::submit`]'s fallback is.
+    pub async fn no_rail_reaches(
+        &self,
+        owner: NodeAddr,
+        ops: &[RdmaOp],
+        timeout: Duration,
+    ) -> bool {
+        let Some(ibverbs) = &self.ibverbs else {
+            return false;
+        };
+        if ibverbs.is_connected(owner) || !self.may_fall_back(ops) {
+            return false;
+        }
+        match ibverbs.connect(owner, timeout).await {
+            Err(error) => no_rail_reached(ibverbs, [owner].into_iter(), &error),
+            Ok(_) => false,
         }
     }
 
@@ -377,6 +400,22 @@ impl Router {
             transports: self.transports.clone(),
         }
     }
+}
+
+/// Whether `error`, from a first connect to `owners`, says that no rail pair
+/// reaches any of them: the fallback to TCP, counted in
+/// `ferry_ibverbs_tcp_fallbacks_total`.
+fn no_rail_reached(
+    ibverbs: &IbvBackend,
+    mut owners: impl Iterator<Item = NodeAddr>,
+    error: &OpError,
+) -> bool {
+    let unreachable =
+        matches!(error, OpError::PeerUnreachable { .. }) && owners.all(|o| !ibverbs.reaches(o));
+    if unreachable {
+        metrics::counter!("ferry_ibverbs_tcp_fallbacks_total").increment(1);
+    }
+    unreachable
 }
 
 /// Maps a backend's answer about its share of a batch back to indices of the
