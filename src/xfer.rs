@@ -216,9 +216,12 @@ fn make_xfer(
 ) -> Result<Xfer, DescError> {
     check_pairs(local, &local_idx, remote.list(), &remote_idx)?;
     let descs = local.descs();
-    let bytes = (0..local_idx.count())
-        .map(|k| descs.get(local_idx.at(k) as usize).map_or(0, |d| d.len))
-        .sum();
+    let bytes = match descs.lens_in(&local_idx) {
+        Some(lens) => lens.iter().sum(),
+        None => (0..local_idx.count())
+            .map(|k| descs.get(local_idx.at(k) as usize).map_or(0, |d| d.len))
+            .sum(),
+    };
     let (status, _) = watch::channel(XferStatus::Ready);
     Ok(Xfer {
         job: Arc::new(Job {

@@ -290,6 +290,16 @@ impl Descs {
                 .map_or(Ok(()), Err),
         }
     }
+
+    /// The lengths of the descriptors `indices` names, as one slice: when
+    /// the list is explicit and `indices` a range inside it (`None`
+    /// otherwise). Lets a request's checks compare whole arrays.
+    pub fn lens_in(&self, indices: &impl DescIndices) -> Option<&[u64]> {
+        let Layout::Explicit { len, .. } = &self.0 else {
+            return None;
+        };
+        len.get(indices.as_range()?)
+    }
 }
 
 /// Why a descriptor list or a request built from lists was refused. Each
@@ -461,6 +471,11 @@ pub trait DescIndices {
     fn count(&self) -> usize;
     /// The index at `position` (`position < count`).
     fn at(&self, position: usize) -> u64;
+    /// The sequence as a range of indices, when it is one (checks then
+    /// run over whole arrays; see [`Descs::lens_in`]).
+    fn as_range(&self) -> Option<Range<usize>> {
+        None
+    }
     /// The same sequence, owned, for a request that outlives the caller's
     /// array: a range stays two numbers. Indices are checked against the
     /// lists afterwards; one past `u32::MAX` becomes `u32::MAX`, which no
@@ -501,6 +516,15 @@ impl DescIndices for Indices {
             Indices::List(list) => u64::from(list[position]),
         }
     }
+    fn as_range(&self) -> Option<Range<usize>> {
+        match *self {
+            Indices::Range { start, count } => {
+                let start = usize::try_from(start).ok()?;
+                Some(start..start.checked_add(count)?)
+            }
+            Indices::List(_) => None,
+        }
+    }
     fn to_indices(&self) -> Indices {
         self.clone()
     }
@@ -530,6 +554,9 @@ impl DescIndices for Range<usize> {
     }
     fn at(&self, position: usize) -> u64 {
         (self.start + position) as u64
+    }
+    fn as_range(&self) -> Option<Range<usize>> {
+        Some(self.clone())
     }
     fn to_indices(&self) -> Indices {
         Indices::Range {
@@ -571,6 +598,17 @@ pub fn check_pairs(
             local: count,
             remote: remote_idx.count(),
         });
+    }
+    // Two ranges over explicit lists (a request over whole prepared
+    // lists): one comparison of the length arrays. Any difference is found
+    // again below, with its position.
+    if let (Some(l), Some(r)) = (
+        local.descs.lens_in(local_idx),
+        remote.descs.lens_in(remote_idx),
+    ) && l.len() == count
+        && l == r
+    {
+        return Ok(());
     }
     let lookup = |position: usize, index: u64, descs: &Descs| {
         usize::try_from(index)

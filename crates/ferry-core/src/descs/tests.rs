@@ -275,3 +275,72 @@ fn op_at_refuses_an_index_out_of_range() {
         })
     );
 }
+
+#[test]
+fn ranges_over_explicit_lists_are_checked_as_whole_arrays_with_the_same_answers() {
+    let local = region(8 * 1024);
+    let remote = region(8 * 1024);
+    let explicit = |lens: &[u64]| {
+        let mut descs = Descs::new();
+        let mut at = 0;
+        for &len in lens {
+            descs.push(0, at, len);
+            at += len;
+        }
+        descs
+    };
+    let locals = LocalDescList::new(vec![local.clone()], explicit(&[100, 200, 300, 400])).unwrap();
+    let remotes =
+        RemoteDescList::new(vec![remote.remote()], explicit(&[200, 300, 400, 500])).unwrap();
+    assert_eq!(locals.descs().lens_in(&(1..3)), Some(&[200, 300][..]));
+    assert_eq!(locals.descs().lens_in(&(3..5)), None, "past the end");
+    assert_eq!(locals.descs().lens_in(&&[0u32, 1][..]), None, "not a range");
+    let strided = Descs::strided(0, 0, 1024, 1024, 8);
+    assert_eq!(strided.lens_in(&(0..2)), None, "not explicit");
+
+    // Equal lengths, shifted by one: accepted, the ops as the pairs say.
+    let ops = ops_between(OpKind::Write, &locals, 1..4, &remotes, 0..3).unwrap();
+    let lens: Vec<u64> = ops.iter().map(|op| op.len()).collect();
+    assert_eq!(lens, [200, 300, 400]);
+    assert!(
+        check_pairs(
+            &locals,
+            &(1..4),
+            &remotes,
+            &Indices::Range { start: 0, count: 3 }
+        )
+        .is_ok()
+    );
+
+    // A difference is named by its position, as for index arrays.
+    assert_eq!(
+        check_pairs(&locals, &(0..3), &remotes, &(0..3)).err(),
+        Some(DescError::Descriptor {
+            index: 0,
+            error: OpError::LengthMismatch {
+                local: 100,
+                remote: 200
+            }
+        })
+    );
+    let odd = RemoteDescList::new(vec![remote.remote()], explicit(&[200, 300, 999])).unwrap();
+    assert_eq!(
+        check_pairs(&locals, &(1..4), &odd, &(0..3)).err(),
+        Some(DescError::Descriptor {
+            index: 2,
+            error: OpError::LengthMismatch {
+                local: 400,
+                remote: 999
+            }
+        })
+    );
+    // A range past a list's end: the index out of range, by position.
+    assert_eq!(
+        check_pairs(&locals, &(2..5), &remotes, &(1..4)).err(),
+        Some(DescError::IndexOutOfRange {
+            position: 2,
+            index: 4,
+            len: 4
+        })
+    );
+}
