@@ -25,11 +25,12 @@ seconds=${2:-2}
 PEERS=${PEERS:-../shared/peers}
 NIXL_PY=${NIXL_PY:-$HOME/.cache/peers-venv/bin/python}
 [ -x "$NIXL_PY" ] || { echo "no NIXL venv at $NIXL_PY: run $PEERS/nixl/setup.sh" >&2; exit 1; }
-command -v iperf3 >/dev/null || { apt-get update -qq && apt-get install -y -qq iperf3 >/dev/null; }
+source scripts/install-deps.sh
+source scripts/iperf3.sh
+ferry_install_deps iperf3 >&2
 cargo build --release --locked -q -p ferry-cli -p ferry-nixl
 source scripts/target-dir.sh
 if [ "${FERRY_PY:-0}" = 1 ]; then
-    source scripts/install-deps.sh
     ferry_venv="$target_dir/python-venv"
     ferry_make_venv "$ferry_venv"
     "$ferry_venv/bin/python" -m pip install -q --disable-pip-version-check maturin==1.16.0 numpy==2.4.6
@@ -60,24 +61,6 @@ for line in sys.stdin:
 ' "$@"
 }
 
-# Four single-stream iperf3 clients at once over loopback, summed, GB/s.
-iperf3_x4() {
-    local pids=() port
-    for port in 5301 5302 5303 5304; do
-        iperf3 -s -1 -p $port -B 127.0.0.1 >/dev/null 2>&1 &
-        pids+=($!)
-    done
-    sleep 0.3
-    for port in 5301 5302 5303 5304; do
-        iperf3 -c 127.0.0.1 -p $port -P 1 -t "$seconds" -J >"$out/iperf.$port" 2>/dev/null &
-    done
-    wait "${pids[@]}" 2>/dev/null || true
-    wait
-    python3 -c '
-import json, sys
-total = sum(json.load(open(f))["end"]["sum_received"]["bits_per_second"] for f in sys.argv[1:])
-print(total / 8e9)' "$out"/iperf.530?
-}
 
 cc -O2 -o "$out/memcpy-bench" scripts/memcpy-bench.c
 
@@ -136,7 +119,7 @@ for round in $(seq "$rounds"); do
             done
         fi
     done
-    echo "iperf3x4 tcp bw write 0 $(iperf3_x4)" >>"$out/rows"
+    echo "iperf3x4 tcp bw write 0 $(iperf3_sum 4 1 "$seconds" 5301 "$out")" >>"$out/rows"
     memcpy_ref >>"$out/rows"
     pvm_ref >>"$out/rows"
 done

@@ -33,59 +33,20 @@ done
 
 cd "$(dirname "$0")/.."
 WORK=$(mktemp -d)
-SERVER_PID=
-cleanup() {
-    for pid in $SERVER_PID; do kill "$pid" 2>/dev/null || true; done
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
-
-if ! command -v iperf3 >/dev/null; then
-    echo "iperf3 not found; installing it" >&2
-    SUDO=$([[ $(id -u) -eq 0 ]] || echo sudo)
-    export DEBIAN_FRONTEND=noninteractive
-    $SUDO apt-get install -y iperf3 >/dev/null ||
-        { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y iperf3 >/dev/null; }
-fi
+trap 'rm -rf "$WORK"' EXIT
+source scripts/install-deps.sh
+source scripts/iperf3.sh
+ferry_install_deps iperf3 >&2
 
 echo "building ferry (release)" >&2
 cargo build --release --locked -p ferry-cli >&2
 source scripts/target-dir.sh
 FERRY=$target_dir/release/ferry
 
-# iperf3 3.12 (Debian 12) runs all -P streams on one thread, while ferry uses
-# every core, so a single `iperf3 -P N` understates what loopback TCP can do.
-# We therefore measure both `iperf3 -P N` and N single-stream iperf3 pairs in
-# parallel (one process each), and compare ferry with the faster of the two.
-#
-# iperf3_gbps PROCS STREAMS_PER_PROC [-R]: prints the summed GB/s (1e9 B/s).
+# iperf3_gbps PROCS STREAMS_PER_PROC [-R]: see scripts/iperf3.sh (ferry is
+# compared with the faster of -P N in one process and N processes of -P 1).
 iperf3_gbps() {
-    local procs=$1 per=$2 reverse=${3:-} i pids=()
-    for ((i = 0; i < procs; i++)); do
-        iperf3 -s -B 127.0.0.1 -p $((PORT + i)) -1 >/dev/null 2>&1 &
-        SERVER_PID="$SERVER_PID $!"
-    done
-    # The servers need a moment to listen; retry only while a port is closed.
-    for ((i = 0; i < procs; i++)); do
-        for _ in $(seq 50); do
-            ss -ltn "sport = :$((PORT + i))" | grep -q LISTEN && break
-            sleep 0.1
-        done
-    done
-    for ((i = 0; i < procs; i++)); do
-        timeout $((SECONDS_PER_RUN + 30)) iperf3 -c 127.0.0.1 -p $((PORT + i)) -P "$per" \
-            -t "$SECONDS_PER_RUN" -J $reverse >"$WORK/iperf3.$i.json" &
-        pids+=($!)
-    done
-    wait "${pids[@]}"
-    for pid in $SERVER_PID; do
-        timeout 10 tail --pid="$pid" -f /dev/null || kill "$pid" 2>/dev/null || true
-    done
-    SERVER_PID=
-    python3 -c 'import json,sys
-print(sum(json.load(open(f))["end"]["sum_received"]["bits_per_second"] for f in sys.argv[1:]) / 8 / 1e9)' \
-        "$WORK"/iperf3.*.json
-    rm -f "$WORK"/iperf3.*.json
+    iperf3_sum "$1" "$2" "$SECONDS_PER_RUN" "$PORT" "$WORK" ${3:-}
 }
 
 echo "iperf3: -P $STREAMS in one process, and $STREAMS processes of -P 1; ${SECONDS_PER_RUN} s each" >&2

@@ -97,6 +97,7 @@ started=$(date +%s)
 
 # Tools: the references, installed when missing as the bench scripts do.
 source scripts/install-deps.sh
+source scripts/iperf3.sh
 ferry_install_deps iperf3 sockperf ucx-utils >&2 || true
 for tool in iperf3 sockperf ucx_perftest cc; do
     if ! command -v $tool >/dev/null; then
@@ -254,37 +255,10 @@ note() { # SUITE TEXT: a line for the page's list of commands
 cc -O2 -o "$work/memcpy" scripts/memcpy-bench.c
 note memcpy "\$WORK/memcpy BLOCK SECONDS [BUFFER]: scripts/memcpy-bench.c (cc -O2)"
 
-# iperf3_sum PROCS STREAMS_PER_PROC [-R]: PROCS iperf3 pairs at once on
-# loopback, the summed GB/s (as bench-tcp-vs-iperf3.sh: iperf3 3.12 runs all
-# -P streams on one thread, so N single-stream processes are measured too).
-iperf3_port=5299
-iperf3_sum() {
-    local procs=$1 per=$2 reverse=${3:-} i servers=() clients=() rc=0
-    for ((i = 0; i < procs; i++)); do
-        # (a time limit, so that no server outlives an interrupted run)
-        timeout $((whole + 60)) iperf3 -s -B 127.0.0.1 -p $((iperf3_port + i)) -1 >/dev/null 2>&1 &
-        servers+=($!)
-    done
-    for ((i = 0; i < procs; i++)); do
-        for _ in $(seq 50); do
-            ss -ltn "sport = :$((iperf3_port + i))" | grep -q LISTEN && break
-            sleep 0.1
-        done
-    done
-    for ((i = 0; i < procs; i++)); do
-        timeout $((whole + 30)) iperf3 -c 127.0.0.1 -p $((iperf3_port + i)) -P "$per" -t "$whole" -J \
-            $reverse >"$work/iperf3.$i.json" &
-        clients+=($!)
-    done
-    for i in "${clients[@]}"; do wait "$i" || rc=1; done
-    for i in "${servers[@]}"; do
-        timeout 10 tail --pid="$i" -f /dev/null || kill "$i" 2>/dev/null || true
-    done
-    ((rc == 0)) || return 1
-    python3 -c 'import json, sys
-print(sum(json.load(open(f))["end"]["sum_received"]["bits_per_second"] for f in sys.argv[1:]) / 8 / 1e9)' \
-        "$work"/iperf3.*.json
-    rm -f "$work"/iperf3.*.json
+# iperf3_pairs PROCS STREAMS_PER_PROC [-R]: scripts/iperf3.sh's iperf3_sum
+# for this run's seconds.
+iperf3_pairs() {
+    iperf3_sum "$1" "$2" "$whole" 5299 "$work" ${3:-}
 }
 
 # ucx_put TLS SIZE ITERS: ucx_perftest's put bandwidth between two
@@ -344,7 +318,7 @@ for round in $(seq "$rounds"); do
                 shown="iperf3 -s -B 127.0.0.1 -p PORT -1 & iperf3 -c 127.0.0.1 -p PORT -P $2 -t $whole -J"
                 shown+=${reverse:+ $reverse}
                 [ "$1" = 1 ] || shown="$1 pairs at once of: $shown"
-                measure gbps tcp-bw iperf3 variant="$1x$2" op=$op "cmd=$shown" -- iperf3_sum "$1" "$2" $reverse
+                measure gbps tcp-bw iperf3 variant="$1x$2" op=$op "cmd=$shown" -- iperf3_pairs "$1" "$2" $reverse
             done
         done
     fi
