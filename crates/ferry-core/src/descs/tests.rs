@@ -1,4 +1,5 @@
 use super::*;
+use crate::OpKind;
 use crate::memory::tests::region;
 
 #[test]
