@@ -17,7 +17,8 @@ const INLINE: u64 = (1 << 20) + 1;
 /// 4 KiB takes two. One thread's `process_vm` copies of 4 KiB blocks move
 /// about 3 GB/s, and a second thread's start costs tens of microseconds
 /// against the millisecond such a batch takes (through NIXL: 3.2-3.4 ->
-/// 4.7-4.9 GB/s on a 2-core host).
+/// 4.7-4.9 GB/s on a 2-core host with a core free; no change when both
+/// cores are busy).
 const PER_THREAD: u64 = 2 << 20;
 /// At most this many threads per batch.
 const MAX_THREADS: usize = 4;
