@@ -13,7 +13,7 @@ use ferry::prelude::*;
 use ferry::{CloseError, MemoryHolder};
 
 use crate::common::raw::{RawMemory, raw_region, scribble_and_watch, watch_unchanged};
-use crate::common::{pattern, signal};
+use crate::common::{pattern, signal, stop};
 use crate::{DEADLINE, node, sharing_peer};
 
 /// Waits until the peer's writes (of `pattern(_, seed)`) land in `memory`.
@@ -23,32 +23,6 @@ async fn landing(memory: &RawMemory, seed: u8) {
     while memory.snapshot()[..4096] != want[..] {
         assert!(start.elapsed() < DEADLINE, "the peer's writes do not land");
         tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-}
-
-/// Whether every thread of process `pid` is stopped.
-fn stopped(pid: u32) -> bool {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return false;
-    };
-    tasks.flatten().all(|task| {
-        std::fs::read_to_string(task.path().join("stat"))
-            .ok()
-            .and_then(|stat| {
-                let state = stat.rsplit_once(") ")?.1.chars().next()?;
-                Some(state == 'T' || state == 't')
-            })
-            .unwrap_or(false)
-    })
-}
-
-/// Stops `pid` and waits until all its threads are.
-async fn stop(pid: u32) {
-    signal(pid, "STOP");
-    let start = Instant::now();
-    while !stopped(pid) {
-        assert!(start.elapsed() < DEADLINE, "the peer does not stop");
-        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 

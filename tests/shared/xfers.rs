@@ -14,7 +14,7 @@ use ferry::{
     SLICE_OPS, SLICES_IN_FLIGHT, WINDOW_BYTES, Xfer, XferError, XferStatus,
 };
 
-use crate::common::{LISTEN_ENV, PeerProcess, PeerRegion, digest, pattern, signal};
+use crate::common::{LISTEN_ENV, PeerProcess, PeerRegion, digest, pattern, signal, stop, stopped};
 
 const BLOCK: u64 = 4096;
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -288,13 +288,19 @@ pub async fn a_request_cancelled_against_a_stopped_owner_ends_cancelled(
     node.submit(vec![warm_up], DEADLINE).await.unwrap();
 
     let pid = peer.pid().expect("a local peer process");
-    signal(pid, "STOP");
+    stop(pid).await;
     let timeout = Duration::from_secs(2);
     xfer.post(timeout).unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     xfer.cancel();
     let settled = xfer.wait().await;
+    // If the owner ran meanwhile, the outcome says nothing about ferry.
+    let still_stopped = stopped(pid);
     signal(pid, "CONT");
+    assert!(
+        still_stopped,
+        "the owner ran while it should have been stopped"
+    );
     let Err(XferError::Cancelled {
         completed,
         unknown,

@@ -357,6 +357,39 @@ pub fn signal(pid: u32, signal: &str) {
     assert!(sent.success(), "kill -{signal} {pid}");
 }
 
+/// Whether every thread of process `pid` is stopped (`T` or `t` in its
+/// `/proc` stat).
+#[allow(dead_code)] // the suites that stop a peer: tcp and memory
+pub fn stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat"))
+            .ok()
+            .and_then(|stat| {
+                let state = stat.rsplit_once(") ")?.1.chars().next()?;
+                Some(state == 'T' || state == 't')
+            })
+            .unwrap_or(false)
+    })
+}
+
+/// Stops `pid` (`SIGSTOP`) and waits, up to [`COMMAND_DEADLINE`], until
+/// all its threads are: `kill` returns before a busy thread has stopped.
+#[allow(dead_code)] // the suites that stop a peer: tcp and memory
+pub async fn stop(pid: u32) {
+    signal(pid, "STOP");
+    let start = std::time::Instant::now();
+    while !stopped(pid) {
+        assert!(
+            start.elapsed() < COMMAND_DEADLINE,
+            "process {pid} does not stop"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// Runs one batch of `sizes.len()` ops against a fresh peer region, covering
 /// it back to back: even ops write local bytes there, odd ops read the
 /// peer's bytes here (disjoint ranges, since ops of a batch run
