@@ -306,10 +306,12 @@ async fn check_ranges(
         spans,
     } = scratch;
     bytes.resize(req.table_len(), 0);
+    // Exactly the table: the ranges' payloads behind it, if large, go
+    // straight from the socket to their places.
     // SAFETY: `bytes` is `table_len` bytes long and lives across the call.
     unsafe {
         reader
-            .payload(stream, bytes.as_mut_ptr(), bytes.len())
+            .exact(stream, bytes.as_mut_ptr(), bytes.len())
             .await?
     };
     if let Err(e) = req.decode_table(bytes, ranges) {
