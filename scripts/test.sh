@@ -16,6 +16,9 @@ ferry_install_deps etcd-server g++
 if [ "${CI:-}" = true ]; then
     export CARGO_INCREMENTAL=0
 fi
+# Each step below is logged with the seconds since the start, so that a
+# run's log says where its time went (CI's budget is 45 minutes).
+trap 'echo "test.sh: ${SECONDS} s: $BASH_COMMAND" >&2' DEBUG
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
