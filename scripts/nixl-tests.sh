@@ -21,7 +21,9 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" --no-deps "${NIXL[@]}"
 "${pip[@]}" "${PY_TOOLS[@]}"
 
-cargo build --locked -q -p ferry-cli -p ferry-nixl
-"$target_dir/debug/ferry" nixl install --python "$venv/bin/python" >/dev/null
+# The CLI and the plugin the test suite built.
+source scripts/test-build.sh
+ferry_test_build -q
+"$ferry_bin" nixl install --python "$venv/bin/python" --plugin "$ferry_plugin" >/dev/null
 # NIXL's own INFO lines would bury pytest's.
 NIXL_LOG_LEVEL=WARN "$venv/bin/python" -m pytest -q -p no:cacheprovider crates/ferry-nixl/pytests

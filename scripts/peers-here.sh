@@ -8,13 +8,16 @@ NIXL_PY=$HOME/.cache/peers-venv/bin/python
 MOONCAKE_PY=$HOME/.cache/peers-venv-mooncake/bin/python
 # FERRY_PROFILE=debug takes the debug build instead: for smoke runs, which
 # check the scripts rather than the figures, and share the test suite's build.
+# ($ferry_plugin, the NIXL plugin of that build, is set too.)
 if [ "${FERRY_PROFILE:-release}" = debug ]; then
-    cargo build --locked -q -p ferry-cli
+    source scripts/test-build.sh
+    ferry_test_build -q
+    ferry=$ferry_bin
 else
     cargo build --release --locked -q -p ferry-cli
+    source scripts/target-dir.sh
+    ferry=$target_dir/release/ferry
 fi
-source scripts/target-dir.sh
-ferry=$target_dir/${FERRY_PROFILE:-release}/ferry
 
 serve_tcp() {
     dir=$(mktemp -d)

@@ -132,11 +132,11 @@ peer_here mooncake "$MOONCAKE_PY" "$PEERS/mooncake/setup.sh" || have_mooncake=0
 if ((have_nixl)); then
     echo "perf-page: building ferry-nixl (${FERRY_PROFILE:-release}) and installing its plugin" >&2
     if [ "${FERRY_PROFILE:-release}" = debug ]; then
-        cargo build --locked -q -p ferry-nixl
+        plugin=$ferry_plugin   # built with $ferry (scripts/peers-here.sh)
     else
         cargo build --release --locked -q -p ferry-nixl
+        plugin=$target_dir/release/libplugin_FERRY.so
     fi
-    plugin=$target_dir/${FERRY_PROFILE:-release}/libplugin_FERRY.so
     "$ferry" nixl install --python "$NIXL_PY" --plugin "$plugin" >&2
 fi
 for tool in iperf3 sockperf ucx_perftest; do

@@ -25,7 +25,8 @@ cargo fmt --manifest-path python/Cargo.toml -- --check
 PYO3_PYTHON="$venv/bin/python" cargo clippy --manifest-path python/Cargo.toml --all-targets --locked -- -D warnings
 VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop --manifest-path python/Cargo.toml --locked -q
 
-# The peer of the interoperability tests: the CLI just built.
-cargo build --locked -q -p ferry-cli
-export FERRY_BIN="$target_dir/debug/ferry"
+# The peer of the interoperability tests: the CLI the test suite built.
+source scripts/test-build.sh
+ferry_test_build -q
+export FERRY_BIN="$ferry_bin"
 "$venv/bin/python" -m pytest -q python/tests

@@ -50,8 +50,10 @@ scripts/fuzz.sh "${FERRY_FUZZ_SECONDS:-20}"
 # parsed by the binary just built (the image itself is not built here).
 scripts/check-deploy.sh
 # The examples a newcomer runs first exit non-zero when anything is wrong.
-cargo run --locked -q --example workers >/dev/null
-cargo run --locked -q --example kv_handoff >/dev/null
+# Run from the test suite's build (test profile, all features): a plain
+# `cargo run` would build the ferry stack again for the dev profile.
+cargo run --profile test --all-features --locked -q --example workers >/dev/null
+cargo run --profile test --all-features --locked -q --example kv_handoff >/dev/null
 # The Python package: its extension built into a virtual environment (tools
 # from PyPI), type-checked, and its pytest suite, which runs the Python
 # kv_handoff example and talks to the `ferry serve` built here.

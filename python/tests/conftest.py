@@ -249,16 +249,11 @@ def run_script(
 
 
 def ferry_bin() -> Optional[Path]:
-    """The Rust CLI: ``$FERRY_BIN``, else the repo's debug build, else the
-    lead's target directory."""
+    """The Rust CLI: ``$FERRY_BIN``, else the repo's debug build."""
     from_env = os.environ.get("FERRY_BIN")
     if from_env:
         return Path(from_env)
-    for candidate in (
-        REPO / "target" / "debug" / "ferry",
-        Path("/work/lead-target/debug/ferry"),
-        Path("/work/lead-target/release/ferry"),
-    ):
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
+    candidate = REPO / "target" / "debug" / "ferry"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return candidate
     return None

@@ -2,8 +2,8 @@
 reads and writes a ``ferry serve`` region (and calls its ``echo`` RPC), and
 ``ferry bench`` writes, reads and calls a Python node's region and handler.
 
-The CLI is ``$FERRY_BIN``, else ``<repo>/target/debug/ferry``, else the
-lead's build under ``/work/lead-target``; without one these tests skip.
+The CLI is ``$FERRY_BIN``, else ``<repo>/target/debug/ferry``; without one
+these tests skip, saying so (scripts/python-tests.sh always sets it).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def cli() -> Path:
     if path is None or not path.is_file():
         pytest.skip(
             "no ferry CLI binary: set FERRY_BIN, or build it with `cargo build -p ferry-cli` "
-            "(looked in <repo>/target/debug and /work/lead-target/{debug,release})"
+            "(looked in <repo>/target/debug)"
         )
     return path
 

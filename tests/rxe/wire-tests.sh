@@ -17,10 +17,10 @@ if [ "${1:-}" = --rails ]; then
 fi
 if [ "$rails" = 2 ]; then select='rails::'; else select='--skip rails::'; fi
 
-# cargo names each test binary it builds on stderr (see ferry-tests.sh).
-built=$(cargo test --locked -p ferry --test rxe_wire --no-run 2>&1) || { echo "$built" >&2; exit 1; }
-echo "$built" >&2
-path=$(sed -n 's|.*Executable .* (\([^)]*/rxe_wire-[0-9a-f]*\))|\1|p' <<<"$built" | tail -n 1)
+# The test suite's own build (see ferry-tests.sh).
+source scripts/test-build.sh
+ferry_test_build --test rxe_wire
+path=$(sed -n 's|^rxe_wire=||p' <<<"$ferry_tests")
 [ -n "$path" ] || { echo "wire-tests: no test binary named rxe_wire was built" >&2; exit 1; }
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT

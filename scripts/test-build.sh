@@ -1,0 +1,40 @@
+# Sourced by the scripts that run ferry's debug binaries beside the test
+# suite (python-tests.sh, nixl-tests.sh, the RDMA VM tests, smoke runs of
+# the performance page). ferry_test_build [CARGO TEST FLAGS...] builds what
+# `cargo test --workspace --all-targets --all-features` builds, so that in
+# scripts/test.sh, right after that step, it compiles nothing: a `cargo
+# build -p ferry-cli` or a `cargo test -p ferry` there unifies features
+# differently (no dev-dependencies, no etcd) and rebuilt the whole ferry
+# stack once per script, about 6 of CI's 45 minutes. Extra flags (e.g.
+# `--test ibverbs`) narrow what is built, not how.
+#
+# Sets, from cargo's own artifact messages:
+#   ferry_bin     the `ferry` CLI
+#   ferry_plugin  the NIXL plugin, libplugin_FERRY.so
+#   ferry_tests   NAME=PATH per integration test binary built, one per line
+# Needs python3 (to read cargo's JSON), and $target_dir is set as
+# scripts/target-dir.sh sets it.
+ferry_test_build() {
+    local artifacts
+    artifacts=$(cargo test --workspace --all-features --locked --no-run \
+        --message-format=json-render-diagnostics "$@" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg.get("reason") != "compiler-artifact":
+        continue
+    kind, name, exe = msg["target"]["kind"], msg["target"]["name"], msg.get("executable")
+    if "bin" in kind and exe and not msg["profile"]["test"]:
+        print("bin", name + "=" + exe)
+    elif "test" in kind and exe:
+        print("test", name + "=" + exe)
+    elif "cdylib" in kind:
+        for path in msg["filenames"]:
+            if path.endswith(".so"):
+                print("cdylib", name + "=" + path)
+') || return 1
+    ferry_bin=$(sed -n 's/^bin ferry=//p' <<<"$artifacts")
+    ferry_plugin=$(sed -n 's/^cdylib plugin_FERRY=//p' <<<"$artifacts")
+    ferry_tests=$(sed -n 's/^test //p' <<<"$artifacts")
+    source scripts/target-dir.sh
+}
