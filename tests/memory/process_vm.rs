@@ -86,9 +86,12 @@ async fn regions_byte_for_byte() {
 }
 
 /// Many small ops through one grant go in vectored calls, a group at a
-/// time (at most 1,024 segments and 1 MiB each): a batch of 700 blocks of
-/// 1 B to 8 KiB, in shuffled order, inline (under 1 MiB) and on a copy
-/// thread (over it), written and read back byte for byte.
+/// time (at most 1,024 iovecs a side and 1 MiB each), adjacent blocks
+/// sharing iovecs: batches of 150 to 3,000 blocks of 1 B to 8 KiB, inline
+/// (under 1 MiB) and on copy threads (over it), written and read back
+/// byte for byte. The blocks are posted shuffled (adjacent on neither
+/// side), in order (adjacent on both), and packed here but scattered in
+/// the owner (adjacent on one side only).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_small_ops_over_process_vm_land_byte_for_byte() {
     many_small_ops_byte_for_byte().await;
@@ -100,48 +103,80 @@ async fn many_small_ops_over_process_vm_land_byte_for_byte_on_a_current_thread_r
     many_small_ops_byte_for_byte().await;
 }
 
+/// How a round lays its blocks out.
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    /// Block k at the same offset on both sides, posted in shuffled order.
+    Shuffled,
+    /// Block k at the same offset on both sides, posted in order.
+    InOrder,
+    /// Posted in shuffled order, packed here in that order.
+    PackedHere,
+}
+
 async fn many_small_ops_byte_for_byte() {
     let node = node().await;
     let mut peer = sharing_peer().await;
-    for (round, count) in [(0u8, 150usize), (1, 700)] {
+    for (round, count, max, layout) in [
+        (0u8, 150usize, 8192, Layout::Shuffled),
+        (1, 700, 8192, Layout::Shuffled),
+        (2, 3000, 1024, Layout::InOrder),
+        (3, 3000, 1024, Layout::PackedHere),
+    ] {
         let mut rng = fastrand::Rng::with_seed(u64::from(round) + 7);
-        let lens: Vec<usize> = (0..count).map(|_| rng.usize(1..=8192)).collect();
+        let lens: Vec<usize> = (0..count).map(|_| rng.usize(1..=max)).collect();
         let total: usize = lens.iter().sum();
         let target = peer.alloc_raw(total + 64, Access::ReadWrite, round).await;
         let data = pattern(total, round.wrapping_add(90));
         let src = node.alloc(total as u64, Access::ReadWrite).await.unwrap();
         src.write_at(0, &data).unwrap();
         let back = node.alloc(total as u64, Access::ReadWrite).await.unwrap();
-        // Block k at the same offset on both sides, posted in shuffled order.
+        // (offset here, offset in the owner, length), in posting order.
         let mut at = 0u64;
-        let mut blocks: Vec<(u64, u64)> = lens
+        let mut blocks: Vec<(u64, u64, u64)> = lens
             .iter()
             .map(|&len| {
-                let block = (at, len as u64);
+                let block = (at, at, len as u64);
                 at += len as u64;
                 block
             })
             .collect();
-        rng.shuffle(&mut blocks);
-        let remote = |&(at, len): &(u64, u64)| target.handle.slice(at..at + len).unwrap();
+        if !matches!(layout, Layout::InOrder) {
+            rng.shuffle(&mut blocks);
+        }
+        if matches!(layout, Layout::PackedHere) {
+            let mut here = 0;
+            for block in &mut blocks {
+                block.0 = here;
+                here += block.2;
+            }
+        }
+        let local = |region: &Region, b: &(u64, u64, u64)| region.slice(b.0..b.0 + b.2).unwrap();
+        let remote = |b: &(u64, u64, u64)| target.handle.slice(b.1..b.1 + b.2).unwrap();
         let writes = blocks
             .iter()
-            .map(|b| RdmaOp::write(src.slice(b.0..b.0 + b.1).unwrap(), remote(b)))
+            .map(|b| RdmaOp::write(local(&src, b), remote(b)))
             .collect();
         node.submit(writes, DEADLINE).await.unwrap();
         let mut expected = target.original();
-        expected[..total].copy_from_slice(&data);
+        for &(here, there, len) in &blocks {
+            let (here, there, len) = (here as usize, there as usize, len as usize);
+            expected[there..there + len].copy_from_slice(&data[here..here + len]);
+        }
         assert_eq!(
             peer.digest(&target).await,
             digest(&expected),
-            "{count} writes"
+            "{count} writes, {layout:?}"
         );
         let reads = blocks
             .iter()
-            .map(|b| RdmaOp::read(back.slice(b.0..b.0 + b.1).unwrap(), remote(b)))
+            .map(|b| RdmaOp::read(local(&back, b), remote(b)))
             .collect();
         node.submit(reads, DEADLINE).await.unwrap();
-        assert!(back.to_vec() == data, "{count} reads back differ");
+        assert!(
+            back.to_vec() == data,
+            "{count} reads back differ, {layout:?}"
+        );
         peer.drop_region(&target).await;
     }
     assert_eq!(peer.panics().await, 0);

@@ -162,42 +162,84 @@ impl Grant {
     }
 }
 
+/// The two iovec lists of one vectored `process_vm` call, built a
+/// segment at a time. A segment that continues the previous one on a side
+/// extends that side's last iovec instead of adding one, each side on its
+/// own: the kernel pins the owner's pages once per remote iovec (about
+/// 600 ns each here), so 16,384 adjacent 64 B blocks, NIXL's descriptors
+/// unmerged, took 16 calls of 1,024 iovecs and 780 ns per block, where one
+/// iovec pair carries them all.
+#[derive(Default)]
+pub(crate) struct Vectors {
+    local: Vec<libc::iovec>,
+    remote: Vec<libc::iovec>,
+    bytes: usize,
+    segments: usize,
+}
+
+impl Vectors {
+    /// Adds `len` bytes at `local` here and `remote` in the owner, unless
+    /// that would take either side past [`IOVECS`] or the call past
+    /// [`PIECE`] bytes: `false` then, and nothing changed.
+    pub fn push(&mut self, local: *mut u8, remote: u64, len: usize) -> bool {
+        if self.bytes + len > PIECE {
+            return false;
+        }
+        let local_joins = self
+            .local
+            .last()
+            .is_some_and(|v| (v.iov_base as usize).wrapping_add(v.iov_len) == local as usize);
+        let remote_joins = self
+            .remote
+            .last()
+            .is_some_and(|v| (v.iov_base as u64).wrapping_add(v.iov_len as u64) == remote);
+        if (!local_joins && self.local.len() == IOVECS)
+            || (!remote_joins && self.remote.len() == IOVECS)
+        {
+            return false;
+        }
+        let join = |list: &mut Vec<libc::iovec>, joins: bool, at: *mut libc::c_void| match list
+            .last_mut()
+        {
+            Some(last) if joins => last.iov_len += len,
+            _ => list.push(libc::iovec {
+                iov_base: at,
+                iov_len: len,
+            }),
+        };
+        join(&mut self.local, local_joins, local.cast());
+        join(&mut self.remote, remote_joins, remote as *mut libc::c_void);
+        self.bytes += len;
+        self.segments += 1;
+        true
+    }
+
+    /// How many segments were pushed.
+    pub fn segments(&self) -> usize {
+        self.segments
+    }
+}
+
 impl Grant {
-    /// Copies every `(local, remote, len)` segment between this process
-    /// and the owner in one vectored call, as one gated step: at most
-    /// [`IOVECS`] segments and [`PIECE`] bytes (the caller's bound). `None`
+    /// Copies `vectors`' segments between this process and the owner in
+    /// one vectored call, as one gated step (at most [`IOVECS`] iovecs a
+    /// side and [`PIECE`] bytes, as [`Vectors::push`] keeps them). `None`
     /// when the kernel moved fewer bytes than asked (a fault in one
     /// segment, or a short copy): the caller copies them one by one,
     /// which says which failed.
-    pub fn copy_vectored(
-        &self,
-        kind: OpKind,
-        segments: &[(*mut u8, u64, usize)],
-    ) -> Option<Result<(), Fail>> {
-        debug_assert!(segments.len() <= IOVECS);
+    pub fn copy_vectored(&self, kind: OpKind, vectors: &Vectors) -> Option<Result<(), Fail>> {
         if kind == OpKind::Write && !self.writable {
             return Some(Err(Fail::ReadOnly));
         }
-        let total: usize = segments.iter().map(|s| s.2).sum();
-        let local: Vec<libc::iovec> = (segments.iter())
-            .map(|&(at, _, len)| libc::iovec {
-                iov_base: at.cast(),
-                iov_len: len,
-            })
-            .collect();
-        let remote: Vec<libc::iovec> = (segments.iter())
-            .map(|&(_, at, len)| libc::iovec {
-                iov_base: at as *mut libc::c_void,
-                iov_len: len,
-            })
-            .collect();
+        let (local, remote) = (&vectors.local, &vectors.remote);
         let counter = self.table.in_flight(self.lane, self.gate);
         counter.fetch_add(1, Ordering::SeqCst);
         let moved = if self.table.live(self.gate).load(Ordering::SeqCst) == self.stamp {
-            // SAFETY: each local iovec is a range of an op's local region,
-            // kept alive by the batch for the call; the remote iovecs are
-            // only dereferenced by the kernel in the owner, which checks
-            // them; the counts are the vectors' lengths (at most IOVECS).
+            // SAFETY: each local iovec is a range of an op's local region
+            // (or adjacent ranges of one region), kept alive by the batch
+            // for the call; the remote iovecs are only dereferenced by the
+            // kernel in the owner, which checks them; the counts are the
+            // vectors' lengths (at most IOVECS).
             let n = unsafe {
                 let (l, r) = (local.as_ptr(), remote.as_ptr());
                 let (ln, rn) = (local.len() as libc::c_ulong, remote.len() as libc::c_ulong);
@@ -207,7 +249,7 @@ impl Grant {
                 }
             };
             match n {
-                n if n >= 0 && n as usize == total => Some(Ok(())),
+                n if n >= 0 && n as usize == vectors.bytes => Some(Ok(())),
                 n if n >= 0 => None,
                 _ => match std::io::Error::last_os_error().raw_os_error() {
                     Some(libc::EPERM | libc::EACCES) => Some(Err(Fail::Refused)),
@@ -289,5 +331,54 @@ mod tests {
             transfer(me, OpKind::Read, dst.as_mut_ptr(), 8, 4),
             Err(Fail::Fault)
         );
+    }
+
+    #[test]
+    fn vectors_join_segments_that_continue_on_each_side_alone() {
+        /// An iovec list as (address, length) pairs.
+        type Spans = Vec<(usize, usize)>;
+        let list = |l: &[libc::iovec]| -> Spans {
+            l.iter().map(|v| (v.iov_base as usize, v.iov_len)).collect()
+        };
+        let sides = |v: &Vectors| (list(&v.local), list(&v.remote));
+        let at = |a: usize| a as *mut u8;
+        let mut v = Vectors::default();
+        assert!(v.push(at(100), 5000, 10));
+        assert!(v.push(at(110), 5010, 6), "both continue");
+        assert!(v.push(at(116), 9000, 4), "only the local side continues");
+        assert!(v.push(at(300), 9004, 4), "only the remote side continues");
+        assert!(v.push(at(50), 20, 1), "neither");
+        assert_eq!(v.segments(), 5);
+        assert_eq!(v.bytes, 25);
+        assert_eq!(
+            sides(&v),
+            (
+                vec![(100, 20), (300, 4), (50, 1)],
+                vec![(5000, 16), (9000, 8), (20, 1)],
+            )
+        );
+
+        // Bounds: bytes, then iovecs per side; a refused push changes nothing.
+        let mut v = Vectors::default();
+        assert!(v.push(at(0), 0, PIECE - 1));
+        assert!(!v.push(at(PIECE - 1), (PIECE - 1) as u64, 2));
+        assert!(
+            v.push(at(PIECE - 1), (PIECE - 1) as u64, 1),
+            "fills PIECE exactly"
+        );
+        let mut v = Vectors::default();
+        for k in 0..IOVECS {
+            assert!(v.push(at(2 * k), k as u64, 1), "apart here, adjacent there");
+        }
+        assert!(
+            !v.push(at(2 * IOVECS), IOVECS as u64, 1),
+            "a 1,025th local iovec"
+        );
+        assert!(
+            v.push(at(2 * IOVECS - 1), IOVECS as u64, 1),
+            "continues both sides"
+        );
+        assert_eq!(sides(&v).1, vec![(0, IOVECS + 1)]);
+        assert_eq!(v.segments(), IOVECS + 1);
     }
 }
