@@ -13,7 +13,9 @@
 # requests) on the same cells.
 #
 # Cells: bw (4K x1024, 64K x1024, 1M x64, 16M x4; write and read, one
-# request in flight) and lat (one 8-byte write per request, p50). Needs the
+# request in flight) and lat (one 8-byte write per request, p50). Then, per
+# backend and transport, what a post of 16,384 64 B blocks costs per block
+# (scripts/bench-nixl-post.py: CPU inside postXfer, and the whole request). Needs the
 # peers' NIXL venv (../shared/peers/nixl/setup.sh); installs the release
 # plugin into it. Run it on an idle machine.
 #
@@ -119,13 +121,19 @@ for round in $(seq "$rounds"); do
             done
         fi
     done
+    for transport in memory tcp; do
+        for backend in UCX FERRY; do
+            "$NIXL_PY" scripts/bench-nixl-post.py --backend $backend --transport $transport \
+                --descs 16384 --iters 50 2>"$out/err" >>"$out/post" || { cat "$out/err" >&2; exit 1; }
+        done
+    done
     echo "iperf3x4 tcp bw write 0 $(iperf3_sum 4 1 "$seconds" 5301 "$out")" >>"$out/rows"
     memcpy_ref >>"$out/rows"
     pvm_ref >>"$out/rows"
 done
 
-python3 - "$out/rows" <<'PY'
-import statistics, sys
+python3 - "$out/rows" "$out/post" <<'PY'
+import json, statistics, sys
 cells = {}
 for line in open(sys.argv[1]):
     system, transport, workload, op, block, value = line.split()
@@ -151,6 +159,23 @@ for (transport, workload, op, block), by in sorted(cells.items()):
         line = f"| {transport} | {op} 8 B p50 µs | {u:.1f} | {f:.1f} | {f / u:.2f} (lower is better) | | | | |"
         line += f" {p:.1f} | {f / p:.2f} (lower is better) |" if py else ""
     print(line)
+print()
+posts = {}
+for line in open(sys.argv[2]):
+    if not line.startswith("{"):
+        continue  # UCX's own warnings, on stdout
+    r = json.loads(line)
+    if not r["verified"]:
+        sys.exit(f"unverified row: {line}")
+    by = posts.setdefault(r["transport"], {}).setdefault(r["backend"], {"post": [], "request": []})
+    by["post"].append(r["post_cpu_ns_per_desc"])
+    by["request"].append(r["request_ns_per_desc"])
+print("| transport | 16,384 x 64 B, ns per block | UCX | FERRY | FERRY / UCX |")
+print("|---|---|---|---|---|")
+for transport, by in sorted(posts.items()):
+    for what, label in (("post", "CPU in postXfer"), ("request", "whole request")):
+        u, f = med(by.get("UCX", {}).get(what, [])), med(by.get("FERRY", {}).get(what, []))
+        print(f"| {transport} | {label} | {u:.0f} | {f:.0f} | {f / u:.3f} |")
 print()
 print("every round:")
 for key, by in sorted(cells.items()):
