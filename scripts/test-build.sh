@@ -4,8 +4,8 @@
 # `cargo test --workspace --all-targets --all-features` builds, so that in
 # scripts/test.sh, right after that step, it compiles nothing: a `cargo
 # build -p ferry-cli` or a `cargo test -p ferry` there unifies features
-# differently (no dev-dependencies, no etcd) and rebuilt the whole ferry
-# stack once per script, about 6 of CI's 45 minutes. Extra flags (e.g.
+# differently (no dev-dependencies, no etcd) and rebuilt the ferry crates
+# once per script, minutes of CI's 45 on 2 cores. Extra flags (e.g.
 # `--test ibverbs`) narrow what is built, not how.
 #
 # Sets, from cargo's own artifact messages:
