@@ -3,15 +3,17 @@
 # the performance page). ferry_test_build [CARGO TEST FLAGS...] builds what
 # `cargo test --workspace --all-targets --all-features` builds, so that in
 # scripts/test.sh, right after that step, it compiles nothing: a `cargo
-# build -p ferry-cli` or a `cargo test -p ferry` there unifies features
-# differently (no dev-dependencies, no etcd) and rebuilt the ferry crates
-# once per script, minutes of CI's 45 on 2 cores. Extra flags (e.g.
+# build -p ferry-cli`, a `cargo test -p ferry` or a `cargo run --example`
+# there unifies features over other packages (no dev-dependencies of the
+# rest of the workspace, no etcd) and rebuilt tokio, kameo and the ferry
+# crates once per script, minutes of CI's 45 on 2 cores. Extra flags (e.g.
 # `--test ibverbs`) narrow what is built, not how.
 #
 # Sets, from cargo's own artifact messages:
 #   ferry_bin     the `ferry` CLI
 #   ferry_plugin  the NIXL plugin, libplugin_FERRY.so
 #   ferry_tests   NAME=PATH per integration test binary built, one per line
+#   ferry_examples  NAME=PATH per example built, one per line
 # Needs python3 (to read cargo's JSON), and $target_dir is set as
 # scripts/target-dir.sh sets it.
 ferry_test_build() {
@@ -28,6 +30,8 @@ for line in sys.stdin:
         print("bin", name + "=" + exe)
     elif "test" in kind and exe:
         print("test", name + "=" + exe)
+    elif "example" in kind and exe:
+        print("example", name + "=" + exe)
     elif "cdylib" in kind:
         for path in msg["filenames"]:
             if path.endswith(".so"):
@@ -36,5 +40,6 @@ for line in sys.stdin:
     ferry_bin=$(sed -n 's/^bin ferry=//p' <<<"$artifacts")
     ferry_plugin=$(sed -n 's/^cdylib plugin_FERRY=//p' <<<"$artifacts")
     ferry_tests=$(sed -n 's/^test //p' <<<"$artifacts")
+    ferry_examples=$(sed -n 's/^example //p' <<<"$artifacts")
     source scripts/target-dir.sh
 }

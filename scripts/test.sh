@@ -50,10 +50,13 @@ scripts/fuzz.sh "${FERRY_FUZZ_SECONDS:-20}"
 # parsed by the binary just built (the image itself is not built here).
 scripts/check-deploy.sh
 # The examples a newcomer runs first exit non-zero when anything is wrong.
-# Run from the test suite's build (test profile, all features): a plain
-# `cargo run` would build the ferry stack again for the dev profile.
-cargo run --profile test --all-features --locked -q --example workers >/dev/null
-cargo run --profile test --all-features --locked -q --example kv_handoff >/dev/null
+# Run as the test suite built them (scripts/test-build.sh): a `cargo run
+# --example` would build tokio, kameo and ferry again for its own features.
+source scripts/test-build.sh
+ferry_test_build -q
+for example in workers kv_handoff; do
+    "$(sed -n "s|^$example=||p" <<<"$ferry_examples")" >/dev/null
+done
 # The Python package: its extension built into a virtual environment (tools
 # from PyPI), type-checked, and its pytest suite, which runs the Python
 # kv_handoff example and talks to the `ferry serve` built here.
