@@ -235,11 +235,12 @@ impl Grant {
         let counter = self.table.in_flight(self.lane, self.gate);
         counter.fetch_add(1, Ordering::SeqCst);
         let moved = if self.table.live(self.gate).load(Ordering::SeqCst) == self.stamp {
-            // SAFETY: each local iovec is a range of an op's local region
-            // (or adjacent ranges of one region), kept alive by the batch
-            // for the call; the remote iovecs are only dereferenced by the
-            // kernel in the owner, which checks them; the counts are the
-            // vectors' lengths (at most IOVECS).
+            // SAFETY: each local iovec covers ranges of ops' local regions
+            // (adjacent ones joined, possibly of two regions that lie side
+            // by side), all kept alive by the batch for the call; the
+            // remote iovecs are only dereferenced by the kernel in the
+            // owner, which checks them; the counts are the vectors'
+            // lengths (at most IOVECS).
             let n = unsafe {
                 let (l, r) = (local.as_ptr(), remote.as_ptr());
                 let (ln, rn) = (local.len() as libc::c_ulong, remote.len() as libc::c_ulong);
