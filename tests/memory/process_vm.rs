@@ -182,6 +182,60 @@ async fn many_small_ops_byte_for_byte() {
     assert_eq!(peer.panics().await, 0);
 }
 
+/// One batch whose ops alternate between a region the owner shares as a
+/// memfd (mapped) and one it cannot (`process_vm`): each run of the latter
+/// goes in a vectored call of its own, which ends where a mapped op
+/// begins, and every byte lands in the right region.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_mixing_mapped_and_process_vm_ops_lands_byte_for_byte() {
+    let node = node().await;
+    let mut peer = sharing_peer().await;
+    let len = 64 * 1024;
+    let raw = peer.alloc_raw(len, Access::ReadWrite, 11).await;
+    let shared = peer.alloc(len, Access::ReadWrite, 12).await;
+    let data = pattern(len, 13);
+    let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
+    src.write_at(0, &data).unwrap();
+    // 4 KiB blocks at the same offsets on both sides: two adjacent ones
+    // through process_vm, then one mapped, and so on.
+    let block = 4096;
+    let mapped = |k: usize| k % 3 == 2;
+    let writes: Vec<RdmaOp> = (0..len / block)
+        .map(|k| {
+            let at = (k * block) as u64;
+            let target = if mapped(k) { &shared } else { &raw };
+            let remote = target.handle.slice(at..at + block as u64).unwrap();
+            RdmaOp::write(src.slice(at..at + block as u64).unwrap(), remote)
+        })
+        .collect();
+    assert_eq!(node.path(&writes[0]), PROCESS_VM);
+    assert_eq!(
+        node.path(&writes[2]),
+        Some(TransportPath::Memory(MemoryPath::Mapped))
+    );
+    node.submit(writes, DEADLINE).await.unwrap();
+    let (mut in_raw, mut in_shared) = (raw.original(), shared.original());
+    for k in 0..len / block {
+        let into = if mapped(k) {
+            &mut in_shared
+        } else {
+            &mut in_raw
+        };
+        into[k * block..(k + 1) * block].copy_from_slice(&data[k * block..(k + 1) * block]);
+    }
+    assert_eq!(
+        peer.digest(&raw).await,
+        digest(&in_raw),
+        "process_vm region"
+    );
+    assert_eq!(
+        peer.digest(&shared).await,
+        digest(&in_shared),
+        "mapped region"
+    );
+    assert_eq!(peer.panics().await, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn from_raw_memory_in_this_process_goes_over_process_vm_too() {
     let (owner, node) = (node().await, node().await);

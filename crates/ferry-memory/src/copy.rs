@@ -257,9 +257,13 @@ fn vectored_group(batch: &Batch, pieces: &[Piece]) -> (usize, Vectors) {
         return (0, vectors);
     };
     for piece in pieces {
+        // Checked first: `segment` takes `process_vm` pieces only.
         let same = grant_of(batch, piece).is_some_and(|(g, k)| Arc::ptr_eq(g, first) && k == kind);
+        if !same {
+            break;
+        }
         let (local, remote, len) = segment(batch, piece);
-        if !same || !vectors.push(local, remote, len) {
+        if !vectors.push(local, remote, len) {
             break;
         }
     }
