@@ -15,9 +15,9 @@
 # Cells: bw (4K x1024, 64K x1024, 1M x64, 16M x4; write and read, one
 # request in flight) and lat (one 8-byte write per request, p50). Then, per
 # backend and transport, what a post of 16,384 64 B blocks costs per block
-# (scripts/bench-nixl-post.py: CPU inside postXfer, and the whole request). Needs the
-# peers' NIXL venv (../shared/peers/nixl/setup.sh); installs the release
-# plugin into it. Run it on an idle machine.
+# (scripts/bench-nixl-post.py: CPU inside postXfer, and the whole
+# request). Needs the peers' NIXL venv (../shared/peers/nixl/setup.sh);
+# installs the release plugin into it. Run it on an idle machine.
 #
 #   scripts/bench-nixl-backend.sh [ROUNDS [SECONDS]]   (default 3 2)
 set -euo pipefail
