@@ -134,6 +134,23 @@ struct State {
     completed: AtomicUsize,
 }
 
+impl State {
+    /// Settles the status at `status`, waking whoever waits for it. Only
+    /// when someone subscribed ([`Xfer::wait`]): tokio's watch wakes its
+    /// eight waiter lists at each send, a lock each, also when nobody
+    /// listens (a request polled with [`Xfer::status`], as through NIXL),
+    /// which was a tenth of a small same-host post's own cost. A
+    /// subscriber counts itself before it first reads the value, under
+    /// the lock this write holds: it reads the new value, or is counted
+    /// here and woken.
+    fn set_status(&self, status: XferStatus) {
+        self.status.send_if_modified(|current| {
+            *current = status;
+            self.status.receiver_count() > 0
+        });
+    }
+}
+
 /// A transfer request ([`Node::make_xfer`]): see the module docs. Dropping
 /// it cancels it.
 pub struct Xfer {
@@ -293,7 +310,8 @@ impl Xfer {
             if !refused {
                 *status = XferStatus::InProgress;
             }
-            !refused
+            // Wakes subscribers only, as `State::set_status`.
+            !refused && self.state.status.receiver_count() > 0
         });
         if refused {
             return Err(PostError::InProgress);
@@ -302,6 +320,12 @@ impl Xfer {
         *current = cancel.clone();
         drop(current);
         self.state.completed.store(0, Ordering::Relaxed);
+        // A small request to same-host owners already mapped is copied
+        // here, whole, without the task and its timer (`post_now`).
+        let same_host = (self.job.remote.levels().iter()).all(|l| *l == RdmaTransportLevel::Memory);
+        if same_host && drive::post_now(&self.job, &self.state) {
+            return Ok(());
+        }
         let (job, state) = (self.job.clone(), self.state.clone());
         let runtime = &self.job.router.runtime;
         let mut driving = Box::pin(drive(job, state, cancel, timeout));
@@ -314,7 +338,6 @@ impl Xfer {
         // became ready meanwhile is missed. Not over TCP: there the
         // connection's task is woken either way, and a second wake-up for
         // the spawned driver made an 8-byte write slower.
-        let same_host = (self.job.remote.levels().iter()).all(|l| *l == RdmaTransportLevel::Memory);
         if same_host {
             let _context = runtime.enter();
             let mut once = std::task::Context::from_waker(std::task::Waker::noop());

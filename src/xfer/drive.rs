@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{SLICE_BYTES, SLICE_OPS, SLICES_IN_FLIGHT, State, WINDOW_BYTES, XferError, XferStatus};
 use crate::messages::{NotifyError, submit_with_notification};
+use crate::meters::Submitted;
 use crate::prepare::{PreparedRemote, route_regions};
 use crate::router::Router;
 
@@ -136,7 +137,7 @@ struct Settle(Option<Arc<State>>);
 impl Settle {
     fn settle(mut self, status: XferStatus) {
         if let Some(state) = self.0.take() {
-            state.status.send_replace(status);
+            state.set_status(status);
         }
     }
 }
@@ -145,8 +146,56 @@ impl Drop for Settle {
     fn drop(&mut self) {
         if let Some(state) = self.0.take() {
             let stopped = XferError::Submit(SubmitError::BackendStopped);
-            state.status.send_replace(XferStatus::Failed(stopped));
+            state.set_status(XferStatus::Failed(stopped));
         }
+    }
+}
+
+/// Runs a post whole on the calling thread when it can be: one slice of
+/// ops, no notification, every region routed to same-host owners that the
+/// memory transport reaches without waiting
+/// ([`MemoryBackend::submit_now`](ferry_memory::MemoryBackend::submit_now)).
+/// Settles the status and returns `true` then; otherwise moves nothing and
+/// returns `false`, for [`drive`].
+pub(super) fn post_now(job: &Job, state: &State) -> bool {
+    let router = &job.router;
+    let Some(memory) = &router.memory else {
+        return false;
+    };
+    if job.notification.is_some()
+        || job.count == 0
+        || job.slice_end(0).0 < job.count
+        || router.is_shut_down()
+    {
+        return false;
+    }
+    let started = Instant::now();
+    let Ok(levels) = job.levels_now() else {
+        return false;
+    };
+    if levels.iter().any(|l| *l != RdmaTransportLevel::Memory) {
+        return false;
+    }
+    let Ok((ops, _)) = job.slice(0, job.count, &levels) else {
+        return false;
+    };
+    let submitted = Submitted::new(&ops);
+    if memory.submit_now(ops).is_err() {
+        return false;
+    }
+    submitted.finish(&router.memory_meters, &Ok(()));
+    state.completed.store(job.count, Ordering::Relaxed);
+    learn(job, &levels, started.elapsed());
+    state.set_status(XferStatus::Done);
+    true
+}
+
+/// Teaches the estimates a post that took `took`, when every op went to
+/// one peer over one transport.
+fn learn(job: &Job, levels: &[RdmaTransportLevel], took: Duration) {
+    if job.single_path(levels) {
+        let (peer, level) = job.path();
+        (job.router.estimates).record(peer, level, job.count, job.bytes, took);
     }
 }
 
@@ -160,12 +209,8 @@ pub(super) async fn drive(
     let settle = Settle(Some(state.clone()));
     let started = Instant::now();
     let result = run(&job, &state, &cancel, started + timeout, timeout).await;
-    if let Ok(levels) = &result
-        && job.single_path(levels)
-    {
-        let (peer, level) = job.path();
-        let took = started.elapsed();
-        (job.router.estimates).record(peer, level, job.count, job.bytes, took);
+    if let Ok(levels) = &result {
+        learn(&job, levels, started.elapsed());
     }
     settle.settle(match result {
         Ok(_) => XferStatus::Done,

@@ -29,6 +29,13 @@ async fn a_same_host_request_lives_posts_again_and_refuses_bad_input() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_same_host_request_is_done_when_its_post_returns() {
+    let node = node().await;
+    let mut peer = sharing_peer().await;
+    shared::a_small_same_host_request_is_done_when_its_post_returns(&node, &mut peer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_same_host_request_moves_at_most_one_window() {
     let node = node().await;
     let mut peer = sharing_peer().await;

@@ -381,3 +381,64 @@ pub async fn a_peer_restarted_after_prepare_is_refused_typed(node: &Node, env: &
     }
     assert_eq!(again.digest(&new).await, digest(&new.original()));
 }
+
+/// A request of one slice to a same-host region already mapped is done
+/// when its post returns (copied on the caller's thread), counts its ops
+/// and teaches the estimate like any other; after the owner dropped the
+/// region, the same request fails typed, naming its first op, and moves
+/// nothing into the region that took the slot.
+#[allow(dead_code)] // only the memory transport copies within the post
+pub async fn a_small_same_host_request_is_done_when_its_post_returns(
+    node: &Node,
+    peer: &mut PeerProcess,
+) {
+    let blocks = 16;
+    let (target, data, prepared, xfer) = block_writes(node, peer, blocks, (6, 7)).await;
+    for post in 1..=3 {
+        xfer.post(DEADLINE).unwrap();
+        assert_eq!(xfer.status(), XferStatus::Done, "post {post}");
+        assert_eq!(xfer.completed(), blocks as usize);
+    }
+    assert_eq!(peer.digest(&target).await, digest(&data));
+    let estimate = node.estimate(&xfer);
+    assert_eq!(
+        estimate.method,
+        ferry::EstimateMethod::Measured { samples: 2 },
+        "{estimate:?}"
+    );
+
+    // Read back into fresh local blocks: done at once too, same bytes.
+    let (back, backs, _) = local_blocks(node, blocks, 8).await;
+    let read = node
+        .make_xfer(
+            OpKind::Read,
+            &backs,
+            0..blocks as usize,
+            &prepared,
+            0..blocks as usize,
+        )
+        .unwrap();
+    read.post(DEADLINE).unwrap();
+    assert_eq!(read.status(), XferStatus::Done);
+    assert_eq!(back.to_vec(), data);
+
+    // The region dropped, and its slot taken by a new one: the request
+    // goes the slow way and is refused there.
+    peer.drop_region(&target).await;
+    let new = peer
+        .alloc(BLOCK as usize * blocks as usize, Access::ReadWrite, 9)
+        .await;
+    xfer.post(DEADLINE).unwrap();
+    match xfer.wait().await {
+        Err(XferError::Submit(SubmitError::Op { index: 0, error })) => assert!(
+            matches!(
+                error,
+                OpError::StaleGeneration { .. } | OpError::UnknownRegion
+            ),
+            "{error:?}"
+        ),
+        other => panic!("a write to a dropped region: {other:?}"),
+    }
+    assert_eq!(peer.digest(&new).await, digest(&new.original()));
+    peer.drop_region(&new).await;
+}

@@ -12,7 +12,7 @@ use crate::mapping::Mapping;
 use crate::pvm::{Fail, Grant, Vectors};
 
 /// Batches shorter than this are copied on the calling task.
-const INLINE: u64 = (1 << 20) + 1;
+pub(crate) const INLINE: u64 = (1 << 20) + 1;
 /// Each thread gets at least this many bytes: a batch of 1,024 blocks of
 /// 4 KiB takes two. One thread's `process_vm` copies of 4 KiB blocks move
 /// about 3 GB/s, and a second thread's start costs tens of microseconds
@@ -117,21 +117,10 @@ fn copy(batch: &Batch, planned: &Planned, offset: usize, len: usize) -> Result<(
 /// (for a dead region, the owner is asked why).
 pub(crate) async fn run(batch: Arc<Batch>) -> Vec<Result<(), Fail>> {
     let total: u64 = batch.planned.iter().map(|p| batch.op(p).len()).sum();
-    // One piece per op, whole.
-    let whole: Vec<Piece> = (0..batch.planned.len())
-        .map(|i| Piece {
-            planned: i,
-            offset: 0,
-            len: batch.op(&batch.planned[i]).len() as usize,
-        })
-        .collect();
     if total < INLINE {
-        let mut outcome = vec![Ok(()); batch.planned.len()];
-        for (i, result) in copy_run(&batch, whole) {
-            outcome[i] = result;
-        }
-        return outcome;
+        return run_here(&batch);
     }
+    let whole = whole(&batch);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = (total / PER_THREAD).clamp(1, cores.min(MAX_THREADS) as u64);
     // Cut the batch into `threads` runs of about the same bytes.
@@ -205,6 +194,27 @@ fn cut(pieces: Vec<Piece>, size: usize) -> Vec<Vec<Piece>> {
         }
     }
     groups
+}
+
+/// One piece per planned op, whole.
+fn whole(batch: &Batch) -> Vec<Piece> {
+    (0..batch.planned.len())
+        .map(|i| Piece {
+            planned: i,
+            offset: 0,
+            len: batch.op(&batch.planned[i]).len() as usize,
+        })
+        .collect()
+}
+
+/// Copies a batch (of fewer than [`INLINE`] bytes) on the calling thread;
+/// how each planned op went.
+pub(crate) fn run_here(batch: &Batch) -> Vec<Result<(), Fail>> {
+    let mut outcome = vec![Ok(()); batch.planned.len()];
+    for (i, result) in copy_run(batch, whole(batch)) {
+        outcome[i] = result;
+    }
+    outcome
 }
 
 /// Copies `run`'s pieces in order; each piece's planned op and how it

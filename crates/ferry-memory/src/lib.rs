@@ -445,6 +445,47 @@ impl MemoryBackend {
         self.forget_dead_owners_of(ops.into_iter().map(|op| &op.remote))
     }
 
+    /// Runs a small batch now, on the calling thread, when nothing in it
+    /// needs waiting for: every op valid, its owner linked and alive, its
+    /// region mapped or granted here already (by an earlier batch, or
+    /// [`prepare`](Self::prepare)), and fewer bytes in all than
+    /// [`submit`](Self::submit) copies inline anyway. Otherwise, or when a
+    /// copy fails, the ops come back for `submit`, which waits for what is
+    /// missing and says what failed (a failed copy is made again there:
+    /// the same bytes to the same place).
+    ///
+    /// For a request of a few small ops, the async path around the copy
+    /// (a timer, a batch on the heap, a future of kilobytes moved into
+    /// place) cost more than the copy: an 8-byte write through NIXL spent
+    /// 2-3 µs there against 1.4 µs in `process_vm_writev`.
+    pub fn submit_now(&self, ops: Vec<RdmaOp>) -> Result<(), Vec<RdmaOp>> {
+        let mut total = 0u64;
+        for op in &ops {
+            if op.validate().is_err() {
+                return Err(ops);
+            }
+            total = total.saturating_add(op.len());
+        }
+        if total >= copy::INLINE {
+            return Err(ops);
+        }
+        let mut planned = Vec::with_capacity(ops.len());
+        let mut seen = plan::Seen::default();
+        for (index, op) in ops.iter().enumerate() {
+            match self.plan_known(op, &mut seen) {
+                Ok(plan::Step::Planned(Some((_, at)))) => planned.push(copy::Planned { index, at }),
+                Ok(plan::Step::Planned(None)) => {}
+                Ok(plan::Step::Ask(..)) | Err(_) => return Err(ops),
+            }
+        }
+        let batch = copy::Batch { ops, planned };
+        if copy::run_here(&batch).iter().all(Result::is_ok) {
+            Ok(())
+        } else {
+            Err(batch.ops)
+        }
+    }
+
     /// Runs a batch whose ops all [`routes`](Self::routes) accepted: the
     /// copies run in this process (a long batch split across a few
     /// threads), no owner CPU involved. `Err(Op)` names the lowest failing

@@ -17,7 +17,8 @@
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -94,6 +95,9 @@ pub(crate) struct Link {
     owner: NodeAddr,
     /// The owner's pid, from the kernel when the socket connected.
     owner_pid: Option<i32>,
+    /// Until when (nanoseconds on [`clock`]) the last peek that found the
+    /// socket open answers [`Link::is_alive`]; 0 until the first.
+    alive_until: AtomicU64,
     /// [`UNPROBED`], [`PERMITTED`] or [`REFUSED`].
     process_vm: AtomicU8,
     /// The owner's gate table, mapped at its first `process_vm` grant.
@@ -218,9 +222,19 @@ impl Link {
         }
     }
 
-    /// Whether the owner is still there.
+    /// Whether the owner is still there: a peek at its socket, or the
+    /// answer of one made within [`ALIVE_FOR`].
     pub fn is_alive(&self) -> bool {
-        !self.packets.is_closed()
+        let now = clock();
+        if now < self.alive_until.load(Ordering::Relaxed) {
+            return true;
+        }
+        let alive = !self.packets.is_closed();
+        if alive {
+            let until = now.saturating_add(ALIVE_FOR.as_nanos() as u64);
+            self.alive_until.store(until, Ordering::Relaxed);
+        }
+        alive
     }
 
     fn unreachable(&self, reason: impl std::fmt::Display) -> OpError {
@@ -249,27 +263,38 @@ impl Link {
         self.mapping_for(&op.remote, op.kind == OpKind::Write).await
     }
 
+    /// [`mapping_for`](Self::mapping_for)'s answer when the owner need not
+    /// be asked: the mapping or grant already held for `remote`'s region
+    /// and generation, or `AccessDenied` when its token is not the one it
+    /// was granted for; `None` when the owner must be asked.
+    pub fn cached_mapping(
+        &self,
+        remote: &RemoteBuffer,
+        write: bool,
+    ) -> Option<Result<Target, OpError>> {
+        let token = remote.transports().memory.map_or(0, |m| m.token);
+        let mapped = self.mapped.lock().unwrap_or_else(|e| e.into_inner());
+        let granted = mapped.get(&remote.region())?;
+        if granted.target.generation() != remote.generation() {
+            return None;
+        }
+        // Granted for the token presented; or for the full token, which
+        // covers a read with its read-only one; or for the read-only one,
+        // which the full token covers.
+        let covered = token_grants(granted.token, token, write)
+            || tokens_equal(read_only_token(token), granted.token);
+        if !covered {
+            return Some(Err(OpError::AccessDenied));
+        }
+        (granted.target.writable() || !write).then(|| Ok(granted.target.clone()))
+    }
+
     /// The mapping or grant ops on `remote` need (writes when `write`):
     /// cached, or asked of the owner, which checks the handle's generation,
     /// token and access as it would for an op.
     pub async fn mapping_for(&self, remote: &RemoteBuffer, write: bool) -> Result<Target, OpError> {
         let token = remote.transports().memory.map_or(0, |m| m.token);
-        let cached = || {
-            let mapped = self.mapped.lock().unwrap_or_else(|e| e.into_inner());
-            let granted = mapped.get(&remote.region())?;
-            if granted.target.generation() != remote.generation() {
-                return None;
-            }
-            // Granted for the token presented; or for the full token, which
-            // covers a read with its read-only one; or for the read-only
-            // one, which the full token covers.
-            let covered = token_grants(granted.token, token, write)
-                || tokens_equal(read_only_token(token), granted.token);
-            if !covered {
-                return Some(Err(OpError::AccessDenied));
-            }
-            (granted.target.writable() || !write).then(|| Ok(granted.target.clone()))
-        };
+        let cached = || self.cached_mapping(remote, write);
         if let Some(mapping) = cached() {
             return mapping;
         }
@@ -401,6 +426,23 @@ impl Link {
 /// from piling up here.
 pub(crate) const UNREACHABLE_FOR: Duration = Duration::from_secs(5);
 
+/// How long a peek that found an owner's socket open stands for the next
+/// liveness checks. A post asks twice (its routing and its copy, a few
+/// microseconds apart) and a loop of small requests asks every few
+/// microseconds; each peek is a syscall, a tenth of an 8-byte same-host
+/// request's time. An owner that dies is noticed this much later at most:
+/// no caller can tell that from a death that raced its post, which the
+/// check never caught either.
+pub(crate) const ALIVE_FOR: Duration = Duration::from_micros(50);
+
+/// Nanoseconds since the first call: the clock [`Link::is_alive`]'s cache
+/// runs on.
+fn clock() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// What this node knows of each same-host owner it tried.
 enum LinkState {
     Up(Arc<Link>),
@@ -445,6 +487,7 @@ impl Links {
         let state = match Packets::connect(&crate::socket_name(owner.id)) {
             Ok(packets) => LinkState::Up(Arc::new(Link {
                 owner_pid: packets.peer_pid(),
+                alive_until: AtomicU64::new(0),
                 packets,
                 owner,
                 process_vm: AtomicU8::new(UNPROBED),

@@ -19,8 +19,24 @@ impl MemoryBackend {
         op: &RdmaOp,
         seen: &mut Seen,
     ) -> Result<Option<(Arc<peer::Link>, copy::Located)>, OpError> {
+        match self.plan_known(op, seen)? {
+            Step::Planned(planned) => Ok(planned),
+            Step::Ask(link, key) => {
+                let target = link.mapping(op).await?;
+                seen.last = Some(LastTarget {
+                    key,
+                    target: target.clone(),
+                });
+                Ok(Some((link, locate(target, op)?)))
+            }
+        }
+    }
+
+    /// [`plan`](Self::plan) from what is known here, without waiting:
+    /// `Ask` when the owner must be asked for the op's region first.
+    pub(crate) fn plan_known(&self, op: &RdmaOp, seen: &mut Seen) -> Result<Step, OpError> {
         if op.is_empty() {
-            return Ok(None);
+            return Ok(Step::Planned(None));
         }
         let owner = op.remote.owner();
         let link = match seen.links.iter().find(|(id, _)| *id == owner.id) {
@@ -34,26 +50,19 @@ impl MemoryBackend {
         let key = LastTarget::key_of(op);
         let target = match &seen.last {
             Some(last) if last.serves(&key, op) => last.target.clone(),
-            _ => {
-                let target = link.mapping(op).await?;
-                seen.last = Some(LastTarget {
-                    key,
-                    target: target.clone(),
-                });
-                target
-            }
+            _ => match link.cached_mapping(&op.remote, op.kind == OpKind::Write) {
+                None => return Ok(Step::Ask(link, key)),
+                Some(target) => {
+                    let target = target?;
+                    seen.last = Some(LastTarget {
+                        key,
+                        target: target.clone(),
+                    });
+                    target
+                }
+            },
         };
-        let at = match target {
-            peer::Target::Mapped(mapping) => {
-                let remote = mapping.locate(op)?;
-                copy::Located::Mapped { mapping, remote }
-            }
-            peer::Target::ProcessVm(grant) => {
-                let remote = grant.locate(op)?;
-                copy::Located::ProcessVm { grant, remote }
-            }
-        };
-        Ok(Some((link, at)))
+        Ok(Step::Planned(Some((link, locate(target, op)?))))
     }
 
     /// The link to a live `owner`.
@@ -73,6 +82,30 @@ impl MemoryBackend {
         }
         Ok(link)
     }
+}
+
+/// Where `op`'s remote bytes are in `target`, after checking they lie in
+/// its region.
+fn locate(target: peer::Target, op: &RdmaOp) -> Result<copy::Located, OpError> {
+    Ok(match target {
+        peer::Target::Mapped(mapping) => {
+            let remote = mapping.locate(op)?;
+            copy::Located::Mapped { mapping, remote }
+        }
+        peer::Target::ProcessVm(grant) => {
+            let remote = grant.locate(op)?;
+            copy::Located::ProcessVm { grant, remote }
+        }
+    })
+}
+
+/// What [`MemoryBackend::plan_known`] found.
+pub(crate) enum Step {
+    /// The op's link and where its bytes are (`None`: an empty op).
+    Planned(Option<(Arc<peer::Link>, copy::Located)>),
+    /// The op's link, whose owner must map or grant its region first, and
+    /// the op's target key.
+    Ask(Arc<peer::Link>, TargetKey),
 }
 
 /// What a batch's planning already looked up ([`MemoryBackend::plan`]).
