@@ -41,5 +41,16 @@ for line in sys.stdin:
     ferry_plugin=$(sed -n 's/^cdylib plugin_FERRY=//p' <<<"$artifacts")
     ferry_tests=$(sed -n 's/^test //p' <<<"$artifacts")
     ferry_examples=$(sed -n 's/^example //p' <<<"$artifacts")
+    # Every path cargo named must be there: a missing one would otherwise
+    # surface later as some script's "command not found". (What a narrowed
+    # build did not make stays unset.)
+    local path
+    for path in "$ferry_bin" "$ferry_plugin" \
+        $(printf '%s\n%s\n' "$ferry_tests" "$ferry_examples" | sed 's/^[^=]*=//'); do
+        [ -z "$path" ] || [ -e "$path" ] || {
+            echo "ferry_test_build: cargo built $path, but it is not there" >&2
+            return 1
+        }
+    done
     source scripts/target-dir.sh
 }

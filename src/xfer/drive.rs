@@ -155,8 +155,9 @@ impl Drop for Settle {
 /// ops, no notification, every region routed to same-host owners that the
 /// memory transport reaches without waiting
 /// ([`MemoryBackend::submit_now`](ferry_memory::MemoryBackend::submit_now)).
-/// Settles the status and returns `true` then; otherwise moves nothing and
-/// returns `false`, for [`drive`].
+/// Settles the status and returns `true` then; otherwise returns `false`
+/// with the status untouched, for [`drive`] (which makes again a copy
+/// that failed here, and says why).
 pub(super) fn post_now(job: &Job, state: &State) -> bool {
     let router = &job.router;
     let Some(memory) = &router.memory else {

@@ -23,15 +23,11 @@ async fn a_write_posted_through_the_raw_handles_lands() {
     src.write_at(0, &pattern(len, 0x42)).unwrap();
     // Queue pairs connect on first use: one small ferry op creates it.
     let probe = node.alloc(1, Access::ReadWrite).await.unwrap();
-    node.submit(
-        vec![RdmaOp::read(
-            probe.whole(),
-            target.handle.slice(0..1).unwrap(),
-        )],
-        DEADLINE,
-    )
-    .await
-    .unwrap();
+    let read_one_byte = || {
+        let op = RdmaOp::read(probe.whole(), target.handle.slice(0..1).unwrap());
+        node.submit(vec![op], DEADLINE)
+    };
+    read_one_byte().await.unwrap();
 
     let info = node
         .ibverbs()
@@ -94,13 +90,5 @@ async fn a_write_posted_through_the_raw_handles_lands() {
     }
     drop(info);
     // ferry's own traffic on that QP is undisturbed by the foreign completion.
-    node.submit(
-        vec![RdmaOp::read(
-            probe.whole(),
-            target.handle.slice(0..1).unwrap(),
-        )],
-        DEADLINE,
-    )
-    .await
-    .unwrap();
+    read_one_byte().await.unwrap();
 }

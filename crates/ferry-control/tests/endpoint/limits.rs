@@ -37,19 +37,25 @@ async fn count_hung_up(streams: &mut [TcpStream]) -> usize {
         .count()
 }
 
-#[tokio::test]
-async fn a_flood_from_one_address_does_not_lock_out_others() {
-    let config = EndpointConfig {
+/// An endpoint's config with these bounds on connections, in total and
+/// per address, and timeouts long enough that none fires in a test.
+fn limited(max_connections: usize, max_per_address: usize) -> EndpointConfig {
+    let long = Duration::from_secs(30);
+    EndpointConfig {
         limits: ConnectionLimits {
-            max_connections: 40,
-            max_per_address: 10,
-            hello_timeout: Duration::from_secs(30),
-            idle_timeout: Duration::from_secs(30),
-            frame_timeout: Duration::from_secs(30),
+            max_connections,
+            max_per_address,
+            hello_timeout: long,
+            idle_timeout: long,
+            frame_timeout: long,
         },
         ..Default::default()
-    };
-    let b = endpoint_with(config).await;
+    }
+}
+
+#[tokio::test]
+async fn a_flood_from_one_address_does_not_lock_out_others() {
+    let b = endpoint_with(limited(40, 10)).await;
     let a = endpoint().await;
     // A peer with a session before the flood.
     let before = a.session(b.local(), T).await.unwrap();
@@ -98,17 +104,7 @@ async fn a_flood_from_one_address_does_not_lock_out_others() {
 
 #[tokio::test]
 async fn at_the_total_bound_open_sessions_keep_working() {
-    let config = EndpointConfig {
-        limits: ConnectionLimits {
-            max_connections: 12,
-            max_per_address: 4,
-            hello_timeout: Duration::from_secs(30),
-            idle_timeout: Duration::from_secs(30),
-            frame_timeout: Duration::from_secs(30),
-        },
-        ..Default::default()
-    };
-    let b = endpoint_with(config).await;
+    let b = endpoint_with(limited(12, 4)).await;
     let a = endpoint().await;
     let session = a.session(b.local(), T).await.unwrap();
     // Fill the rest of the total from several addresses.
