@@ -16,6 +16,11 @@ Rows are JSON lines with `ferry bench --json`'s fields, plus ``system`` and
 - ``lat``: one 8-byte write per request;
 - ``idle``: the CPU an idle node (connected to its peer) uses, in % of a core.
 
+Both sides' memory is ferry's (``--memory alloc``, `Node.alloc`: shared
+through a mapping on one host) or the process's own, registered
+(``--memory registered``: page-aligned anonymous memory, as NIXL's benchmark
+registers, which another process reaches with ``process_vm_writev``).
+
     python bench.py --transport memory|tcp --workload bw|descs|lat|idle|all
 """
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import resource
 import subprocess
@@ -45,10 +51,18 @@ def size(text: str) -> int:
     return int(text)
 
 
-def target() -> None:
+def region_of(node: ferry.Node, memory: str) -> ferry.Region:
+    """REGION bytes of ``memory``'s kind, registered with ``node``."""
+    if memory == "alloc":
+        return node.alloc(REGION)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return node.register(mmap.mmap(-1, REGION, flags=flags))
+
+
+def target(memory: str) -> None:
     """The served side: a region, its handle on stdout, then wait for EOF."""
     with ferry.Node() as node:
-        region = node.alloc(REGION)
+        region = region_of(node, memory)
         np.frombuffer(region, dtype=np.uint8)[:] = 0x5A
         print(json.dumps({"handle": region.remote().to_bytes().hex()}), flush=True)
         sys.stdin.read()
@@ -58,8 +72,9 @@ def percentile(sorted_us: List[float], p: float) -> float:
     return sorted_us[min(len(sorted_us) - 1, round((len(sorted_us) - 1) * p))]
 
 
-def row(transport: str, workload: str, op: str, block: int, batch: int, prepared: bool,
-        lat_ns: List[int], seconds: float, first_us: float, **extra: Any) -> Dict[str, Any]:
+def row(transport: str, memory: str, workload: str, op: str, block: int, batch: int,
+        prepared: bool, lat_ns: List[int], seconds: float, first_us: float,
+        **extra: Any) -> Dict[str, Any]:
     lat_us = sorted(x / 1000 for x in lat_ns)
     n = len(lat_us)
     total = block * batch * n
@@ -70,7 +85,7 @@ def row(transport: str, workload: str, op: str, block: int, batch: int, prepared
         lat_avg_us=sum(lat_us) / n, lat_p50_us=percentile(lat_us, 0.5),
         lat_p99_us=percentile(lat_us, 0.99), verified=False, prepared=prepared,
         first_us=first_us, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        registered=REGION, **extra,
+        registered=REGION, memory=memory, **extra,
     )
 
 
@@ -100,6 +115,8 @@ def main() -> None:
     p.add_argument("--transport", choices=["memory", "tcp"], default="memory")
     p.add_argument("--workload", choices=["bw", "descs", "lat", "idle", "all"], default="all")
     p.add_argument("--mode", choices=["submit", "prepared"], default="submit")
+    p.add_argument("--memory", choices=["alloc", "registered"], default="alloc",
+                   help="ferry's memory (Node.alloc) or the process's, registered")
     p.add_argument("--blocks", default="4K:1024,64K:1024,1M:64,16M:4",
                    help="block:ops per request, comma separated")
     p.add_argument("--op", choices=["write", "read", "both"], default="both")
@@ -109,20 +126,21 @@ def main() -> None:
     p.add_argument("--shuffle", action="store_true", help="descs: random blocks per request")
     args = p.parse_args()
     if args.role == "target":
-        return target()
+        return target(args.memory)
 
     env = dict(os.environ)
     if args.transport == "tcp":
         env["FERRY_DISABLE_MEMORY"] = "1"
         os.environ["FERRY_DISABLE_MEMORY"] = "1"
-    peer = subprocess.Popen([sys.executable, __file__, "--role", "target"], env=env,
+    peer = subprocess.Popen([sys.executable, __file__, "--role", "target", "--memory", args.memory],
+                            env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert peer.stdout is not None
         handle = ferry.RemoteRegion.from_bytes(bytes.fromhex(json.loads(peer.stdout.readline())["handle"]))
         with ferry.Node() as node:
             assert args.transport in node.transports(), node.transports()
-            local = node.alloc(REGION)
+            local = region_of(node, args.memory)
             np.frombuffer(local, dtype=np.uint8)[:] = 0xA5
             node.connect(handle.owner)
             workloads = ["bw", "descs", "lat", "idle"] if args.workload == "all" else [args.workload]
@@ -163,7 +181,7 @@ def run_workload(workload: str, args: argparse.Namespace, node: ferry.Node, loca
                         xfer.post(30.0)
                         xfer.wait()
                 lat, secs, first = timed(run, args.duration, args.warmup)
-                rows.append(row(t, "bw", op, block, batch, args.mode == "prepared", lat, secs, first))
+                rows.append(row(t, args.memory, "bw", op, block, batch, args.mode == "prepared", lat, secs, first))
     elif workload == "descs":
         block, batch = 4096, 1024
         n = REGION // block
@@ -195,14 +213,14 @@ def run_workload(workload: str, args: argparse.Namespace, node: ferry.Node, loca
                 xfer.wait()
             lat, secs, first = timed(run, args.duration, args.warmup)
             post_us = sorted(posting)[len(posting) // 2] / 1000
-            rows.append(row(t, "descs", op, block, batch, True, lat, secs, first, post_us=post_us))
+            rows.append(row(t, args.memory, "descs", op, block, batch, True, lat, secs, first, post_us=post_us))
     elif workload == "lat":
         one = [ferry.Op.write(local, handle, length=8)]
 
         def run() -> None:
             node.submit(one, 5.0)
         lat, secs, first = timed(run, args.duration, args.warmup * 50)
-        rows.append(row(t, "lat", "write", 8, 1, False, lat, secs, first))
+        rows.append(row(t, args.memory, "lat", "write", 8, 1, False, lat, secs, first))
     elif workload == "idle":
         before = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.monotonic()

@@ -10,7 +10,10 @@
 #        (scripts/memcpy-bench.c pvm): the kernel copy ferry makes for
 #        memory it did not allocate, as NIXL's is;
 # and, with FERRY_PY=1, ferry's own Python API (python/bench.py, prepared
-# requests) on the same cells.
+# requests) on the same cells and the same kind of memory: the process's
+# own, registered (NIXL's benchmark registers page-aligned anonymous memory,
+# which ferry reaches across processes with process_vm_writev, where memory
+# ferry allocated is mapped and copied with memcpy).
 #
 # Cells: bw (4K x1024, 64K x1024, 1M x64, 16M x4; write and read, one
 # request in flight) and lat (one 8-byte write per request, p50). Then, per
@@ -116,7 +119,8 @@ for round in $(seq "$rounds"); do
             [ $transport = tcp ] && ferry_transport=tcp || ferry_transport=memory
             for workload in bw lat; do
                 "$ferry_venv/bin/python" python/bench.py --transport $ferry_transport \
-                    --workload $workload --mode prepared --duration "$seconds" 2>"$out/err" |
+                    --workload $workload --mode prepared --memory registered \
+                    --duration "$seconds" 2>"$out/err" |
                     pick ferry-py "$transport" >>"$out/rows" || { cat "$out/err" >&2; exit 1; }
             done
         fi
