@@ -316,8 +316,12 @@ impl Xfer {
         if refused {
             return Err(PostError::InProgress);
         }
-        let cancel = CancellationToken::new();
-        *current = cancel.clone();
+        // The last post's token serves again unless it was cancelled: no
+        // task holds it any more but one past its last use (the status
+        // was settled), and a post done within this call needs none.
+        if current.is_cancelled() {
+            *current = CancellationToken::new();
+        }
         drop(current);
         self.state.completed.store(0, Ordering::Relaxed);
         // A small request to same-host owners already mapped is copied
@@ -326,6 +330,11 @@ impl Xfer {
         if same_host && drive::post_now(&self.job, &self.state) {
             return Ok(());
         }
+        // Taken again under the lock: a `cancel` since the status became
+        // `InProgress` cancelled this token, and so this post.
+        let cancel = (self.state.cancel.lock())
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let (job, state) = (self.job.clone(), self.state.clone());
         let runtime = &self.job.router.runtime;
         let mut driving = Box::pin(drive(job, state, cancel, timeout));
@@ -394,7 +403,14 @@ impl Xfer {
 
 impl Drop for Xfer {
     fn drop(&mut self) {
-        self.cancel();
+        // Only a post in progress has a task to stop. A settled one's
+        // task has nothing left to do, and cancelling its token wakes the
+        // token's waiters under a lock: a fifth of what releasing a small
+        // request through NIXL costs ferry. A post that settles after this
+        // look is cancelled to no effect.
+        if *self.state.status.borrow() == XferStatus::InProgress {
+            self.cancel();
+        }
     }
 }
 

@@ -186,8 +186,10 @@ pub async fn a_request_lives_posts_again_and_refuses_bad_input(
 
 /// A request cancelled right after its post moves no more than one window
 /// (counted in the owner's memory: the blocks that hold the new bytes),
-/// and exactly the ops it reports completed; one dropped right after its
-/// post keeps its memory (`from_raw` here) until its last byte landed.
+/// and exactly the ops it reports completed, and moves them all when
+/// posted again; one dropped right after its post keeps its memory
+/// (`from_raw` here) until its last byte landed, and stops as a cancelled
+/// one does.
 #[allow(dead_code)] // tests/ibverbs runs only the first
 pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mut PeerProcess) {
     let blocks = 32 * 1024u32;
@@ -226,6 +228,15 @@ pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mu
         })
         .count();
     assert_eq!(moved, completed, "blocks moved against ops reported");
+    // Posted again, the cancelled request moves every block.
+    xfer.post(DEADLINE).unwrap();
+    xfer.wait()
+        .await
+        .expect("a cancelled request posted again is done");
+    assert!(
+        peer.contents(&target).await == data,
+        "the re-post left blocks unmoved"
+    );
 
     // Dropped in flight: the memory is held until the transfer let go.
     let released = Arc::new(AtomicBool::new(false));
@@ -266,6 +277,34 @@ pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mu
         .await
         .expect("released once the request let go");
     assert!(released.load(Ordering::Acquire));
+    peer.drop_region(&target).await;
+
+    // Dropped in flight, a write stops as a cancelled one does: once it
+    // let go of its memory, at most a window more than it had completed
+    // at the drop moved.
+    let target = peer.alloc(len, Access::ReadWrite, 6).await;
+    let (local, locals, data) = local_blocks(node, blocks, 7).await;
+    let prepared = remote_blocks(node, &target.handle, blocks).await;
+    let all = 0..blocks as usize;
+    let writing = node
+        .make_xfer(OpKind::Write, &locals, all.clone(), &prepared, all)
+        .unwrap();
+    writing.post(DEADLINE).unwrap();
+    let at_drop = writing.completed();
+    let closing = local.closing();
+    drop((writing, locals));
+    closing
+        .wait(tokio::time::Instant::now() + DEADLINE)
+        .await
+        .expect("released once the dropped request let go");
+    let now = peer.contents(&target).await;
+    let moved = (0..blocks as usize)
+        .filter(|&i| block(&now, i) == block(&data, i))
+        .count();
+    assert!(
+        moved <= at_drop + window,
+        "{moved} blocks moved after a drop at {at_drop} of {blocks}"
+    );
     peer.drop_region(&target).await;
 }
 
