@@ -44,9 +44,13 @@ pub const HOT: Duration = Duration::from_micros(50);
 pub struct Driver {
     runtime: Runtime,
     epoch: Instant,
-    /// When a caller last polled (or is polling), in nanoseconds since
-    /// `epoch`.
+    /// When a caller's last poll began, or its last drive ended, in
+    /// nanoseconds since `epoch`.
     last_poll: AtomicU64,
+    /// Set while a caller drives the runtime: it is polling, however long
+    /// ago its poll began (a drive that receives a 16 MiB block takes
+    /// milliseconds).
+    caller_driving: AtomicBool,
     /// Set while the background thread drives the runtime (or is about
     /// to): a poll then leaves the work to it.
     background: AtomicBool,
@@ -74,6 +78,7 @@ pub fn driver() -> &'static Driver {
             .expect("a tokio runtime: an epoll instance"),
         epoch: Instant::now(),
         last_poll: AtomicU64::new(0),
+        caller_driving: AtomicBool::new(false),
         background: AtomicBool::new(false),
         hand_over: Notify::new(),
         blocked: AtomicUsize::new(0),
@@ -101,6 +106,12 @@ impl Driver {
 
     fn since_last_poll(&self) -> Duration {
         Duration::from_nanos(self.now().saturating_sub(self.last_poll.load(SeqCst)))
+    }
+
+    /// Whether the callers have gone quiet: none drives now, and none
+    /// polled for QUIET.
+    fn quiet(&self) -> bool {
+        !self.caller_driving.load(SeqCst) && self.since_last_poll() >= QUIET
     }
 
     /// Runs `future` to its end on the calling thread, the runtime driven
@@ -160,6 +171,18 @@ impl Driver {
         // drive (see `background`), unless this thread stalled for longer
         // than QUIET since: then this permit ends its turn.
         self.hand_over.notify_one();
+        /// Marks the caller's drive, and its end as a poll: a long drive
+        /// is not quiet, and the next poll times its gap from its end.
+        /// Also when the drive panics (the boundary catches it).
+        struct Driving<'a>(&'a Driver);
+        impl Drop for Driving<'_> {
+            fn drop(&mut self) {
+                self.0.last_poll.store(self.0.now(), SeqCst);
+                self.0.caller_driving.store(false, SeqCst);
+            }
+        }
+        self.caller_driving.store(true, SeqCst);
+        let _driving = Driving(self);
         let out = self.runtime.block_on(async {
             let out = start();
             if !settled(&out) {
@@ -172,18 +195,21 @@ impl Driver {
     }
 
     /// The background thread: waits until no caller has polled for
-    /// QUIET (or a blocking call needs the runtime), then drives it until
-    /// a caller polls.
+    /// QUIET and none drives (or a blocking call needs the runtime), then
+    /// drives it until a caller polls.
     fn background(&self) {
         loop {
             {
                 let mut guard = self.wake.0.lock().unwrap_or_else(|e| e.into_inner());
                 loop {
-                    let quiet = self.since_last_poll();
-                    if quiet >= QUIET || self.blocked.load(SeqCst) > 0 {
+                    if self.quiet() || self.blocked.load(SeqCst) > 0 {
                         break;
                     }
-                    guard = (self.wake.1.wait_timeout(guard, QUIET - quiet))
+                    // QUIET after the last poll, or, while a caller
+                    // drives, QUIET from now.
+                    let left = QUIET.saturating_sub(self.since_last_poll());
+                    let wait = if left.is_zero() { QUIET } else { left };
+                    guard = (self.wake.1.wait_timeout(guard, wait))
                         .unwrap_or_else(|e| e.into_inner())
                         .0;
                 }
@@ -192,7 +218,7 @@ impl Driver {
             // stores its time before looking at this flag: of two at the
             // same moment, one sees the other.
             self.background.store(true, SeqCst);
-            if self.since_last_poll() >= QUIET || self.blocked.load(SeqCst) > 0 {
+            if self.quiet() || self.blocked.load(SeqCst) > 0 {
                 self.runtime.block_on(self.hand_over.notified());
             }
             self.background.store(false, SeqCst);
@@ -253,6 +279,38 @@ mod tests {
         // runtime within a hand-over, and then runs the tasks.
         assert!(driven > 0, "no poll ever drove the runtime");
         assert!(on_caller > 0, "no task ran on the polling thread");
+    }
+
+    #[test]
+    fn a_drive_longer_than_quiet_keeps_the_runtime_on_the_caller() {
+        let _serial = one_at_a_time();
+        let driver = driver();
+        let me = std::thread::current().id();
+        let start = Instant::now();
+        // A task that holds the caller's drive for five QUIETs, and then
+        // tells whether the background thread set out to take over.
+        loop {
+            let (tx, rx) = mpsc::channel();
+            driver.handle().spawn(async move {
+                std::thread::sleep(5 * QUIET);
+                let background = driver.background.load(SeqCst);
+                tx.send((std::thread::current().id(), background)).unwrap();
+            });
+            let (ran_on, background) = loop {
+                driver.poll();
+                if let Ok(got) = rx.try_recv() {
+                    break got;
+                }
+                assert!(start.elapsed() < DEADLINE, "the task never ran");
+            };
+            // Run by the background thread (it drove when the task came):
+            // not the case this test is about; again.
+            if ran_on == me {
+                assert!(!background, "the background thread took a drive for quiet");
+                break;
+            }
+            assert!(start.elapsed() < DEADLINE, "no poll ever drove the task");
+        }
     }
 
     #[test]
