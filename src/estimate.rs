@@ -5,9 +5,9 @@
 //! A request's time is modelled as `fixed + per_op × ops + per_byte ×
 //! bytes`, fitted per (peer, transport) by least squares with forgetting,
 //! so that recent requests count most and a changed path is followed
-//! within a few dozen requests, while what the requests never vary keeps
-//! the configured figures. Each sample is weighted by its
-//! own duration: the fit minimises *relative* error, which is what makes
+//! within a hundred requests or so, while what the requests never vary
+//! keeps the configured figures. Each sample is weighted by its own
+//! duration: the fit minimises *relative* error, which is what makes
 //! one model good for a 64 KiB request and a 16 MiB one alike (a plain fit
 //! would serve the large ones and miss the small ones by multiples). The
 //! per-op term is what NIXL's estimate gets wrong for small blocks (it sums
