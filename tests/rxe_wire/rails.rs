@@ -262,7 +262,20 @@ async fn each_pair_uses_the_smaller_mtu_of_its_two_ends() {
 /// over the management wire, which no test faults, while its RDMA traffic
 /// takes the two rails: a cluster's front-end network beside its RDMA
 /// fabric. The peer's counterpart is [`mgmt_peer`].
+///
+/// The rails' keeper logs to stderr from the first such node on (pairs
+/// connected, failed, repaired, and why a repair failed), so that a test
+/// that finds a rail unused says what the keeper did.
 pub(crate) async fn mgmt_node() -> Node {
+    static LOGS: std::sync::Once = std::sync::Once::new();
+    LOGS.call_once(|| {
+        let filter = "ferry_ibverbs=info,ferry_ibverbs::peers=debug";
+        // Another subscriber set first keeps its place.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .try_init();
+    });
     rdma_node_with(|builder| builder.listen("10.99.0.2:0".parse().unwrap())).await
 }
 
