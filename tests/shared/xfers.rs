@@ -43,18 +43,18 @@ async fn remote_blocks(node: &Node, handle: &RemoteBuffer, blocks: u32) -> Prepa
 
 /// A request writing `blocks` local blocks filled with `pattern(.., seeds.1)`
 /// over as many blocks of a new peer region filled with
-/// `pattern(.., seeds.0)`: the region, the local bytes, the prepared
-/// remote list, and the request (not posted).
+/// `pattern(.., seeds.0)`: the peer's region, the local region and its
+/// bytes, the prepared remote list, and the request (not posted).
 #[allow(dead_code)] // tests/ibverbs runs only the first test
 async fn block_writes(
     node: &Node,
     peer: &mut PeerProcess,
     blocks: u32,
     seeds: (u8, u8),
-) -> (PeerRegion, Vec<u8>, PreparedRemote, Xfer) {
+) -> (PeerRegion, Region, Vec<u8>, PreparedRemote, Xfer) {
     let len = BLOCK as usize * blocks as usize;
     let target = peer.alloc(len, Access::ReadWrite, seeds.0).await;
-    let (_, locals, data) = local_blocks(node, blocks, seeds.1).await;
+    let (local, locals, data) = local_blocks(node, blocks, seeds.1).await;
     let prepared = remote_blocks(node, &target.handle, blocks).await;
     let xfer = node
         .make_xfer(
@@ -65,7 +65,7 @@ async fn block_writes(
             0..blocks as usize,
         )
         .unwrap();
-    (target, data, prepared, xfer)
+    (target, local, data, prepared, xfer)
 }
 
 /// Status moves Ready → InProgress → Done and never back, a post while in
@@ -194,7 +194,7 @@ pub async fn a_request_lives_posts_again_and_refuses_bad_input(
 pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mut PeerProcess) {
     let blocks = 32 * 1024u32;
     let len = BLOCK as usize * blocks as usize;
-    let (target, data, prepared, xfer) = block_writes(node, peer, blocks, (4, 5)).await;
+    let (target, _, data, prepared, xfer) = block_writes(node, peer, blocks, (4, 5)).await;
     xfer.post(DEADLINE).unwrap();
     xfer.cancel();
     let at_cancel = xfer.completed();
@@ -216,17 +216,7 @@ pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mu
     let back = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
     let read = RdmaOp::read(back.whole(), target.handle.clone());
     node.submit(vec![read], DEADLINE).await.unwrap();
-    let (owner, original) = (back.to_vec(), target.original());
-    let moved = (0..blocks as usize)
-        .filter(|&i| {
-            let now = block(&owner, i);
-            assert!(
-                now == block(&data, i) || now == block(&original, i),
-                "block {i}"
-            );
-            now == block(&data, i)
-        })
-        .count();
+    let moved = blocks_moved(&back.to_vec(), &data, &target.original());
     assert_eq!(moved, completed, "blocks moved against ops reported");
     // Posted again, the cancelled request moves every block.
     xfer.post(DEADLINE).unwrap();
@@ -282,25 +272,16 @@ pub async fn a_cancelled_request_moves_at_most_one_window(node: &Node, peer: &mu
     // Dropped in flight, a write stops as a cancelled one does: once it
     // let go of its memory, at most a window more than it had completed
     // at the drop moved.
-    let target = peer.alloc(len, Access::ReadWrite, 6).await;
-    let (local, locals, data) = local_blocks(node, blocks, 7).await;
-    let prepared = remote_blocks(node, &target.handle, blocks).await;
-    let all = 0..blocks as usize;
-    let writing = node
-        .make_xfer(OpKind::Write, &locals, all.clone(), &prepared, all)
-        .unwrap();
+    let (target, local, data, _, writing) = block_writes(node, peer, blocks, (6, 7)).await;
     writing.post(DEADLINE).unwrap();
     let at_drop = writing.completed();
     let closing = local.closing();
-    drop((writing, locals));
+    drop(writing);
     closing
         .wait(tokio::time::Instant::now() + DEADLINE)
         .await
         .expect("released once the dropped request let go");
-    let now = peer.contents(&target).await;
-    let moved = (0..blocks as usize)
-        .filter(|&i| block(&now, i) == block(&data, i))
-        .count();
+    let moved = blocks_moved(&peer.contents(&target).await, &data, &target.original());
     assert!(
         moved <= at_drop + window,
         "{moved} blocks moved after a drop at {at_drop} of {blocks}"
@@ -319,7 +300,7 @@ pub async fn a_request_cancelled_against_a_stopped_owner_ends_cancelled(
     peer: &mut PeerProcess,
 ) {
     let blocks = 1024u32;
-    let (target, data, _, xfer) = block_writes(node, peer, blocks, (5, 6)).await;
+    let (target, _, data, _, xfer) = block_writes(node, peer, blocks, (5, 6)).await;
     // One read, so that the connections exist before the stop.
     let scratch = node.alloc(BLOCK, Access::ReadWrite).await.unwrap();
     let first = target.handle.slice(0..BLOCK).unwrap();
@@ -384,6 +365,21 @@ fn block(bytes: &[u8], i: usize) -> &[u8] {
     &bytes[i * BLOCK as usize..(i + 1) * BLOCK as usize]
 }
 
+/// How many blocks of the owner's bytes `now` hold the written `data`;
+/// every other block must still hold its `original` bytes.
+#[allow(dead_code)] // tests/ibverbs runs only the first test
+fn blocks_moved(now: &[u8], data: &[u8], original: &[u8]) -> usize {
+    (0..now.len() / BLOCK as usize)
+        .filter(|&i| {
+            assert!(
+                block(now, i) == block(data, i) || block(now, i) == block(original, i),
+                "block {i}"
+            );
+            block(now, i) == block(data, i)
+        })
+        .count()
+}
+
 /// A peer restarted (same address, new node id) between prepare and post:
 /// the post fails typed, and the new process's memory is untouched. Both
 /// incarnations listen on one free port, with `env` besides.
@@ -432,7 +428,7 @@ pub async fn a_small_same_host_request_is_done_when_its_post_returns(
     peer: &mut PeerProcess,
 ) {
     let blocks = 16;
-    let (target, data, prepared, xfer) = block_writes(node, peer, blocks, (6, 7)).await;
+    let (target, _, data, prepared, xfer) = block_writes(node, peer, blocks, (6, 7)).await;
     for post in 1..=3 {
         xfer.post(DEADLINE).unwrap();
         assert_eq!(xfer.status(), XferStatus::Done, "post {post}");
