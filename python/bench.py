@@ -133,8 +133,7 @@ def main() -> None:
         env["FERRY_DISABLE_MEMORY"] = "1"
         os.environ["FERRY_DISABLE_MEMORY"] = "1"
     peer = subprocess.Popen([sys.executable, __file__, "--role", "target", "--memory", args.memory],
-                            env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert peer.stdout is not None
         handle = ferry.RemoteRegion.from_bytes(bytes.fromhex(json.loads(peer.stdout.readline())["handle"]))
