@@ -7,8 +7,11 @@
 //! [`IbvConfig::stall_timeout`](crate::IbvConfig) (its work then moves to
 //! the other pairs, see `batch`), and it connects a failed pair's rails
 //! again, probed, every [`REPAIR_EVERY`], so a rail that comes back is used
-//! again. Once no pair is usable it waits for them to drain and lets the
-//! link go: the next submit connects afresh.
+//! again. A rail pair whose probe failed at connect is tried too, less and
+//! less often (see `Missing`): a rail that was down when the peer was
+//! first reached joins the link once it is up. Once no pair is usable the
+//! keeper waits for them to drain and lets the link go: the next submit
+//! connects afresh.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -16,11 +19,12 @@ use std::time::Duration;
 
 use ferry_control::Endpoint;
 use ferry_core::{NodeAddr, OpError};
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::connection::PeerQp;
-use crate::device::Fabric;
+use crate::device::{Fabric, Rail};
 use crate::exchange::{self, PROBE_TIMEOUT};
 use crate::wire::RailInfo;
 
@@ -236,8 +240,15 @@ async fn keep(
     peer: NodeAddr,
 ) {
     let mut repair_at = Instant::now() + REPAIR_EVERY;
+    let mut missing = Missing::default();
+    // A round of repairs runs beside the keeper's ticks: its probes take up
+    // to a few seconds, and stalls must still be caught meanwhile.
+    let mut repairing: Option<JoinHandle<Vec<(u8, bool)>>> = None;
     loop {
         tokio::time::sleep(KEEPER_TICK).await;
+        if let Some(round) = repairing.take_if(|round| round.is_finished()) {
+            missing.tried(&round.await.unwrap_or_default());
+        }
         // The backend is gone, or the link was let go.
         if table.strong_count() == 0 {
             return;
@@ -246,6 +257,12 @@ async fn keep(
         let pairs = held.all();
         let usable: Vec<&Arc<PeerQp>> = pairs.iter().filter(|qp| qp.is_usable()).collect();
         if usable.is_empty() {
+            // A round under way may bring a pair back: its end is awaited
+            // first (it is bounded by its probes' deadline).
+            if let Some(round) = repairing.take() {
+                missing.tried(&round.await.unwrap_or_default());
+                continue;
+            }
             // Wait for every pair's flushes, then empty the slot if it
             // still holds this link.
             drop(held);
@@ -267,40 +284,9 @@ async fn keep(
             }
             return;
         }
-        // Pairs on a rail whose port went down, and pairs with work due
-        // that made no progress for the stall timeout, are failed while
-        // one pair is left to take their work.
-        let failing: Vec<(&Arc<PeerQp>, &str)> = usable
-            .iter()
-            .filter_map(|qp| {
-                if qp.rail().is_down() {
-                    Some((*qp, "port_down"))
-                } else if qp.is_busy() && qp.since_progress() >= qp.rail().stall_timeout {
-                    Some((*qp, "stall"))
-                } else {
-                    None
-                }
-            })
-            .collect();
-        if failing.len() < usable.len() {
-            for (qp, reason) in failing {
-                let stall = qp.rail().stall_timeout;
-                warn!(
-                    peer = %peer.endpoint,
-                    rail = %qp.rail().name(),
-                    remote_rail = qp.remote_rail(),
-                    reason,
-                    ?stall,
-                    "failing a rail pair (its port is down, or it stalled with work due): its work moves to the other pairs"
-                );
-                metrics::counter!(
-                    "ferry_rail_failovers_total",
-                    "rail" => qp.rail().name(),
-                    "reason" => reason
-                )
-                .increment(1);
-                qp.break_with(qp.lost());
-            }
+        fail_stalled(&usable, peer);
+        if repairing.is_some() {
+            continue;
         }
         // A pair on a rail that is down stays failed until the port is up.
         let broken: Vec<Arc<PeerQp>> = pairs
@@ -308,30 +294,187 @@ async fn keep(
             .filter(|qp| qp.is_broken() && qp.drained().is_cancelled() && !qp.rail().is_down())
             .cloned()
             .collect();
-        if broken.is_empty() || Instant::now() < repair_at {
+        let now = Instant::now();
+        let broken = if now >= repair_at { broken } else { Vec::new() };
+        let absent = missing.due(unpaired(&fabric, &pairs, held.theirs()), now);
+        if broken.is_empty() && absent.is_empty() {
             continue;
         }
-        repair_at = Instant::now() + REPAIR_EVERY;
-        for old in broken {
-            let (rail, remote) = (old.rail().clone(), old.remote_rail());
-            let Some(&their_rail) = held.theirs.iter().find(|t| t.index == remote) else {
-                continue;
-            };
-            let deadline = Instant::now() + PROBE_TIMEOUT + Duration::from_secs(1);
-            match exchange::reconnect_pair(&fabric, &endpoint, peer, rail, their_rail, deadline)
-                .await
-            {
-                Ok(qp) => {
-                    info!(peer = %peer.endpoint, rail = %qp.rail().name(), remote_rail = remote, "rail pair works again");
-                    let mut pairs = held.lock();
-                    if let Some(slot) = pairs.iter_mut().find(|q| Arc::ptr_eq(q, &old)) {
-                        *slot = qp;
-                    }
-                }
-                Err(why) => {
-                    tracing::debug!(peer = %peer.endpoint, rail = %old.rail().name(), remote_rail = remote, %why, "rail pair still down");
-                }
+        if !broken.is_empty() {
+            repair_at = now + REPAIR_EVERY;
+        }
+        repairing = Some(tokio::spawn(repair(
+            held,
+            fabric.clone(),
+            endpoint.clone(),
+            peer,
+            broken,
+            absent,
+        )));
+    }
+}
+
+/// Fails the pairs among `usable` on a rail whose port went down, and those
+/// with work due that made no progress for the stall timeout, while one
+/// pair is left to take their work.
+fn fail_stalled(usable: &[&Arc<PeerQp>], peer: NodeAddr) {
+    let failing: Vec<(&Arc<PeerQp>, &str)> = usable
+        .iter()
+        .filter_map(|qp| {
+            if qp.rail().is_down() {
+                Some((*qp, "port_down"))
+            } else if qp.is_busy() && qp.since_progress() >= qp.rail().stall_timeout {
+                Some((*qp, "stall"))
+            } else {
+                None
+            }
+        })
+        .collect();
+    if failing.len() >= usable.len() {
+        return;
+    }
+    for (qp, reason) in failing {
+        let stall = qp.rail().stall_timeout;
+        warn!(
+            peer = %peer.endpoint,
+            rail = %qp.rail().name(),
+            remote_rail = qp.remote_rail(),
+            reason,
+            ?stall,
+            "failing a rail pair (its port is down, or it stalled with work due): its work moves to the other pairs"
+        );
+        metrics::counter!(
+            "ferry_rail_failovers_total",
+            "rail" => qp.rail().name(),
+            "reason" => reason
+        )
+        .increment(1);
+        qp.break_with(qp.lost());
+    }
+}
+
+/// Rail pairs the link lacks: each of our rails (its port up) that no pair
+/// of the link uses, matched with a rail of the peer's that none uses, the
+/// same rail first, as `exchange::connect` matches them. A pair whose probe
+/// failed at connect (its rails were down then, or slow to answer) is
+/// never in the link, so only this brings it in later.
+fn unpaired(
+    fabric: &Fabric,
+    pairs: &[Arc<PeerQp>],
+    theirs: &[RailInfo],
+) -> Vec<(Arc<Rail>, RailInfo)> {
+    let mut taken: Vec<u8> = pairs.iter().map(|qp| qp.remote_rail()).collect();
+    let mut absent = Vec::new();
+    for rail in &fabric.rails {
+        if rail.is_down() || pairs.iter().any(|qp| qp.rail().index == rail.index) {
+            continue;
+        }
+        let free = |t: &&RailInfo| !taken.contains(&t.index);
+        let straight = theirs.iter().filter(free).find(|t| t.index == rail.index);
+        if let Some(&their) = straight.or_else(|| theirs.iter().find(free)) {
+            taken.push(their.index);
+            absent.push((rail.clone(), their));
+        }
+    }
+    absent
+}
+
+/// When each of our rails that has no pair in the link is tried next
+/// ([`unpaired`]): after [`REPAIR_EVERY`], then twice as long after each
+/// failure, up to [`MISSING_RETRY_MAX`]; a rail pair that never works (on
+/// a fabric where rail *i* reaches only rail *i*, one whose peer rail is
+/// cabled elsewhere) then costs a probe every half minute.
+#[derive(Default)]
+struct Missing(BTreeMap<u8, (Instant, Duration)>);
+
+/// Longest wait between tries of a rail pair missing from a link.
+const MISSING_RETRY_MAX: Duration = Duration::from_secs(30);
+
+impl Missing {
+    /// Of `absent`, the pairs due for a try at `now`; forgets rails that
+    /// are no longer absent.
+    fn due(
+        &mut self,
+        absent: Vec<(Arc<Rail>, RailInfo)>,
+        now: Instant,
+    ) -> Vec<(Arc<Rail>, RailInfo)> {
+        self.0
+            .retain(|index, _| absent.iter().any(|(rail, _)| rail.index == *index));
+        absent
+            .into_iter()
+            .filter(|(rail, _)| {
+                let (at, _) = *self
+                    .0
+                    .entry(rail.index)
+                    .or_insert((now + REPAIR_EVERY, REPAIR_EVERY));
+                now >= at
+            })
+            .collect()
+    }
+
+    /// Takes in a round's outcomes: (our rail, whether its pair connected).
+    fn tried(&mut self, outcomes: &[(u8, bool)]) {
+        let now = Instant::now();
+        for &(index, connected) in outcomes {
+            if connected {
+                self.0.remove(&index);
+            } else if let Some((at, wait)) = self.0.get_mut(&index) {
+                *wait = (*wait * 2).min(MISSING_RETRY_MAX);
+                *at = now + *wait;
             }
         }
     }
+}
+
+/// One round of repairs: a new queue pair, probed, for each of `broken`
+/// (in its place) and each of `absent` (added, in rail order). Returns each
+/// absent pair's outcome by our rail's index.
+async fn repair(
+    link: Arc<Link>,
+    fabric: Arc<Fabric>,
+    endpoint: Endpoint,
+    peer: NodeAddr,
+    broken: Vec<Arc<PeerQp>>,
+    absent: Vec<(Arc<Rail>, RailInfo)>,
+) -> Vec<(u8, bool)> {
+    let connect = |rail: Arc<Rail>, their_rail: RailInfo| {
+        let deadline = Instant::now() + PROBE_TIMEOUT + Duration::from_secs(1);
+        let (fabric, endpoint) = (&fabric, &endpoint);
+        async move {
+            let name = rail.name();
+            let connected =
+                exchange::reconnect_pair(fabric, endpoint, peer, rail, their_rail, deadline).await;
+            match &connected {
+                Ok(_) => {
+                    info!(peer = %peer.endpoint, rail = %name, remote_rail = their_rail.index, "rail pair works again")
+                }
+                Err(why) => {
+                    debug!(peer = %peer.endpoint, rail = %name, remote_rail = their_rail.index, %why, "rail pair still down")
+                }
+            }
+            connected.ok()
+        }
+    };
+    for old in broken {
+        let Some(&their_rail) = link.theirs.iter().find(|t| t.index == old.remote_rail()) else {
+            continue;
+        };
+        if let Some(qp) = connect(old.rail().clone(), their_rail).await
+            && let Some(slot) = link.lock().iter_mut().find(|q| Arc::ptr_eq(q, &old))
+        {
+            *slot = qp;
+        }
+    }
+    let mut outcomes = Vec::with_capacity(absent.len());
+    for (rail, their_rail) in absent {
+        let index = rail.index;
+        let qp = connect(rail, their_rail).await;
+        outcomes.push((index, qp.is_some()));
+        if let Some(qp) = qp {
+            let mut pairs = link.lock();
+            let at = pairs.partition_point(|p| p.rail().index < index);
+            pairs.insert(at, qp);
+        }
+    }
+    outcomes
 }
