@@ -54,9 +54,8 @@ impl PreparedRemote {
     /// regions prepared once (NIXL's backend interface), so that a request
     /// costs no routing, connecting or mapping again.
     pub fn with_descs(&self, descs: Descs) -> Result<PreparedRemote, DescError> {
-        let list = RemoteDescList::new(self.list.regions().to_vec(), descs)?;
         Ok(PreparedRemote {
-            list: Arc::new(list),
+            list: Arc::new(self.list.with_descs(descs)?),
             levels: self.levels.clone(),
             owners: self.owners.clone(),
         })

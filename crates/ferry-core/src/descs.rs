@@ -247,18 +247,19 @@ impl Descs {
         (0..self.len()).map(|i| self.get(i).expect("i < len"))
     }
 
-    /// Checks every descriptor against `lens`, the byte lengths of the
-    /// list's regions: the first that names no region or leaves its region
-    /// is the error, with its index.
-    fn check(&self, lens: &[u64]) -> Result<(), DescError> {
+    /// Checks every descriptor against the byte lengths of the list's
+    /// `regions` (`len_of(i)` for region `i`): the first that names no
+    /// region or leaves its region is the error, with its index.
+    fn check(&self, regions: usize, len_of: impl Fn(usize) -> u64) -> Result<(), DescError> {
         let bad = |index: usize, desc: Desc| -> Option<DescError> {
-            let Some(&bound) = lens.get(desc.region as usize) else {
+            if desc.region as usize >= regions {
                 return Some(DescError::NoSuchRegion {
                     index,
                     region: u64::from(desc.region),
-                    regions: lens.len(),
+                    regions,
                 });
-            };
+            }
+            let bound = len_of(desc.region as usize);
             let outside = desc
                 .offset
                 .checked_add(desc.len)
@@ -369,8 +370,7 @@ impl LocalDescList {
     /// Binds `descs` to `regions` (descriptor region `i` is `regions[i]`),
     /// checking every descriptor's bounds.
     pub fn new(regions: Vec<Region>, descs: Descs) -> Result<Self, DescError> {
-        let lens: Vec<u64> = regions.iter().map(Region::len).collect();
-        descs.check(&lens)?;
+        descs.check(regions.len(), |i| regions[i].len())?;
         Ok(LocalDescList {
             regions: regions.into(),
             descs: Arc::new(descs),
@@ -407,10 +407,12 @@ impl LocalDescList {
 /// descriptors leave their handles (a `count` raised, an offset moved) is
 /// refused with the [`DescError`] in the message, never accepted to fail
 /// later.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(try_from = "RemoteDescFields")]
 pub struct RemoteDescList {
-    regions: Vec<RemoteBuffer>,
+    /// Shared: lists over the same regions with other descriptors
+    /// ([`RemoteDescList::with_descs`]) are made per request.
+    regions: Arc<[RemoteBuffer]>,
     descs: Descs,
 }
 
@@ -419,6 +421,24 @@ pub struct RemoteDescList {
 struct RemoteDescFields {
     regions: Vec<RemoteBuffer>,
     descs: Descs,
+}
+
+/// A [`RemoteDescList`] as serialized: the fields [`RemoteDescFields`]
+/// reads back.
+#[derive(Serialize)]
+struct RemoteDescFieldsRef<'a> {
+    regions: &'a [RemoteBuffer],
+    descs: &'a Descs,
+}
+
+impl Serialize for RemoteDescList {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        RemoteDescFieldsRef {
+            regions: &self.regions,
+            descs: &self.descs,
+        }
+        .serialize(serializer)
+    }
 }
 
 impl TryFrom<RemoteDescFields> for RemoteDescList {
@@ -439,9 +459,21 @@ impl RemoteDescList {
                 .check_address_range()
                 .map_err(|error| DescError::Region { region, error })?;
         }
-        let lens: Vec<u64> = regions.iter().map(RemoteBuffer::len).collect();
-        descs.check(&lens)?;
-        Ok(RemoteDescList { regions, descs })
+        descs.check(regions.len(), |i| regions[i].len())?;
+        Ok(RemoteDescList {
+            regions: regions.into(),
+            descs,
+        })
+    }
+
+    /// The same regions (shared, not copied) with other descriptors,
+    /// checked as [`RemoteDescList::new`] checks them.
+    pub fn with_descs(&self, descs: Descs) -> Result<Self, DescError> {
+        descs.check(self.regions.len(), |i| self.regions[i].len())?;
+        Ok(RemoteDescList {
+            regions: self.regions.clone(),
+            descs,
+        })
     }
 
     /// The list's descriptors.

@@ -31,35 +31,46 @@ pub(crate) struct Bound<M> {
     pub(crate) ids: Vec<u64>,
 }
 
-/// Binds `descs`: each descriptor's id looked up by `lookup` (the memory,
-/// its first address and length), its range checked to lie inside it.
+/// Binds `descs`: each descriptor's id looked up by `lookup`, its range
+/// checked to lie inside the memory found (whose first address and length
+/// `span` gives).
 pub(crate) fn bind<M>(
     descs: &[Desc],
-    lookup: impl Fn(u64) -> Option<(M, u64, u64)>,
+    lookup: impl Fn(u64) -> Option<M>,
+    span: impl Fn(&M) -> (u64, u64),
 ) -> Result<Bound<M>, Status> {
     let mut ids: Vec<u64> = Vec::new();
-    let mut bounds: Vec<(u64, u64)> = Vec::new();
-    let mut regions = Vec::new();
-    let mut out = Descs::with_capacity(descs.len());
+    let mut regions: Vec<M> = Vec::new();
+    // One descriptor (a small request's usual shape) needs no arrays: it is
+    // a strided list of one.
+    let single = descs.len() == 1;
+    let mut out = Descs::with_capacity(if single { 0 } else { descs.len() });
+    // The last descriptor's memory: most name the one before's.
+    let mut last: Option<(usize, u64, u64)> = None;
     for (k, desc) in descs.iter().enumerate() {
-        // Requests name few registrations: a short scan beats a map.
-        let index = match ids.iter().position(|&id| id == desc.md) {
-            Some(index) => index,
-            None => {
-                let Some((memory, start, len)) = lookup(desc.md) else {
-                    warn!(
-                        "FERRY: descriptor {k} names memory that is not registered or loaded \
-                         (deregistered or unloaded?)"
-                    );
-                    return Err(Status::NotFound);
+        let (index, start, len) = match last {
+            Some(last) if ids[last.0] == desc.md => last,
+            _ => {
+                // Requests name few registrations: a short scan beats a map.
+                let index = match ids.iter().position(|&id| id == desc.md) {
+                    Some(index) => index,
+                    None => {
+                        let Some(memory) = lookup(desc.md) else {
+                            warn!(
+                                "FERRY: descriptor {k} names memory that is not registered or \
+                                 loaded (deregistered or unloaded?)"
+                            );
+                            return Err(Status::NotFound);
+                        };
+                        ids.push(desc.md);
+                        regions.push(memory);
+                        ids.len() - 1
+                    }
                 };
-                ids.push(desc.md);
-                bounds.push((start, len));
-                regions.push(memory);
-                ids.len() - 1
+                let (start, len) = span(&regions[index]);
+                *last.insert((index, start, len))
             }
         };
-        let (start, len) = bounds[index];
         let inside = desc
             .addr
             .checked_sub(start)
@@ -71,7 +82,11 @@ pub(crate) fn bind<M>(
             );
             return Err(Status::InvalidParam);
         };
-        out.push(index as u32, offset, desc.len);
+        if single {
+            out = Descs::strided(index as u32, offset, 0, desc.len, 1);
+        } else {
+            out.push(index as u32, offset, desc.len);
+        }
     }
     Ok(Bound {
         memory: regions,
@@ -91,6 +106,7 @@ mod tests {
             2 => Some(("b", 0x9000, 0x10)),
             _ => None,
         };
+        let span = |m: &(&str, u64, u64)| (m.1, m.2);
         let descs = [
             Desc {
                 addr: 0x1010,
@@ -108,13 +124,24 @@ mod tests {
                 md: 1,
             },
         ];
-        let bound = bind(&descs, lookup).unwrap();
-        assert_eq!(bound.memory, ["a", "b"]);
+        let bound = bind(&descs, lookup, span).unwrap();
+        assert_eq!(
+            bound.memory.iter().map(|m| m.0).collect::<Vec<_>>(),
+            ["a", "b"]
+        );
         assert_eq!(bound.ids, [1, 2]);
         let triples: Vec<_> = (bound.descs.iter())
             .map(|d| (d.region, d.offset, d.len))
             .collect();
         assert_eq!(triples, [(0, 0x10, 0x10), (1, 0, 0x10), (0, 0, 0x100)]);
+        // One descriptor binds without arrays, to the same triple.
+        let one = bind(&descs[1..2], lookup, span).unwrap();
+        assert!(one.descs.is_strided());
+        let triples: Vec<_> = (one.descs.iter())
+            .map(|d| (d.region, d.offset, d.len))
+            .collect();
+        assert_eq!(triples, [(0, 0, 0x10)]);
+        assert_eq!(one.ids, [2]);
         for (desc, status) in [
             (
                 Desc {
@@ -149,7 +176,7 @@ mod tests {
                 Status::NotFound,
             ),
         ] {
-            assert_eq!(bind(&[desc], lookup).err(), Some(status), "{desc:?}");
+            assert_eq!(bind(&[desc], lookup, span).err(), Some(status), "{desc:?}");
         }
     }
 }

@@ -346,14 +346,19 @@ impl Engine {
         }
         let (locals, remotes, prepared) = {
             let tables = self.tables();
-            let locals = bind(local, |md| {
-                let region = tables.local.get(&md)?;
-                Some((region.clone(), region.memory().addr(), region.len()))
-            })?;
-            let remotes = bind(remote, |md| {
-                let (owner, handle) = tables.remote.get(&md)?;
-                (owner == agent).then(|| (handle.clone(), handle.addr(), handle.len()))
-            })?;
+            let locals = bind(
+                local,
+                |md| tables.local.get(&md).cloned(),
+                |region| (region.memory().addr(), region.len()),
+            )?;
+            let remotes = bind(
+                remote,
+                |md| {
+                    let (owner, handle) = tables.remote.get(&md)?;
+                    (owner == agent).then(|| handle.clone())
+                },
+                |handle| (handle.addr(), handle.len()),
+            )?;
             let prepared = tables.prepared.get(&remotes.ids).cloned();
             (locals, remotes, prepared)
         };
