@@ -27,10 +27,17 @@ DEADLINE = 60.0
 class Peer:
     """An agent in another process (see ``nixl_peer.py``)."""
 
-    def __init__(self, name: str, backends: List[str], params: Dict[str, Dict[str, str]]):
+    def __init__(
+        self,
+        name: str,
+        backends: List[str],
+        params: Dict[str, Dict[str, str]],
+        listen_port: Optional[int] = None,
+    ):
         self.name = name
+        listen = [] if listen_port is None else [str(listen_port)]
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), name, json.dumps(backends), json.dumps(params)],
+            [sys.executable, str(PEER), name, json.dumps(backends), json.dumps(params), *listen],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -85,8 +92,8 @@ def peers():
     """Starts peers on demand; every one is closed at the end."""
     started: List[Peer] = []
 
-    def start(name: str, backends: Optional[List[str]] = None, params=None) -> Peer:
-        peer = Peer(name, backends or ["FERRY"], params or {})
+    def start(name: str, backends: Optional[List[str]] = None, params=None, listen_port=None) -> Peer:
+        peer = Peer(name, backends or ["FERRY"], params or {}, listen_port)
         started.append(peer)
         return peer
 

@@ -2,9 +2,10 @@
 other side of every transfer, driven one JSON command per line on stdin,
 one JSON answer per line on stdout.
 
-    python nixl_peer.py NAME BACKENDS_JSON PARAMS_JSON
+    python nixl_peer.py NAME BACKENDS_JSON PARAMS_JSON [LISTEN_PORT]
 
 It creates its agent with only the named backends (each with its params),
+listening for NIXL's metadata exchange on LISTEN_PORT if one is given,
 prints ``{"metadata": <base64>}``, then answers commands until stdin closes.
 """
 
@@ -32,7 +33,8 @@ def b64(data: bytes) -> str:
 
 def main() -> int:
     name, backends, params = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-    agent = nixl_agent(name, nixl_agent_config(backends=[], capture_telemetry=True))
+    listen = {"enable_listen_thread": True, "listen_port": int(sys.argv[4])} if len(sys.argv) > 4 else {}
+    agent = nixl_agent(name, nixl_agent_config(backends=[], capture_telemetry=True, **listen))
     for backend in backends:
         agent.create_backend(backend, params.get(backend, {}))
     buf = None
@@ -54,6 +56,8 @@ def main() -> int:
                 say({"addr": buf.ctypes.data, "len": buf.nbytes, "metadata": b64(agent.get_agent_metadata())})
             elif op == "add_remote":
                 say({"name": agent.add_remote_agent(base64.b64decode(cmd["metadata"])).decode()})
+            elif op == "has_remote":
+                say({"has": agent.check_remote_metadata(cmd["agent"])})
             elif op == "notifs":
                 # Waits for `count` messages in all, up to `timeout` seconds,
                 # then a little longer to catch any extra one.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -164,6 +165,54 @@ def test_one_agent_with_ucx_and_ferry_loaded_uses_either(peers):
         assert wait_done(decode, handle) == "DONE"
         assert prefill.ask("digest")["digest"] == digest(local), backend
         decode.release_xfer_handle(handle)
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until(check, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.01)
+
+
+def test_metadata_through_nixls_listener_then_a_notified_write(peers):
+    """Dynamo's way in: metadata fetched from and sent to a peer's listener
+    (NIXL's own thread calls the backend's loads), not passed by hand."""
+    port, our_port = free_port(), free_port()
+    prefill = peers("prefill", listen_port=port)
+    remote = prefill.alloc(BLOCK * 32, 11)
+    decode = nixl_agent(
+        "decode",
+        nixl_agent_config(backends=[], enable_listen_thread=True, listen_port=our_port),
+    )
+    decode.create_backend("FERRY", {})
+    local = pattern(BLOCK * 32, 12)
+    reg = decode.register_memory([(local.ctypes.data, local.nbytes, 0, "")], "DRAM")
+    decode.fetch_remote_metadata("prefill", "127.0.0.1", port)
+    wait_until(lambda: decode.check_remote_metadata("prefill"), "the peer's metadata fetched")
+    src = decode.get_xfer_descs([(local.ctypes.data, local.nbytes, 0)], "DRAM")
+    dst = decode.get_xfer_descs([(remote["addr"], local.nbytes, 0)], "DRAM")
+    handle = decode.initialize_xfer("WRITE", src, dst, "prefill", b"via listener")
+    assert decode.transfer(handle) in ("PROC", "DONE")
+    assert wait_done(decode, handle) == "DONE"
+    assert prefill.ask("digest")["digest"] == digest(local)
+    assert prefill.notifs(1) == {"decode": [b"via listener"]}
+    decode.release_xfer_handle(handle)
+    # Our metadata to the peer's listener, then withdrawn from it.
+    decode.send_local_metadata("127.0.0.1", port)
+    wait_until(lambda: prefill.ask("has_remote", agent="decode")["has"], "our metadata at the peer")
+    decode.invalidate_local_metadata("127.0.0.1", port)
+    wait_until(lambda: not prefill.ask("has_remote", agent="decode")["has"], "our metadata withdrawn")
+    # Once the peer's metadata is removed here, a request to it is refused.
+    decode.remove_remote_agent("prefill")
+    expect_error(lambda: decode.initialize_xfer("WRITE", src, dst, "prefill", b""))
+    decode.deregister_memory(reg)
 
 
 def expect_error(call) -> None:
