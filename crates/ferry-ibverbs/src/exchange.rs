@@ -359,7 +359,9 @@ pub(crate) async fn propose(
     for (p, answer) in proposed.into_iter().zip(answers) {
         let name = format!("{} -> rail {}", p.rail.name(), p.owner_rail.index);
         if answer.qp.status != 0 {
-            tried.push(format!("{name}: the peer could not create its queue pair"));
+            tried.push(format!(
+                "{name}: the peer could not set up its queue pair (its debug log says why)"
+            ));
             continue;
         }
         let mtu = p.rail.mtu.min(u32::from(answer.qp.mtu));

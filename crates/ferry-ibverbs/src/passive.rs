@@ -164,7 +164,7 @@ pub(crate) async fn accept(
         match accept_pair(&fabric, rail, &passive, &sink, &request.session, pair) {
             Ok(answer) => answers.push(answer),
             Err(e) => {
-                debug!(node = %peer.id, rail = %rail.name(), error = %e, "cannot create a queue pair for a peer");
+                debug!(node = %peer.id, rail = %rail.name(), error = %e, "cannot set up a queue pair for a peer");
                 answers.push(refused(pair));
             }
         }
