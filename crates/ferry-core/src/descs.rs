@@ -424,8 +424,9 @@ struct RemoteDescFields {
 }
 
 /// A [`RemoteDescList`] as serialized: the fields [`RemoteDescFields`]
-/// reads back.
+/// reads back, under the list's own name.
 #[derive(Serialize)]
+#[serde(rename = "RemoteDescList")]
 struct RemoteDescFieldsRef<'a> {
     regions: &'a [RemoteBuffer],
     descs: &'a Descs,

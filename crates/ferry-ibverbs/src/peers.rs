@@ -243,11 +243,11 @@ async fn keep(
     let mut missing = Missing::default();
     // A round of repairs runs beside the keeper's ticks: its probes take up
     // to a few seconds, and stalls must still be caught meanwhile.
-    let mut repairing: Option<JoinHandle<Vec<(u8, bool)>>> = None;
+    let mut repairing: Option<Round> = None;
     loop {
         tokio::time::sleep(KEEPER_TICK).await;
-        if let Some(round) = repairing.take_if(|round| round.is_finished()) {
-            missing.tried(&round.await.unwrap_or_default());
+        if let Some(round) = repairing.take_if(|round| round.task.is_finished()) {
+            missing.tried(&round.outcomes().await);
         }
         // The backend is gone, or the link was let go.
         if table.strong_count() == 0 {
@@ -260,7 +260,7 @@ async fn keep(
             // A round under way may bring a pair back: its end is awaited
             // first (it is bounded by its probes' deadline).
             if let Some(round) = repairing.take() {
-                missing.tried(&round.await.unwrap_or_default());
+                missing.tried(&round.outcomes().await);
                 continue;
             }
             // Wait for every pair's flushes, then empty the slot if it
@@ -303,14 +303,36 @@ async fn keep(
         if !broken.is_empty() {
             repair_at = now + REPAIR_EVERY;
         }
-        repairing = Some(tokio::spawn(repair(
-            held,
+        let tried = absent.iter().map(|(r, t)| (r.index, t.index)).collect();
+        let task = tokio::spawn(repair(
+            Owner {
+                table: table.clone(),
+                link: held,
+                peer,
+            },
             fabric.clone(),
             endpoint.clone(),
-            peer,
             broken,
             absent,
-        )));
+        ));
+        repairing = Some(Round { task, tried });
+    }
+}
+
+/// A round of repairs under way, and the missing pairs it tries.
+struct Round {
+    task: JoinHandle<Vec<((u8, u8), bool)>>,
+    tried: Vec<(u8, u8)>,
+}
+
+impl Round {
+    /// Each tried pair's outcome once the round ended; all failed if it
+    /// panicked (their backoff must still grow).
+    async fn outcomes(self) -> Vec<((u8, u8), bool)> {
+        match self.task.await {
+            Ok(outcomes) => outcomes,
+            Err(_) => self.tried.into_iter().map(|pair| (pair, false)).collect(),
+        }
     }
 }
 
@@ -353,29 +375,34 @@ fn fail_stalled(usable: &[&Arc<PeerQp>], peer: NodeAddr) {
     }
 }
 
-/// Rail pairs the link lacks: each of our rails (its port up) that no pair
-/// of the link uses, matched with a rail of the peer's that none uses, the
-/// same rail first, as `exchange::connect` matches them. A pair whose probe
-/// failed at connect (its rails were down then, or slow to answer) is
-/// never in the link, so only this brings it in later.
+/// Rail pairs the link lacks: our rails (their ports up) that no pair of
+/// the link uses, matched with rails of the peer's that none uses, as
+/// `exchange::connect` matches them: same rail to same rail first, then
+/// leftovers to leftovers. A pair whose probe failed at connect (its rails
+/// were down then, or slow to answer) is never in the link, so only this
+/// brings it in later.
 fn unpaired(
     fabric: &Fabric,
     pairs: &[Arc<PeerQp>],
     theirs: &[RailInfo],
 ) -> Vec<(Arc<Rail>, RailInfo)> {
     let mut taken: Vec<u8> = pairs.iter().map(|qp| qp.remote_rail()).collect();
+    let mut ours: Vec<&Arc<Rail>> = (fabric.rails.iter())
+        .filter(|r| !r.is_down() && !pairs.iter().any(|qp| qp.rail().index == r.index))
+        .collect();
     let mut absent = Vec::new();
-    for rail in &fabric.rails {
-        if rail.is_down() || pairs.iter().any(|qp| qp.rail().index == rail.index) {
-            continue;
-        }
-        let free = |t: &&RailInfo| !taken.contains(&t.index);
-        let straight = theirs.iter().filter(free).find(|t| t.index == rail.index);
-        if let Some(&their) = straight.or_else(|| theirs.iter().find(free)) {
+    for straight in [true, false] {
+        ours.retain(|rail| {
+            let their = theirs
+                .iter()
+                .find(|t| !taken.contains(&t.index) && (!straight || t.index == rail.index));
+            let Some(&their) = their else { return true };
             taken.push(their.index);
-            absent.push((rail.clone(), their));
-        }
+            absent.push(((*rail).clone(), their));
+            false
+        });
     }
+    absent.sort_by_key(|(rail, _)| rail.index);
     absent
 }
 
@@ -385,40 +412,42 @@ fn unpaired(
 /// a fabric where rail *i* reaches only rail *i*, one whose peer rail is
 /// cabled elsewhere) then costs a probe every half minute.
 #[derive(Default)]
-struct Missing(BTreeMap<u8, (Instant, Duration)>);
+struct Missing(BTreeMap<(u8, u8), (Instant, Duration)>);
 
 /// Longest wait between tries of a rail pair missing from a link.
 const MISSING_RETRY_MAX: Duration = Duration::from_secs(30);
 
 impl Missing {
-    /// Of `absent`, the pairs due for a try at `now`; forgets rails that
+    /// Of `absent`, the pairs due for a try at `now`; forgets pairs that
     /// are no longer absent.
     fn due(
         &mut self,
         absent: Vec<(Arc<Rail>, RailInfo)>,
         now: Instant,
     ) -> Vec<(Arc<Rail>, RailInfo)> {
+        let key = |(rail, their): &(Arc<Rail>, RailInfo)| (rail.index, their.index);
         self.0
-            .retain(|index, _| absent.iter().any(|(rail, _)| rail.index == *index));
+            .retain(|pair, _| absent.iter().any(|a| key(a) == *pair));
         absent
             .into_iter()
-            .filter(|(rail, _)| {
+            .filter(|a| {
                 let (at, _) = *self
                     .0
-                    .entry(rail.index)
+                    .entry(key(a))
                     .or_insert((now + REPAIR_EVERY, REPAIR_EVERY));
                 now >= at
             })
             .collect()
     }
 
-    /// Takes in a round's outcomes: (our rail, whether its pair connected).
-    fn tried(&mut self, outcomes: &[(u8, bool)]) {
+    /// Takes in a round's outcomes: (our rail, theirs), and whether that
+    /// pair connected.
+    fn tried(&mut self, outcomes: &[((u8, u8), bool)]) {
         let now = Instant::now();
-        for &(index, connected) in outcomes {
+        for &(pair, connected) in outcomes {
             if connected {
-                self.0.remove(&index);
-            } else if let Some((at, wait)) = self.0.get_mut(&index) {
+                self.0.remove(&pair);
+            } else if let Some((at, wait)) = self.0.get_mut(&pair) {
                 *wait = (*wait * 2).min(MISSING_RETRY_MAX);
                 *at = now + *wait;
             }
@@ -426,17 +455,59 @@ impl Missing {
     }
 }
 
+/// The link a repair round works for, and where it must still be for a
+/// new queue pair to join it.
+struct Owner {
+    table: Weak<Table>,
+    link: Arc<Link>,
+    peer: NodeAddr,
+}
+
+impl Owner {
+    /// Puts `qp` in the link with `place` (which hands it back when it has
+    /// no place for it), if the link is still the one the table holds for
+    /// the peer. Otherwise (let go meanwhile, replaced by a new link, the
+    /// backend gone) nothing would ever use or break it, so it is broken
+    /// here (its probe passed: nothing is outstanding).
+    fn adopt(
+        &self,
+        qp: Arc<PeerQp>,
+        place: impl FnOnce(&mut Vec<Arc<PeerQp>>, Arc<PeerQp>) -> Option<Arc<PeerQp>>,
+    ) {
+        let table = self.table.upgrade();
+        let peers = table
+            .as_ref()
+            .map(|t| t.lock().unwrap_or_else(|e| e.into_inner()));
+        let current = peers.as_ref().is_some_and(|peers| {
+            (peers.get(&self.peer))
+                .and_then(|slot| slot.connected.as_ref())
+                .is_some_and(|l| Arc::ptr_eq(l, &self.link))
+        });
+        // Under the table's lock (taken before a link's, as everywhere):
+        // the link cannot be let go between the look and the insert.
+        let left = if current {
+            place(&mut self.link.lock(), qp)
+        } else {
+            Some(qp)
+        };
+        drop(peers);
+        if let Some(qp) = left {
+            qp.break_with(qp.lost());
+        }
+    }
+}
+
 /// One round of repairs: a new queue pair, probed, for each of `broken`
 /// (in its place) and each of `absent` (added, in rail order). Returns each
-/// absent pair's outcome by our rail's index.
+/// absent pair's outcome, by (our rail, theirs).
 async fn repair(
-    link: Arc<Link>,
+    owner: Owner,
     fabric: Arc<Fabric>,
     endpoint: Endpoint,
-    peer: NodeAddr,
     broken: Vec<Arc<PeerQp>>,
     absent: Vec<(Arc<Rail>, RailInfo)>,
-) -> Vec<(u8, bool)> {
+) -> Vec<((u8, u8), bool)> {
+    let peer = owner.peer;
     let connect = |rail: Arc<Rail>, their_rail: RailInfo| {
         let deadline = Instant::now() + PROBE_TIMEOUT + Duration::from_secs(1);
         let (fabric, endpoint) = (&fabric, &endpoint);
@@ -456,24 +527,33 @@ async fn repair(
         }
     };
     for old in broken {
-        let Some(&their_rail) = link.theirs.iter().find(|t| t.index == old.remote_rail()) else {
+        let remote = old.remote_rail();
+        let Some(&their_rail) = owner.link.theirs.iter().find(|t| t.index == remote) else {
             continue;
         };
-        if let Some(qp) = connect(old.rail().clone(), their_rail).await
-            && let Some(slot) = link.lock().iter_mut().find(|q| Arc::ptr_eq(q, &old))
-        {
-            *slot = qp;
+        if let Some(qp) = connect(old.rail().clone(), their_rail).await {
+            owner.adopt(qp, |pairs, qp| {
+                match pairs.iter_mut().find(|q| Arc::ptr_eq(q, &old)) {
+                    Some(slot) => {
+                        *slot = qp;
+                        None
+                    }
+                    None => Some(qp),
+                }
+            });
         }
     }
     let mut outcomes = Vec::with_capacity(absent.len());
     for (rail, their_rail) in absent {
-        let index = rail.index;
+        let pair = (rail.index, their_rail.index);
         let qp = connect(rail, their_rail).await;
-        outcomes.push((index, qp.is_some()));
+        outcomes.push((pair, qp.is_some()));
         if let Some(qp) = qp {
-            let mut pairs = link.lock();
-            let at = pairs.partition_point(|p| p.rail().index < index);
-            pairs.insert(at, qp);
+            owner.adopt(qp, |pairs, qp| {
+                let at = pairs.partition_point(|p| p.rail().index < pair.0);
+                pairs.insert(at, qp);
+                None
+            });
         }
     }
     outcomes
