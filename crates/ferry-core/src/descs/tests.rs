@@ -111,9 +111,38 @@ fn binding_checks_every_descriptor_and_names_the_bad_one() {
     );
     // An offset past u64 is out of bounds, not a wrapped small one.
     assert!(matches!(
-        LocalDescList::new(vec![a], Descs::strided(0, 0, u64::MAX / 2, 1, 3)).err(),
+        LocalDescList::new(vec![a.clone()], Descs::strided(0, 0, u64::MAX / 2, 1, 3)).err(),
         Some(DescError::Descriptor { index: 2, .. })
     ));
+    // Other descriptors over the same regions are checked the same way,
+    // and share the regions.
+    let list = RemoteDescList::new(vec![a.remote(), b.remote()], Descs::new()).unwrap();
+    let other = list
+        .with_descs(Descs::from_triples(&[[1, 0, 100], [0, 4000, 96]]).unwrap())
+        .unwrap();
+    assert_eq!(other.regions(), list.regions());
+    assert!(std::ptr::eq(other.regions(), list.regions()));
+    assert_eq!(other.descs().len(), 2);
+    assert_eq!(
+        list.with_descs(Descs::from_triples(&[[0, 0, 1], [1, 99, 2]]).unwrap())
+            .err(),
+        Some(DescError::Descriptor {
+            index: 1,
+            error: OpError::OutOfBounds {
+                offset: 99,
+                len: 2,
+                bound: 100
+            }
+        })
+    );
+    assert_eq!(
+        list.with_descs(Descs::strided(2, 0, 1, 1, 1)).err(),
+        Some(DescError::NoSuchRegion {
+            index: 0,
+            region: 2,
+            regions: 2
+        })
+    );
 }
 
 #[test]
