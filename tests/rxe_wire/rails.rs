@@ -483,34 +483,48 @@ async fn both_rails_cut_fail_within_the_deadline_and_work_again_once_healed() {
 async fn a_rail_cut_when_the_peer_is_first_reached_joins_the_link_once_healed() {
     require_two_rails();
     let heal = Heal;
-    Cut::Loss.apply(WIRE1);
-    let node = mgmt_node().await;
-    let mut peer = mgmt_peer().await;
-    let addr = peer.process.node_addr().await.unwrap();
-    let len = 1usize << 20;
-    let target = peer.process.alloc(len, Access::ReadWrite, 4).await;
-    let data = pattern(len, 21);
-    let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
-    src.write_at(0, &data).unwrap();
-    // Rail 1's probe fails at connect: the link starts with rail 0 alone.
-    node.submit(
-        vec![RdmaOp::write(src.whole(), target.handle.clone())],
-        STEP_SHORT,
-    )
-    .await
-    .unwrap();
-    assert_eq!(peer.process.digest(&target).await, digest(&data));
-    assert_eq!(pairs_to(&node, addr).await, [(0, 0, 1024)]);
-    // The keeper's first tries of the missing pair fail while the cut
-    // lasts, and add nothing.
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    assert_eq!(pairs_to(&node, addr).await, [(0, 0, 1024)]);
-    heal.now();
-    let back = both_rails_used_again(&node, &mut peer, addr).await;
-    eprintln!(
-        "the rail cut at connect in use {:.1} s after the heal",
-        back.as_secs_f64()
-    );
+    for cut in [Cut::Loss, Cut::Down] {
+        // Both ends start with two rails; rail 1 is cut before the first
+        // submit to the peer.
+        let node = mgmt_node().await;
+        let mut peer = mgmt_peer().await;
+        let addr = peer.process.node_addr().await.unwrap();
+        let len = 1usize << 20;
+        let target = peer.process.alloc(len, Access::ReadWrite, 4).await;
+        let data = pattern(len, 21);
+        let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
+        src.write_at(0, &data).unwrap();
+        cut.apply(WIRE1);
+        if let Cut::Down = cut {
+            let noticed = Instant::now();
+            while !rail_down(&node, 1).await {
+                assert!(
+                    noticed.elapsed() < Duration::from_secs(10),
+                    "rail 1's port never reported down"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        // Rail 1's pair fails at connect: the link starts with rail 0 alone.
+        node.submit(
+            vec![RdmaOp::write(src.whole(), target.handle.clone())],
+            STEP_SHORT,
+        )
+        .await
+        .unwrap();
+        assert_eq!(peer.process.digest(&target).await, digest(&data));
+        assert_eq!(pairs_to(&node, addr).await, [(0, 0, 1024)], "{cut:?}");
+        // While the cut lasts the keeper's tries (or, with the port down,
+        // none) add nothing.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert_eq!(pairs_to(&node, addr).await, [(0, 0, 1024)], "{cut:?}");
+        heal.now();
+        let back = both_rails_used_again(&node, &mut peer, addr).await;
+        eprintln!(
+            "{cut:?}: the rail cut at connect in use {:.1} s after the heal",
+            back.as_secs_f64()
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
