@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import signal
 import socket
 import subprocess
@@ -223,6 +224,38 @@ def expect_error(call) -> None:
         assert type(error).__name__.startswith("nixl"), repr(error)
         return
     assert answer == "ERR", answer
+
+
+def test_an_agent_of_another_host_on_loopback_is_refused_at_add_remote_agent(peers):
+    """The FERRY default listens on loopback: an agent of another host that
+    kept it cannot be reached, and adding it says so (a log line naming
+    the `listen` option) instead of a transfer failing later."""
+    prefill = peers("prefill")
+    prefill.alloc(BLOCK, 3)
+    decode = agent("decode")
+    # The peer's metadata as if it came from another host: every boot id
+    # in it changed (same length), its endpoint still 127.0.0.1.
+    flip = bytes.maketrans(b"0123456789abcdef", b"123456789abcdef0")
+    elsewhere = re.sub(
+        rb'"boot_id":"([0-9a-f]{32})"',
+        lambda m: b'"boot_id":"' + m.group(1).translate(flip) + b'"',
+        prefill.metadata,
+    )
+    assert elsewhere != prefill.metadata and len(elsewhere) == len(prefill.metadata)
+    expect_error(lambda: decode.add_remote_agent(elsewhere))
+    # The same metadata from this host loads, and a transfer works.
+    assert decode.add_remote_agent(prefill.metadata) == b"prefill"
+    local = pattern(BLOCK, 4)
+    decode.register_memory([(local.ctypes.data, local.nbytes, 0, "")], "DRAM")
+    remote = prefill.ask("alloc", len=BLOCK, seed=5)
+    decode.add_remote_agent(base64.b64decode(remote["metadata"]))
+    src = decode.get_xfer_descs([(local.ctypes.data, BLOCK, 0)], "DRAM")
+    dst = decode.get_xfer_descs([(remote["addr"], BLOCK, 0)], "DRAM")
+    handle = decode.initialize_xfer("WRITE", src, dst, "prefill", b"")
+    assert decode.transfer(handle) in ("PROC", "DONE")
+    assert wait_done(decode, handle) == "DONE"
+    assert prefill.ask("digest")["digest"] == digest(local)
+    decode.release_xfer_handle(handle)
 
 
 def test_bad_input_gets_nixls_errors_and_moves_nothing(peers):

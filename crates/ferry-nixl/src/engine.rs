@@ -28,7 +28,7 @@ use tracing::warn;
 use crate::descs::{Desc, bind};
 use crate::drive::{Driver, driver};
 use crate::notif::{frame_notif, unframe_notif};
-use crate::options::Options;
+use crate::options::{Options, on_loopback_elsewhere};
 
 /// NIXL's status codes (`nixl_status_t`), as this engine answers them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -284,6 +284,27 @@ impl Engine {
                 handle.len()
             );
             return Err(Status::InvalidParam);
+        }
+        let owner = handle.owner().endpoint;
+        let their_boot = handle.transports().memory.map(|m| m.boot_id);
+        let our_boot = ferry::memory::boot_id();
+        if on_loopback_elsewhere(owner, their_boot, our_boot) {
+            warn!(
+                agent,
+                "FERRY: the agent runs on another host but its FERRY backend listens on \
+                 loopback only ({owner}): nothing here can reach it. Set `listen` (or \
+                 FERRY_NIXL_LISTEN) to an address the other hosts reach, on every host"
+            );
+            return Err(Status::InvalidParam);
+        }
+        let ours = self.node.addr().endpoint;
+        if on_loopback_elsewhere(ours, their_boot, our_boot) {
+            warn!(
+                agent,
+                "FERRY: the agent runs on another host, and this agent's FERRY backend \
+                 listens on loopback only ({ours}): transfers from here work, the agent \
+                 cannot reach this one. Set `listen` (or FERRY_NIXL_LISTEN) on every host"
+            );
         }
         let mut tables = self.tables();
         if let Some(node) = tables.agents.get(agent)
