@@ -15,6 +15,7 @@
 
 use std::collections::HashMap;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -298,7 +299,11 @@ impl Engine {
             return Err(Status::InvalidParam);
         }
         let ours = self.node.addr().endpoint;
-        if on_loopback_elsewhere(ours, their_boot, our_boot) {
+        // Once per process: a remote agent's metadata holds a handle per
+        // registration, hundreds for a KV cache.
+        static TOLD: AtomicBool = AtomicBool::new(false);
+        if on_loopback_elsewhere(ours, their_boot, our_boot) && !TOLD.swap(true, Ordering::Relaxed)
+        {
             warn!(
                 agent,
                 "FERRY: the agent runs on another host, and this agent's FERRY backend \
