@@ -289,13 +289,15 @@ async fn keep(
             continue;
         }
         // A pair on a rail that is down stays failed until the port is up.
-        let broken: Vec<Arc<PeerQp>> = pairs
-            .iter()
-            .filter(|qp| qp.is_broken() && qp.drained().is_cancelled() && !qp.rail().is_down())
-            .cloned()
-            .collect();
         let now = Instant::now();
-        let broken = if now >= repair_at { broken } else { Vec::new() };
+        let broken: Vec<Arc<PeerQp>> = if now >= repair_at {
+            (pairs.iter())
+                .filter(|qp| qp.is_broken() && qp.drained().is_cancelled() && !qp.rail().is_down())
+                .cloned()
+                .collect()
+        } else {
+            Vec::new()
+        };
         let absent = missing.due(unpaired(&fabric, &pairs, held.theirs()), now);
         if broken.is_empty() && absent.is_empty() {
             continue;

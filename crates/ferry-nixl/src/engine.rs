@@ -93,6 +93,9 @@ pub struct Engine {
     /// This agent's name.
     agent: String,
     deadline: Duration,
+    /// This host's kernel boot id, read once: each remote handle loaded
+    /// is checked against it (see [`on_loopback_elsewhere`]).
+    boot_id: Option<u128>,
     tables: Mutex<Tables>,
     inbox: Mutex<Inbox>,
 }
@@ -141,6 +144,7 @@ impl Engine {
             node,
             agent: agent.to_string(),
             deadline: options.deadline,
+            boot_id: ferry::memory::boot_id(),
             tables: Mutex::default(),
             inbox: Mutex::new(inbox),
         })
@@ -288,7 +292,7 @@ impl Engine {
         }
         let owner = handle.owner().endpoint;
         let their_boot = handle.transports().memory.map(|m| m.boot_id);
-        let our_boot = ferry::memory::boot_id();
+        let our_boot = self.boot_id;
         if on_loopback_elsewhere(owner, their_boot, our_boot) {
             warn!(
                 agent,
