@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use ferry::NodeAddr;
 use ferry::prelude::*;
 
-use crate::common::{digest, pattern};
+use crate::common::{digest, pattern, writes_arrive};
 use crate::notified_batches::notified_writes_from;
 use crate::peer::{RemotePeer, both, here, on_peer};
 use crate::{is_unfinished, ops, rdma_node, rdma_node_with};
@@ -491,9 +491,8 @@ async fn a_rail_cut_when_the_peer_is_first_reached_joins_the_link_once_healed() 
         let addr = peer.process.node_addr().await.unwrap();
         let len = 1usize << 20;
         let target = peer.process.alloc(len, Access::ReadWrite, 4).await;
-        let data = pattern(len, 21);
         let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
-        src.write_at(0, &data).unwrap();
+        src.write_at(0, &pattern(len, 21)).unwrap();
         cut.apply(WIRE1);
         if let Cut::Down = cut {
             let noticed = Instant::now();
@@ -506,13 +505,7 @@ async fn a_rail_cut_when_the_peer_is_first_reached_joins_the_link_once_healed() 
             }
         }
         // Rail 1's pair fails at connect: the link starts with rail 0 alone.
-        node.submit(
-            vec![RdmaOp::write(src.whole(), target.handle.clone())],
-            STEP_SHORT,
-        )
-        .await
-        .unwrap();
-        assert_eq!(peer.process.digest(&target).await, digest(&data));
+        writes_arrive(&node, &mut peer.process, &src, &target, STEP_SHORT).await;
         assert_eq!(pairs_to(&node, addr).await, [(0, 0, 1024)], "{cut:?}");
         // While the cut lasts the keeper's tries (or, with the port down,
         // none) add nothing.
@@ -539,18 +532,11 @@ async fn a_peer_no_rail_reaches_falls_back_to_tcp_unless_ibverbs_is_required() {
     let mut peer = mgmt_peer().await;
     let len = 1usize << 20;
     let target = peer.process.alloc(len, Access::ReadWrite, 3).await;
-    let data = pattern(len, 33);
     let src = node.alloc(len as u64, Access::ReadWrite).await.unwrap();
-    src.write_at(0, &data).unwrap();
+    src.write_at(0, &pattern(len, 33)).unwrap();
     // Every pair's probe fails; the write goes over TCP (on the management
     // wire) instead, and so does the next.
-    node.submit(
-        vec![RdmaOp::write(src.whole(), target.handle.clone())],
-        STEP_SHORT,
-    )
-    .await
-    .unwrap();
-    assert_eq!(peer.process.digest(&target).await, digest(&data));
+    writes_arrive(&node, &mut peer.process, &src, &target, STEP_SHORT).await;
     let next = RdmaOp::write(src.whole(), target.handle.clone());
     assert_eq!(node.route(&next), Some(RdmaTransportLevel::Tcp));
     // A peer whose first batches to this node carry notifications falls

@@ -471,6 +471,26 @@ pub async fn reads_back(node: &Node, back: &Region, target: &PeerRegion, deadlin
     assert!(back.to_vec() == target.original());
 }
 
+/// Writes all of `src` over `target` (of the same length) within
+/// `deadline` and asserts the peer then holds `src`'s bytes there: the
+/// write-side twin of [`reads_back`].
+#[allow(dead_code)] // not every suite shares this file for it
+pub async fn writes_arrive(
+    node: &Node,
+    peer: &mut PeerProcess,
+    src: &Region,
+    target: &PeerRegion,
+    deadline: Duration,
+) {
+    node.submit(
+        vec![RdmaOp::write(src.whole(), target.handle.clone())],
+        deadline,
+    )
+    .await
+    .unwrap();
+    assert_eq!(peer.digest(target).await, digest(&src.to_vec()));
+}
+
 /// Writes `len` bytes into the middle of a fresh peer region and reads them
 /// back: the write must land with the margins around it untouched, the read
 /// must return it, and the source must be unchanged. `route` is the
