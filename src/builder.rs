@@ -76,6 +76,7 @@ pub struct NodeBuilder {
     advertise: Option<SocketAddr>,
     endpoint: EndpointConfig,
     tcp: TcpConfig,
+    tcp_data: bool,
     ibverbs: bool,
     ibverbs_config: IbvConfig,
     memory: bool,
@@ -96,6 +97,7 @@ impl Default for NodeBuilder {
             advertise: None,
             endpoint: EndpointConfig::default(),
             tcp: TcpConfig::default(),
+            tcp_data: true,
             ibverbs: true,
             ibverbs_config: IbvConfig::default(),
             memory: true,
@@ -241,6 +243,19 @@ impl NodeBuilder {
         self
     }
 
+    /// Whether this node moves region bytes over TCP (default true). With
+    /// false, its regions' handles carry no TCP credentials, so no peer
+    /// reads or writes them over TCP, and an op of its own that neither
+    /// same-host memory nor ibverbs carries fails with
+    /// [`OpError::NoSharedTransport`](ferry_core::OpError::NoSharedTransport)
+    /// instead of falling back to TCP: for a deployment that must move its
+    /// data over RDMA or not at all. Connections, notifications, messages
+    /// and RPC still go over the node's endpoint, which is TCP.
+    pub fn tcp(mut self, enabled: bool) -> Self {
+        self.tcp_data = enabled;
+        self
+    }
+
     /// Whether to share this node's regions with processes on the same host
     /// and copy to and from theirs directly (default true;
     /// `FERRY_DISABLE_MEMORY=1` overrides it to false). Regions it
@@ -352,7 +367,9 @@ impl NodeBuilder {
         };
         for &level in &self.required {
             let missing = match level {
-                RdmaTransportLevel::Tcp => None,
+                RdmaTransportLevel::Tcp => {
+                    (!self.tcp_data).then(|| "disabled by the node builder".to_string())
+                }
                 RdmaTransportLevel::Nic => device.as_ref().err().cloned(),
                 RdmaTransportLevel::Memory => memory.as_ref().err().cloned(),
             };
@@ -414,11 +431,16 @@ impl NodeBuilder {
             },
             TransportStatus {
                 level: RdmaTransportLevel::Tcp,
-                state: TransportState::Running {
-                    detail: format!(
-                        "kernel TCP, {} connections per peer",
-                        self.tcp.connections_per_peer.max(1)
-                    ),
+                state: match self.tcp_data {
+                    true => TransportState::Running {
+                        detail: format!(
+                            "kernel TCP, {} connections per peer",
+                            self.tcp.connections_per_peer.max(1)
+                        ),
+                    },
+                    false => TransportState::Unavailable {
+                        reason: "disabled by the node builder".to_string(),
+                    },
                 },
             },
         ];
@@ -440,6 +462,7 @@ impl NodeBuilder {
         }
         let router = Arc::new(Router {
             nic_required: self.required.contains(&RdmaTransportLevel::Nic),
+            tcp_data: self.tcp_data,
             endpoint,
             ids: RegionIds::new(),
             tcp,

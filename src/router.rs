@@ -31,6 +31,11 @@ pub(crate) struct Router {
     /// Whether ibverbs is required (`NodeBuilder::require`): a peer no
     /// rail reaches is then an error, never a fall-back to TCP.
     pub nic_required: bool,
+    /// Whether region bytes may move over TCP ([`NodeBuilder::tcp`]):
+    /// without it no op routes there, and none falls back there.
+    ///
+    /// [`NodeBuilder::tcp`]: crate::NodeBuilder::tcp
+    pub tcp_data: bool,
     pub memory: Option<MemoryBackend>,
     /// Fastest first.
     pub transports: Vec<TransportStatus>,
@@ -92,16 +97,17 @@ impl Router {
 
     fn path_remote(&self, remote: &RemoteBuffer) -> Option<TransportPath> {
         let transports = remote.transports();
+        let tcp = transports.tcp.as_ref().filter(|_| self.tcp_data);
         if let Some(path) = self.memory.as_ref().and_then(|m| m.path(remote)) {
             Some(TransportPath::Memory(path))
         } else if let Some(ibverbs) = &self.ibverbs
             && transports.ibverbs.is_some()
             // A peer no rail reaches goes over TCP for a while, where it may.
-            && (self.nic_required || transports.tcp.is_none() || ibverbs.reaches(remote.owner()))
+            && (self.nic_required || tcp.is_none() || ibverbs.reaches(remote.owner()))
         {
             Some(TransportPath::Nic(RailPairs::default()))
         } else {
-            transports.tcp.map(|_| TransportPath::Tcp)
+            tcp.map(|_| TransportPath::Tcp)
         }
     }
 
@@ -230,10 +236,13 @@ impl Router {
 
     /// Whether a batch of `ops` over ibverbs may run over TCP instead, should
     /// no rail pair reach its owner: the node allows it (ibverbs is not
-    /// required) and every op carries the owner's TCP credentials. Asked
-    /// by every path that falls back, so that they agree.
+    /// required, TCP is not off) and every op carries the owner's TCP
+    /// credentials. Asked by every path that falls back, so that they
+    /// agree.
     pub fn may_fall_back(&self, ops: &[RdmaOp]) -> bool {
-        !self.nic_required && ops.iter().all(|op| op.remote.transports().tcp.is_some())
+        self.tcp_data
+            && !self.nic_required
+            && ops.iter().all(|op| op.remote.transports().tcp.is_some())
     }
 
     /// Whether a notified batch to `owner` goes over TCP after all: it would
@@ -338,14 +347,17 @@ impl Router {
             access,
             memory: memory.clone(),
         };
-        let tcp = self.tcp.register(message()).await?;
-        let mut registrations: Vec<Box<dyn std::any::Any + Send + Sync>> =
-            vec![Box::new(tcp.registration)];
+        let mut registrations: Vec<Box<dyn std::any::Any + Send + Sync>> = Vec::new();
         let mut transports = RemoteTransports {
-            tcp: Some(tcp.remote),
+            tcp: None,
             ibverbs: None,
             memory: None,
         };
+        if self.tcp_data {
+            let tcp = self.tcp.register(message()).await?;
+            registrations.push(Box::new(tcp.registration));
+            transports.tcp = Some(tcp.remote);
+        }
         if let Some(shared) = self.memory.as_ref().and_then(|m| m.register(&message())) {
             registrations.push(Box::new(shared.registration));
             transports.memory = Some(shared.remote);

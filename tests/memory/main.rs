@@ -4,7 +4,7 @@
 //! mid-transfer; memory ferry did not allocate going over `process_vm`
 //! or, where the kernel refuses, the next transport (`process_vm.rs`); and
 //! notified batches, whose notifications ride a lane in shared memory
-//! (`notified.rs`).
+//! (`notified.rs`); and a node with TCP off (`tcp_off.rs`).
 
 #[path = "../tcp/common.rs"]
 mod common;
@@ -12,6 +12,7 @@ mod notified;
 mod process_vm;
 mod raw_drop;
 mod shutdown;
+mod tcp_off;
 mod xfers;
 
 use std::time::Duration;
