@@ -8,11 +8,11 @@ cd "$(dirname "$0")/../.."
 # The test suite's own build (scripts/test-build.sh): in scripts/test.sh
 # this compiles nothing.
 source scripts/test-build.sh
-ferry_test_build --test ibverbs --test verbs_loopback --test cli
+ferry_test_build --test ibverbs --test verbs_loopback --test cli --test engine_ibverbs
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 bins=()
-for name in verbs_loopback ibverbs cli; do
+for name in verbs_loopback ibverbs cli engine_ibverbs; do
     path=$(sed -n "s|^$name=||p" <<<"$ferry_tests")
     [ -n "$path" ] || { echo "ferry-tests: no test binary named $name was built" >&2; exit 1; }
     cp "$path" "$stage/$name"   # the guest runs it under its plain name
@@ -22,4 +22,4 @@ done
 bins+=(--bin "$ferry_bin")
 
 exec tests/rxe/run.sh "${bins[@]}" -- \
-    'verbs_loopback --include-ignored --test-threads=1 && ibverbs --include-ignored --test-threads=1 && FERRY_BIN=ferry cli --test-threads=1'
+    'verbs_loopback --include-ignored --test-threads=1 && ibverbs --include-ignored --test-threads=1 && FERRY_BIN=ferry cli --test-threads=1 && engine_ibverbs --include-ignored'

@@ -256,6 +256,32 @@ def test_an_agent_of_another_host_on_loopback_is_refused_at_add_remote_agent(pee
     decode.release_xfer_handle(handle)
 
 
+def test_a_transport_left_out_of_transports_is_never_used(peers, monkeypatch):
+    """`transports` says what FERRY may use: an agent allowed same-host
+    memory only does not fall back to TCP for a peer only TCP reaches (its
+    request fails, nothing moves), and a backend none of whose transports
+    runs here is refused at creation."""
+    prefill = peers("prefill", params={"FERRY": {"transports": "tcp"}})
+    remote = prefill.alloc(BLOCK, 5)
+    untouched = prefill.ask("digest")["digest"]
+    decode = agent("decode", params={"FERRY": {"transports": "memory"}})
+    assert decode.add_remote_agent(prefill.metadata) == b"prefill"
+    local = pattern(BLOCK, 6)
+    reg = decode.register_memory([(local.ctypes.data, local.nbytes, 0, "")], "DRAM")
+    src = decode.get_xfer_descs([(local.ctypes.data, BLOCK, 0)], "DRAM")
+    dst = decode.get_xfer_descs([(remote["addr"], BLOCK, 0)], "DRAM")
+    expect_error(lambda: decode.transfer(decode.initialize_xfer("WRITE", src, dst, "prefill", b"")))
+    assert prefill.ask("digest")["digest"] == untouched
+    decode.deregister_memory(reg)
+
+    # ibverbs alone, on a host where it cannot run (kept off here, so that
+    # a host with an RDMA device gives the same answer).
+    monkeypatch.setenv("FERRY_DISABLE_IBVERBS", "1")
+    with pytest.raises(Exception) as refused:
+        agent("rdma-only", params={"FERRY": {"transports": "ibverbs"}})
+    assert type(refused.value).__name__.startswith("nixl"), repr(refused.value)
+
+
 def test_bad_input_gets_nixls_errors_and_moves_nothing(peers):
     params = {"FERRY": {"transports": "tcp", "deadline_ms": "2000"}}
     prefill = peers("prefill", params=params)

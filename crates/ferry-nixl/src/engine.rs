@@ -124,6 +124,7 @@ impl Engine {
             .listen(options.listen)
             .memory(options.memory)
             .ibverbs(options.ibverbs)
+            .tcp(options.tcp)
             .tcp_busy_poll(options.tcp_busy_poll);
         if let Some(advertise) = options.advertise {
             builder = builder.advertise(advertise);
@@ -138,6 +139,17 @@ impl Engine {
         let node = driver
             .block_on(builder.spawn())
             .map_err(|e| format!("cannot start a ferry node: {e}"))?;
+        // A backend that can move no bytes is refused at creation, not at
+        // its first transfer: `transports=ibverbs` on a host without an
+        // RDMA device, say.
+        if !node.transports().iter().any(|t| t.is_running()) {
+            let why: Vec<String> = node.transports().iter().map(|t| t.to_string()).collect();
+            driver.block_on(node.shutdown());
+            return Err(format!(
+                "none of the transports allowed (option transports) runs here: {}",
+                why.join("; ")
+            ));
+        }
         let inbox = node.inbox().map_err(|e| format!("the node's inbox: {e}"))?;
         Ok(Engine {
             driver,
