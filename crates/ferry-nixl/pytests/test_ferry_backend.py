@@ -226,10 +226,11 @@ def expect_error(call) -> None:
     assert answer == "ERR", answer
 
 
-def test_an_agent_of_another_host_on_loopback_is_refused_at_add_remote_agent(peers):
-    """The FERRY default listens on loopback: an agent of another host that
-    kept it cannot be reached, and adding it says so (a log line naming
-    the `listen` option) instead of a transfer failing later."""
+def test_an_agent_of_another_host_or_namespace_on_loopback_is_refused_at_add_remote_agent(peers):
+    """The FERRY default listens on loopback: an agent of another host (or
+    of another network namespace of this one) that kept it cannot be
+    reached, and adding it says so (a log line naming the `listen` option)
+    instead of a transfer failing later."""
     prefill = peers("prefill")
     remote = prefill.alloc(BLOCK, 3)
     decode = agent("decode")
@@ -243,6 +244,15 @@ def test_an_agent_of_another_host_on_loopback_is_refused_at_add_remote_agent(pee
     )
     assert elsewhere != prefill.metadata and len(elsewhere) == len(prefill.metadata)
     expect_error(lambda: decode.add_remote_agent(elsewhere))
+    # As if from another container of this host: the same boot, another
+    # network namespace (its last digit changed).
+    other_netns = re.sub(
+        rb'"netns":(\d+)',
+        lambda m: b'"netns":' + m.group(1)[:-1] + str((int(m.group(1)[-1:]) + 1) % 10).encode(),
+        prefill.metadata,
+    )
+    assert other_netns != prefill.metadata and len(other_netns) == len(prefill.metadata)
+    expect_error(lambda: decode.add_remote_agent(other_netns))
     # The metadata as it came from this host loads, and a write moves.
     assert decode.add_remote_agent(prefill.metadata) == b"prefill"
     local = pattern(BLOCK, 4)

@@ -29,7 +29,8 @@ use tracing::warn;
 use crate::descs::{Desc, bind};
 use crate::drive::{Driver, driver};
 use crate::notif::{frame_notif, unframe_notif};
-use crate::options::{Options, on_loopback_elsewhere};
+use crate::options::Options;
+use crate::place::{Place, conn_info, on_loopback_elsewhere, parse_conn_info};
 
 /// NIXL's status codes (`nixl_status_t`), as this engine answers them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,9 +94,10 @@ pub struct Engine {
     /// This agent's name.
     agent: String,
     deadline: Duration,
-    /// This host's kernel boot id, read once: each remote handle loaded
-    /// is checked against it (see [`on_loopback_elsewhere`]).
-    boot_id: Option<u128>,
+    /// Where this agent runs (boot and network namespace), read once:
+    /// every agent's connection info is checked against it (see
+    /// [`on_loopback_elsewhere`]).
+    place: Place,
     tables: Mutex<Tables>,
     inbox: Mutex<Inbox>,
 }
@@ -156,7 +158,7 @@ impl Engine {
             node,
             agent: agent.to_string(),
             deadline: options.deadline,
-            boot_id: ferry::memory::boot_id(),
+            place: Place::here(),
             tables: Mutex::default(),
             inbox: Mutex::new(inbox),
         })
@@ -166,26 +168,47 @@ impl Engine {
         self.tables.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// `getConnInfo`: the node's address.
+    /// `getConnInfo`: the node's address, and where it runs.
     pub fn conn_info(&self) -> String {
-        serde_json::to_string(&self.node.addr()).expect("an address serializes")
+        conn_info(&self.node.addr(), &self.place)
     }
 
-    /// `loadRemoteConnInfo`: where agent `agent` is.
+    /// `loadRemoteConnInfo`: where agent `agent` is. Refused when its node
+    /// listens on a loopback address this agent's loopback is not.
     pub fn load_conn_info(&self, agent: &str, info: &[u8]) -> Status {
-        match serde_json::from_slice::<NodeAddr>(info) {
-            Ok(addr) => {
-                self.tables().agents.insert(agent.to_string(), addr);
-                Status::Success
-            }
+        let (addr, theirs) = match parse_conn_info(info) {
+            Ok(parsed) => parsed,
             Err(e) => {
-                warn!(
-                    agent,
-                    "FERRY: connection info that is not a ferry address: {e}"
-                );
-                Status::InvalidParam
+                warn!(agent, "FERRY: connection info that is not FERRY's: {e}");
+                return Status::InvalidParam;
             }
+        };
+        if on_loopback_elsewhere(addr.endpoint, &theirs, &self.place) {
+            warn!(
+                agent,
+                "FERRY: the agent runs on another host or in another network namespace, but \
+                 its FERRY backend listens on loopback only ({}): nothing here can reach it. \
+                 Set `listen` (or FERRY_NIXL_LISTEN) to an address the other agents reach, on \
+                 every host",
+                addr.endpoint
+            );
+            return Status::InvalidParam;
         }
+        let ours = self.node.addr().endpoint;
+        // Once per process: each agent added says it again.
+        static TOLD: AtomicBool = AtomicBool::new(false);
+        if on_loopback_elsewhere(ours, &theirs, &self.place) && !TOLD.swap(true, Ordering::Relaxed)
+        {
+            warn!(
+                agent,
+                "FERRY: the agent runs on another host or in another network namespace, and \
+                 this agent's FERRY backend listens on loopback only ({ours}): transfers from \
+                 here work, the agent cannot reach this one. Set `listen` (or \
+                 FERRY_NIXL_LISTEN) on every host"
+            );
+        }
+        self.tables().agents.insert(agent.to_string(), addr);
+        Status::Success
     }
 
     fn agent_addr(&self, agent: &str) -> Option<NodeAddr> {
@@ -277,7 +300,8 @@ impl Engine {
 
     /// `loadRemoteMD`: agent `agent`'s handle for its memory at
     /// `addr..addr+len`. Untrusted: it must be a ferry handle for exactly
-    /// that range, of the node the agent's connection info named.
+    /// that range, of the node the agent's connection info (loaded before)
+    /// named.
     pub fn load_remote(
         &self,
         agent: &str,
@@ -302,35 +326,17 @@ impl Engine {
             );
             return Err(Status::InvalidParam);
         }
-        let owner = handle.owner().endpoint;
-        let their_boot = handle.transports().memory.map(|m| m.boot_id);
-        let our_boot = self.boot_id;
-        if on_loopback_elsewhere(owner, their_boot, our_boot) {
-            warn!(
-                agent,
-                "FERRY: the agent runs on another host but its FERRY backend listens on \
-                 loopback only ({owner}): nothing here can reach it. Set `listen` (or \
-                 FERRY_NIXL_LISTEN) to an address the other hosts reach, on every host"
-            );
-            return Err(Status::InvalidParam);
-        }
-        let ours = self.node.addr().endpoint;
-        // Once per process: a remote agent's metadata holds a handle per
-        // registration, hundreds for a KV cache.
-        static TOLD: AtomicBool = AtomicBool::new(false);
-        if on_loopback_elsewhere(ours, their_boot, our_boot) && !TOLD.swap(true, Ordering::Relaxed)
-        {
-            warn!(
-                agent,
-                "FERRY: the agent runs on another host, and this agent's FERRY backend \
-                 listens on loopback only ({ours}): transfers from here work, the agent \
-                 cannot reach this one. Set `listen` (or FERRY_NIXL_LISTEN) on every host"
-            );
-        }
         let mut tables = self.tables();
-        if let Some(node) = tables.agents.get(agent)
-            && node.id != handle.owner().id
-        {
+        // NIXL loads an agent's connection info before its memory: none
+        // here means it was refused (or never sent), and so is this.
+        let Some(node) = tables.agents.get(agent) else {
+            warn!(
+                agent,
+                "FERRY: metadata of an agent whose connection info was not loaded"
+            );
+            return Err(Status::NotFound);
+        };
+        if node.id != handle.owner().id {
             warn!(agent, "FERRY: metadata of another node than the agent's");
             return Err(Status::InvalidParam);
         }

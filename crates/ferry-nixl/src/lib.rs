@@ -25,6 +25,7 @@ pub mod engine;
 mod ffi;
 mod notif;
 pub mod options;
+pub mod place;
 
 use std::ffi::c_void;
 use std::path::{Path, PathBuf};

@@ -161,23 +161,6 @@ pub fn env_name(key: &str) -> String {
     format!("FERRY_NIXL_{}", key.to_ascii_uppercase())
 }
 
-/// Whether an endpoint at `addr` on the host booted as `their_boot` is on
-/// a loopback address of another host than this one (booted as
-/// `our_boot`): a node listening there cannot be reached from here. A
-/// boot id is known while the owner's memory transport is on (its handles
-/// carry it); without both, it cannot be told, and nothing is refused.
-/// NIXL users set no address by default, and the option's default is
-/// loopback, so a two-host setup that forgot it is told at
-/// `add_remote_agent` rather than by a failed transfer.
-pub(crate) fn on_loopback_elsewhere(
-    addr: SocketAddr,
-    their_boot: Option<u128>,
-    our_boot: Option<u128>,
-) -> bool {
-    addr.ip().is_loopback()
-        && matches!((their_boot, our_boot), (Some(theirs), Some(ours)) if theirs != ours)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,19 +216,5 @@ mod tests {
             let error = Options::parse(&params(pairs)).unwrap_err();
             assert!(error.contains(names), "{pairs:?}: {error}");
         }
-    }
-
-    #[test]
-    fn only_a_loopback_endpoint_on_another_boot_is_unreachable() {
-        let lo: SocketAddr = "127.0.0.1:4000".parse().unwrap();
-        let lo6: SocketAddr = "[::1]:4000".parse().unwrap();
-        let lan: SocketAddr = "10.1.2.3:4000".parse().unwrap();
-        assert!(on_loopback_elsewhere(lo, Some(1), Some(2)));
-        assert!(on_loopback_elsewhere(lo6, Some(1), Some(2)));
-        // The same host, a routable address, or a boot not known: allowed.
-        assert!(!on_loopback_elsewhere(lo, Some(1), Some(1)));
-        assert!(!on_loopback_elsewhere(lan, Some(1), Some(2)));
-        assert!(!on_loopback_elsewhere(lo, None, Some(2)));
-        assert!(!on_loopback_elsewhere(lo, Some(1), None));
     }
 }
