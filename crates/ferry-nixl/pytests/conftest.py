@@ -33,11 +33,12 @@ class Peer:
         backends: List[str],
         params: Dict[str, Dict[str, str]],
         listen_port: Optional[int] = None,
+        prefix: Optional[List[str]] = None,
     ):
         self.name = name
         listen = [] if listen_port is None else [str(listen_port)]
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), name, json.dumps(backends), json.dumps(params), *listen],
+            [*(prefix or []), sys.executable, str(PEER), name, json.dumps(backends), json.dumps(params), *listen],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -92,8 +93,9 @@ def peers():
     """Starts peers on demand; every one is closed at the end."""
     started: List[Peer] = []
 
-    def start(name: str, backends: Optional[List[str]] = None, params=None, listen_port=None) -> Peer:
-        peer = Peer(name, backends or ["FERRY"], params or {}, listen_port)
+    def start(name: str, backends: Optional[List[str]] = None, params=None, listen_port=None, prefix=None) -> Peer:
+        """A peer agent; `prefix` runs it under a command (`ip netns exec NS`)."""
+        peer = Peer(name, backends or ["FERRY"], params or {}, listen_port, prefix)
         started.append(peer)
         return peer
 

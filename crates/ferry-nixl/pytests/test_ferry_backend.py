@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -264,6 +266,35 @@ def test_an_agent_of_another_host_or_namespace_on_loopback_is_refused_at_add_rem
     assert wait_done(decode, handle) == "DONE"
     assert prefill.ask("digest")["digest"] == digest(local)
     decode.release_xfer_handle(handle)
+
+
+@pytest.fixture
+def netns():
+    """A network namespace of this host, with its loopback up, removed at
+    the end: what a container of its own gets. Skipped without root or
+    `ip`."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("a network namespace needs root and iproute2's ip")
+    name = f"ferry-nixl-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def test_an_agent_in_another_network_namespace_on_loopback_is_refused(peers, netns):
+    """Not forged: a peer agent in a namespace of its own, on its own
+    loopback, as in a container of this host. Adding it is refused (its
+    boot id is ours, its namespace is not); one in ours is not."""
+    apart = peers("prefill", prefix=["ip", "netns", "exec", netns])
+    apart.alloc(BLOCK, 3)
+    decode = agent("decode")
+    expect_error(lambda: decode.add_remote_agent(apart.metadata))
+    beside = peers("beside")
+    beside.alloc(BLOCK, 4)
+    assert decode.add_remote_agent(beside.metadata) == b"beside"
 
 
 def test_a_transport_left_out_of_transports_is_never_used(peers, monkeypatch):
