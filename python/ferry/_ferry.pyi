@@ -85,6 +85,7 @@ class NativeNode:
         etcd: Optional[str] = None,
         cluster: Optional[str] = None,
         cluster_secret: Optional[bytes] = None,
+        tcp: bool = True,
     ) -> None: ...
     @property
     def addr(self) -> AddrTuple: ...

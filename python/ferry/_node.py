@@ -159,8 +159,11 @@ class Node:
     ``/ferry/<cluster>/``, and :meth:`lookup_region` finds peers there.
 
     ``memory`` and ``ibverbs`` turn those transports off (they also follow
-    ``FERRY_DISABLE_MEMORY=1`` and ``FERRY_DISABLE_IBVERBS=1``); TCP always
-    runs.
+    ``FERRY_DISABLE_MEMORY=1`` and ``FERRY_DISABLE_IBVERBS=1``). ``tcp=False``
+    keeps region bytes off TCP: this node's handles carry no TCP
+    credentials, and a transfer that neither same-host memory nor ibverbs
+    carries raises :class:`NoSharedTransport` instead of falling back
+    (connections, messages and RPC still use TCP).
 
     ``cluster_secret`` (bytes or str, at least 16 bytes; else
     ``FERRY_CLUSTER_SECRET`` or the file ``FERRY_CLUSTER_SECRET_FILE``
@@ -176,6 +179,7 @@ class Node:
         *,
         memory: bool = True,
         ibverbs: bool = True,
+        tcp: bool = True,
         tcp_connections: Optional[int] = None,
         etcd: Optional[str] = None,
         cluster: str = "default",
@@ -185,7 +189,7 @@ class Node:
             raise FerryError("ferry cannot start a node in a process forked from one that ran it")
         secret = cluster_secret.encode() if isinstance(cluster_secret, str) else cluster_secret
         self._native = _ferry.NativeNode(
-            name, listen, advertise, memory, ibverbs, tcp_connections, etcd, cluster, secret
+            name, listen, advertise, memory, ibverbs, tcp_connections, etcd, cluster, secret, tcp
         )
         node_started()
         _OPEN.add(self)

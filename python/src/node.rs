@@ -83,9 +83,10 @@ impl NativeNode {
 #[pymethods]
 impl NativeNode {
     /// Spawns a node. `memory`/`ibverbs`: run those transports (when the
-    /// host has them); TCP always runs.
+    /// host has them); `tcp`: move region bytes over TCP
+    /// (`NodeBuilder::tcp`).
     #[new]
-    #[pyo3(signature = (name, listen, advertise, memory, ibverbs, tcp_connections, etcd=None, cluster=None, cluster_secret=None))]
+    #[pyo3(signature = (name, listen, advertise, memory, ibverbs, tcp_connections, etcd=None, cluster=None, cluster_secret=None, tcp=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -98,6 +99,7 @@ impl NativeNode {
         etcd: Option<String>,
         cluster: Option<String>,
         cluster_secret: Option<Vec<u8>>,
+        tcp: bool,
     ) -> PyResult<Self> {
         let parse = |text: &str| {
             text.parse::<SocketAddr>()
@@ -106,7 +108,8 @@ impl NativeNode {
         let mut builder = Node::builder()
             .listen(parse(listen)?)
             .memory(memory)
-            .ibverbs(ibverbs);
+            .ibverbs(ibverbs)
+            .tcp(tcp);
         if let Some(advertise) = advertise {
             builder = builder.advertise(parse(advertise)?);
         }

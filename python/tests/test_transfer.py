@@ -202,3 +202,31 @@ def test_threads_share_a_node(
         list(pool.map(one, range(threads), timeout=120.0))
     assert np.array_equal(u8(dst), u8(src))
     assert peer.rpc(node, "verify", {"region": 0, "offset": 0, "length": size, "seed": seed})["equal"]
+
+
+def test_a_node_with_tcp_off_moves_same_host_bytes_and_refuses_tcp_only_nodes(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """``tcp=False``: same-host memory still carries the bytes, and a node
+    only TCP reaches is refused with NoSharedTransport both ways, nothing
+    moved. (ibverbs off throughout, so that a host with a device answers
+    the same.)"""
+    monkeypatch.delenv("FERRY_DISABLE_MEMORY", raising=False)
+    with ferry.Node(tcp=False, ibverbs=False) as node, ferry.Node(ibverbs=False) as shared, ferry.Node(
+        memory=False, ibverbs=False
+    ) as tcp_only:
+        assert node.transports() == ["memory"], node.transports()
+        data = pattern(seed, 4096)
+        src = node.alloc(4096)
+        u8(src)[:] = data
+        theirs = shared.alloc(4096)
+        node.write(src, theirs.remote())
+        assert np.array_equal(u8(theirs), data)
+        target = tcp_only.alloc(4096)
+        with pytest.raises(ferry.NoSharedTransport):
+            node.write(src, target.remote())
+        assert not u8(target).any()
+        back = tcp_only.alloc(4096)
+        with pytest.raises(ferry.NoSharedTransport):
+            tcp_only.read(back, src.remote())
+        assert not u8(back).any()
