@@ -250,7 +250,11 @@ impl NodeBuilder {
     /// [`OpError::NoSharedTransport`](ferry_core::OpError::NoSharedTransport)
     /// instead of falling back to TCP: for a deployment that must move its
     /// data over RDMA or not at all. Connections, notifications, messages
-    /// and RPC still go over the node's endpoint, which is TCP.
+    /// and RPC still go over the node's endpoint, which is TCP; so does a
+    /// submit sent straight to the TCP backend's own actor
+    /// ([`Node::tcp`](crate::Node::tcp)), which bypasses the node's
+    /// routing. A node with TCP off and no other transport running still
+    /// starts (for messages and RPC); `Node::transports` says so.
     pub fn tcp(mut self, enabled: bool) -> Self {
         self.tcp_data = enabled;
         self
@@ -403,12 +407,13 @@ impl NodeBuilder {
         let (ibverbs, ibverbs_state) = match device {
             Ok(device) => {
                 let detail = device.describe();
-                info!(node = %id, endpoint = %addr.endpoint, "ferry node running on ibverbs ({detail}) with TCP fallback");
+                let fallback = if self.tcp_data { "with" } else { "without" };
+                info!(node = %id, endpoint = %addr.endpoint, "ferry node running on ibverbs ({detail}) {fallback} TCP fallback");
                 let backend = IbvBackend::start(device, &endpoint, messages.notification_sink())?;
                 (Some(backend), TransportState::Running { detail })
             }
             Err(reason) => {
-                info!(node = %id, endpoint = %addr.endpoint, "ferry node running on TCP only: ibverbs unavailable: {reason}");
+                info!(node = %id, endpoint = %addr.endpoint, tcp = self.tcp_data, "ferry node without ibverbs: {reason}");
                 (None, TransportState::Unavailable { reason })
             }
         };

@@ -119,7 +119,8 @@ impl Router {
         if self.is_shut_down() {
             return Err(PrepareError::ShutDown);
         }
-        let wants = |level| levels.is_none_or(|l| l.contains(&level));
+        let allowed = |level| level != RdmaTransportLevel::Tcp || self.tcp_data;
+        let wants = |level| allowed(level) && levels.is_none_or(|l| l.contains(&level));
         let left = || deadline.saturating_duration_since(Instant::now());
         let mut connected = Connected::default();
         let session = self.endpoint.session(peer, left()).await;
@@ -131,11 +132,15 @@ impl Router {
         }
         // Same-host ops never take the NIC or TCP unless the list says so.
         let beside_memory = connected.memory && levels.is_none();
+        let mut nic_error = None;
         if let Some(ibverbs) = &self.ibverbs
             && wants(RdmaTransportLevel::Nic)
             && !beside_memory
         {
-            connected.ibverbs = ibverbs.connect(peer, left()).await.is_ok();
+            match ibverbs.connect(peer, left()).await {
+                Ok(()) => connected.ibverbs = true,
+                Err(e) => nic_error = Some(e),
+            }
         }
         let mut tcp_error = None;
         if wants(RdmaTransportLevel::Tcp) && !beside_memory && !connected.ibverbs {
@@ -147,7 +152,7 @@ impl Router {
         if connected.memory || connected.ibverbs || connected.tcp_connections > 0 {
             return Ok(connected);
         }
-        let error = match (tcp_error, session) {
+        let error = match (tcp_error.or(nic_error), session) {
             (Some(e), _) => e,
             (None, Err(e)) => OpError::PeerUnreachable {
                 endpoint: peer.endpoint,
@@ -231,8 +236,8 @@ impl Router {
     }
 }
 
-/// Each region's transport; `NoSharedTransport` names the first that has
-/// none.
+/// Each region's transport; an error ([`Router::unroutable`]) names the
+/// first that has none.
 pub(crate) fn route_regions(
     router: &Router,
     regions: &[RemoteBuffer],
@@ -241,10 +246,12 @@ pub(crate) fn route_regions(
         .iter()
         .enumerate()
         .map(|(index, region)| {
-            router.route_remote(region).ok_or(DescError::Region {
-                region: index,
-                error: OpError::NoSharedTransport,
-            })
+            router
+                .route_remote(region)
+                .ok_or_else(|| DescError::Region {
+                    region: index,
+                    error: router.unroutable(region),
+                })
         })
         .collect()
 }

@@ -161,18 +161,36 @@ impl Router {
         }
     }
 
-    /// Each op's transport; `NoSharedTransport` names the first op that has
-    /// none.
+    /// Each op's transport; an error ([`Router::unroutable`]) names the
+    /// first op that has none.
     fn levels(&self, ops: &[RdmaOp]) -> Result<Vec<RdmaTransportLevel>, SubmitError> {
         ops.iter()
             .enumerate()
             .map(|(index, op)| {
-                self.route(op).ok_or(SubmitError::Op {
+                self.route(op).ok_or_else(|| SubmitError::Op {
                     index,
-                    error: OpError::NoSharedTransport,
+                    error: self.unroutable(&op.remote),
                 })
             })
             .collect()
+    }
+
+    /// Why no transport carries an op to `remote`. Usually nothing is
+    /// shared; but a same-host owner the memory transport does not reach
+    /// now (it stopped or restarted, or runs in another network namespace),
+    /// whose region no other transport this node allows carries (TCP off),
+    /// is unreachable: a lost peer, not a configuration that never worked.
+    pub fn unroutable(&self, remote: &RemoteBuffer) -> OpError {
+        match &self.memory {
+            Some(memory) if memory.same_host(remote) => OpError::PeerUnreachable {
+                endpoint: remote.owner().endpoint,
+                reason: "the same-host owner does not answer on the memory transport (it \
+                         stopped, or runs in another network namespace), and no other \
+                         transport this node allows carries its region"
+                    .to_string(),
+            },
+            _ => OpError::NoSharedTransport,
+        }
     }
 
     /// One transport's share of a batch.
@@ -328,8 +346,8 @@ impl Router {
         merge(results, total)
     }
 
-    /// Registers memory with every running backend; its handles advertise
-    /// all of them.
+    /// Registers memory with every running backend (TCP's only when region
+    /// bytes may go over TCP); its handles advertise all of them.
     pub async fn register(
         &self,
         memory: MemoryBlock,

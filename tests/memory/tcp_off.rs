@@ -1,11 +1,12 @@
 //! A node with TCP off (`NodeBuilder::tcp(false)`): same-host memory still
-//! moves its bytes, and a peer only TCP reaches is refused both ways with
-//! `NoSharedTransport`, nothing moved.
+//! moves its bytes, a peer only TCP reaches is refused both ways with
+//! `NoSharedTransport`, nothing moved, and a same-host peer that died is
+//! unreachable.
 
 use ferry::prelude::*;
-use ferry::{NodeError, OpError, SubmitError};
+use ferry::{NodeError, OpError, PrepareError, SubmitError};
 
-use crate::common::{PeerProcess, digest, pattern, write_then_read_back};
+use crate::common::{PeerProcess, digest, pattern, reads_back, write_then_read_back};
 use crate::{DEADLINE, sharing_peer};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -55,6 +56,37 @@ async fn a_node_with_tcp_off_moves_same_host_bytes_and_refuses_a_tcp_only_peer()
         "{refused:?}"
     );
     assert_eq!(tcp_only.digest(&back).await, digest(&back.original()));
+
+    // Connecting ahead opens no TCP data connections to it either.
+    let tcp_only_addr = tcp_only.node_addr().await.unwrap();
+    let connected = node.connect(tcp_only_addr, DEADLINE).await;
+    assert!(
+        matches!(
+            connected,
+            Err(PrepareError::Connect {
+                error: OpError::NoSharedTransport,
+                ..
+            })
+        ),
+        "{connected:?}"
+    );
+
+    // A same-host peer that dies is unreachable, not a transport never shared.
+    let target = shared.alloc(4096, Access::ReadWrite, 7).await;
+    reads_back(&node, &src, &target, DEADLINE).await;
+    shared.kill().await;
+    let op = RdmaOp::write(src.whole(), target.handle.clone());
+    let result = node.submit(vec![op], DEADLINE).await;
+    assert!(
+        matches!(
+            result,
+            Err(SubmitError::Op {
+                index: 0,
+                error: OpError::PeerUnreachable { .. } | OpError::ConnectionLost { .. }
+            })
+        ),
+        "{result:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -435,6 +435,12 @@ impl MemoryBackend {
             .then_some(MemoryPath::ProcessVm)
     }
 
+    /// Whether `remote`'s owner runs on this kernel boot with its memory
+    /// transport on: a same-host owner, reachable now or not.
+    pub fn same_host(&self, remote: &RemoteBuffer) -> bool {
+        (remote.transports().memory).is_some_and(|m| m.boot_id == self.0.boot_id)
+    }
+
     /// Forgets the owners of `ops` that closed their sockets (they stopped,
     /// or restarted under a new node id), looking at each owner once; true
     /// if it forgot any. Their ops then take the next transport
