@@ -323,6 +323,23 @@ def test_a_transport_left_out_of_transports_is_never_used(peers, monkeypatch):
     assert type(refused.value).__name__.startswith("nixl"), repr(refused.value)
 
 
+@pytest.mark.parametrize("backend", ["FERRY", "UCX"])
+def test_partial_metadata_needs_the_connection_info_first_as_with_ucx(backend):
+    """Partial metadata without connection info loads only for an agent
+    whose connection info is loaded: refused (NOT_FOUND) on first contact
+    and after the agent was removed, as UCX refuses it."""
+    owner, other = agent("owner", backends=[backend]), agent("other", backends=[backend])
+    buf = pattern(BLOCK, 7)
+    descs = owner.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    owner.register_memory(descs)
+    partial = owner.get_partial_agent_metadata(descs, False, [backend])
+    expect_error(lambda: other.add_remote_agent(partial))
+    assert other.add_remote_agent(owner.get_agent_metadata()) == b"owner"
+    assert other.add_remote_agent(partial) == b"owner"
+    other.remove_remote_agent("owner")
+    expect_error(lambda: other.add_remote_agent(partial))
+
+
 def test_bad_input_gets_nixls_errors_and_moves_nothing(peers):
     params = {"FERRY": {"transports": "tcp", "deadline_ms": "2000"}}
     prefill = peers("prefill", params=params)

@@ -195,7 +195,7 @@ impl Engine {
             return Status::InvalidParam;
         }
         let ours = self.node.addr().endpoint;
-        // Once per process: each agent added says it again.
+        // Said once per process, not once per agent added.
         static TOLD: AtomicBool = AtomicBool::new(false);
         if on_loopback_elsewhere(ours, &theirs, &self.place) && !TOLD.swap(true, Ordering::Relaxed)
         {
@@ -239,8 +239,13 @@ impl Engine {
         }
     }
 
-    /// `disconnect`: ferry keeps (and closes idle) connections itself.
-    pub fn disconnect(&self, _agent: &str) -> Status {
+    /// `disconnect` (NIXL's `remove_remote_agent`): the agent's address is
+    /// forgotten, so that its metadata loads again only with its
+    /// connection info; ferry closes idle connections itself.
+    pub fn disconnect(&self, agent: &str) -> Status {
+        if agent != self.agent {
+            self.tables().agents.remove(agent);
+        }
         Status::Success
     }
 
@@ -336,7 +341,9 @@ impl Engine {
             );
             return Err(Status::NotFound);
         };
-        if node.id != handle.owner().id {
+        // The whole address: ops dial the handle's endpoint, and the
+        // connection info's is the one checked at `load_conn_info`.
+        if *node != handle.owner() {
             warn!(agent, "FERRY: metadata of another node than the agent's");
             return Err(Status::InvalidParam);
         }

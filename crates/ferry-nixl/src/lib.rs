@@ -25,7 +25,7 @@ pub mod engine;
 mod ffi;
 mod notif;
 pub mod options;
-pub mod place;
+mod place;
 
 use std::ffi::c_void;
 use std::path::{Path, PathBuf};

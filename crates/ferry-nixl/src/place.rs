@@ -46,7 +46,7 @@ impl Place {
 /// Whether a node listening at `endpoint`, at place `theirs`, is out of
 /// reach from `ours`: on loopback, and apart.
 pub(crate) fn on_loopback_elsewhere(endpoint: SocketAddr, theirs: &Place, ours: &Place) -> bool {
-    endpoint.ip().is_loopback() && theirs.apart_from(ours)
+    endpoint.ip().to_canonical().is_loopback() && theirs.apart_from(ours)
 }
 
 /// `getConnInfo`'s blob: the node's address and its place.
@@ -64,18 +64,23 @@ pub(crate) fn conn_info(addr: &NodeAddr, place: &Place) -> String {
 
 /// Reads [`conn_info`]'s blob; an error says what is wrong with it.
 pub(crate) fn parse_conn_info(blob: &[u8]) -> Result<(NodeAddr, Place), String> {
-    let mut info: Value = serde_json::from_slice(blob).map_err(|e| e.to_string())?;
-    let addr = serde_json::from_value(info["addr"].take()).map_err(|e| format!("addr: {e}"))?;
-    let boot_id = match &info["boot_id"] {
-        Value::Null => None,
-        Value::String(hex) if hex.len() == 32 => {
+    let Value::Object(mut info) = serde_json::from_slice(blob).map_err(|e| e.to_string())? else {
+        return Err("not a JSON object".to_string());
+    };
+    let addr = info.remove("addr").ok_or("no addr")?;
+    let addr = serde_json::from_value(addr).map_err(|e| format!("addr: {e}"))?;
+    let boot_id = match info.get("boot_id") {
+        None => None,
+        Some(Value::String(hex))
+            if hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit()) =>
+        {
             Some(u128::from_str_radix(hex, 16).map_err(|e| format!("boot_id: {e}"))?)
         }
-        other => return Err(format!("boot_id: {other} is not 32 hex digits")),
+        Some(other) => return Err(format!("boot_id: {other} is not 32 hex digits")),
     };
-    let netns = match &info["netns"] {
-        Value::Null => None,
-        other => Some(
+    let netns = match info.get("netns") {
+        None => None,
+        Some(other) => Some(
             other
                 .as_u64()
                 .ok_or(format!("netns: {other} is not a number"))?,
@@ -100,6 +105,8 @@ mod tests {
         let here = at(Some(1), Some(7));
         assert!(on_loopback_elsewhere(lo, &at(Some(2), Some(7)), &here));
         assert!(on_loopback_elsewhere(lo6, &at(Some(2), None), &here));
+        let mapped: SocketAddr = "[::ffff:127.0.0.1]:4000".parse().unwrap();
+        assert!(on_loopback_elsewhere(mapped, &at(Some(2), None), &here));
         // Another container of this host, in its own namespace.
         assert!(on_loopback_elsewhere(lo, &at(Some(1), Some(8)), &here));
         // The same namespace, a routable address, or a place not known.
@@ -124,6 +131,11 @@ mod tests {
         let bad = |blob: Value| parse_conn_info(blob.to_string().as_bytes()).unwrap_err();
         let good = serde_json::to_value(addr).unwrap();
         assert!(bad(json!({ "addr": 5 })).starts_with("addr"));
+        assert!(bad(json!({})).contains("addr"));
+        assert!(bad(json!(5)).contains("object"));
+        assert!(bad(json!([])).contains("object"));
+        let plus = format!("+{}", "0".repeat(31));
+        assert!(bad(json!({ "addr": good, "boot_id": plus })).starts_with("boot_id"));
         assert!(bad(json!({ "addr": good, "boot_id": "12" })).starts_with("boot_id"));
         assert!(bad(json!({ "addr": good, "netns": "x" })).starts_with("netns"));
         assert!(parse_conn_info(b"garbage").is_err());
