@@ -116,7 +116,8 @@ impl Node {
     }
 
     /// Registers memory with every running backend (TCP's only when region
-    /// bytes may go over TCP); its handles advertise all of them. `access` is the most any remote handle to it will allow.
+    /// bytes may go over TCP); its handles advertise all of them. `access`
+    /// is the most any remote handle to it will allow.
     pub async fn register(
         &self,
         memory: MemoryBlock,
