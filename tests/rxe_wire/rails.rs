@@ -457,17 +457,31 @@ async fn both_rails_cut_fail_within_the_deadline_and_work_again_once_healed() {
     let target = peer.process.alloc(len as usize, Access::ReadWrite, 6).await;
     let src = node.alloc(len, Access::ReadWrite).await.unwrap();
     let deadline = Duration::from_secs(20);
-    let started = Instant::now();
-    let write = node.submit(ops(&src, &target.handle, 1 << 20, true), deadline);
-    let (result, _) = tokio::join!(
-        write,
+    // Writes go on, batch after batch, until one fails: a fast host may
+    // finish a batch before the cut, and the assertion is about the
+    // batch the cut fell on (bounded: a batch that never fails is caught
+    // by its own deadline, and the loop by `give_up`).
+    let writes = async {
+        let give_up = Instant::now() + 3 * deadline;
+        loop {
+            let started = Instant::now();
+            let result = node
+                .submit(ops(&src, &target.handle, 1 << 20, true), deadline)
+                .await;
+            if result.is_err() || Instant::now() >= give_up {
+                return (result, started);
+            }
+        }
+    };
+    let ((result, started), _) = tokio::join!(
+        writes,
         cut_after(Duration::from_secs(2), Cut::Loss, &["wire", WIRE1])
     );
     let error = result.expect_err("nothing can move with both rails cut");
     assert!(is_unfinished(&error), "{error}");
     assert!(
         started.elapsed() < deadline + Duration::from_secs(3),
-        "reported {:.1} s after the start, deadline {deadline:?}",
+        "reported {:.1} s after its batch started, deadline {deadline:?}",
         started.elapsed().as_secs_f64()
     );
     heal.now();
