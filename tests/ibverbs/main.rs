@@ -24,7 +24,7 @@ mod xfers;
 
 use std::time::{Duration, Instant};
 
-use common::{PeerProcess, digest, forge, pattern, reads_back};
+use common::{PeerProcess, digest, forge, pattern, reads_back, submit_until_it_fails};
 use ferry::prelude::*;
 use ferry::{RdmaTransportLevel, ibverbs};
 
@@ -376,12 +376,9 @@ async fn peer_killed_mid_transfer_fails_before_the_deadline_and_a_restarted_peer
     let transfer = tokio::spawn({
         let node = node.clone();
         async move {
-            loop {
-                let result = node.submit(ops.clone(), DEADLINE).await;
-                if result.is_err() || started.elapsed() >= DEADLINE {
-                    return result;
-                }
-            }
+            submit_until_it_fails(&node, &ops, DEADLINE, started + DEADLINE)
+                .await
+                .0
         }
     });
     tokio::time::sleep(Duration::from_millis(500)).await;

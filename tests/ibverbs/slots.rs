@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use ferry::prelude::*;
 
-use crate::common::{PeerProcess, reads_back};
+use crate::common::{PeerProcess, reads_back, submit_until_it_fails};
 use crate::{DEADLINE, rdma_node};
 
 /// Waits (up to 10 s) for `node` to hold queue-pair slots for exactly
@@ -51,12 +51,9 @@ async fn queue_pair_slots_go_with_their_peers() {
             .collect();
         async move {
             let give_up = Instant::now() + DEADLINE;
-            loop {
-                let result = node.submit(ops.clone(), DEADLINE).await;
-                if result.is_err() || Instant::now() >= give_up {
-                    return result;
-                }
-            }
+            submit_until_it_fails(&node, &ops, DEADLINE, give_up)
+                .await
+                .0
         }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;

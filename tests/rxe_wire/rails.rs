@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use ferry::NodeAddr;
 use ferry::prelude::*;
 
-use crate::common::{digest, pattern, writes_arrive};
+use crate::common::{digest, pattern, submit_until_it_fails, writes_arrive};
 use crate::notified_batches::notified_writes_from;
 use crate::peer::{RemotePeer, both, here, on_peer};
 use crate::{is_unfinished, ops, rdma_node, rdma_node_with};
@@ -459,20 +459,10 @@ async fn both_rails_cut_fail_within_the_deadline_and_work_again_once_healed() {
     let deadline = Duration::from_secs(20);
     // Writes go on, batch after batch, until one fails: a fast host may
     // finish a batch before the cut, and the assertion is about the
-    // batch the cut fell on (bounded: a batch that never fails is caught
-    // by its own deadline, and the loop by `give_up`).
-    let writes = async {
-        let give_up = Instant::now() + 3 * deadline;
-        loop {
-            let started = Instant::now();
-            let result = node
-                .submit(ops(&src, &target.handle, 1 << 20, true), deadline)
-                .await;
-            if result.is_err() || Instant::now() >= give_up {
-                return (result, started);
-            }
-        }
-    };
+    // batch the cut fell on (bounded: each batch by its deadline, the
+    // writes in all by three).
+    let batch = ops(&src, &target.handle, 1 << 20, true);
+    let writes = submit_until_it_fails(&node, &batch, deadline, Instant::now() + 3 * deadline);
     let ((result, started), _) = tokio::join!(
         writes,
         cut_after(Duration::from_secs(2), Cut::Loss, &["wire", WIRE1])

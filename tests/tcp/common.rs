@@ -10,7 +10,7 @@
 use std::ffi::OsStr;
 use std::pin::Pin;
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferry::NodeAddr;
 use ferry::prelude::*;
@@ -489,6 +489,27 @@ pub async fn writes_arrive(
     .await
     .unwrap();
     assert_eq!(peer.digest(target).await, digest(&src.to_vec()));
+}
+
+/// Submits `ops` again and again, each batch within `deadline`, until one
+/// fails or `give_up` passes: that batch's result, and when it started.
+/// For tests that kill or cut a peer while transfers run: a fast host may
+/// finish a batch before the fault lands, and that must not pass for a
+/// transfer that moved through it.
+#[allow(dead_code)] // the suites that fault peers share this file for it
+pub async fn submit_until_it_fails(
+    node: &Node,
+    ops: &[RdmaOp],
+    deadline: Duration,
+    give_up: Instant,
+) -> (Result<(), SubmitError>, Instant) {
+    loop {
+        let started = Instant::now();
+        let result = node.submit(ops.to_vec(), deadline).await;
+        if result.is_err() || Instant::now() >= give_up {
+            return (result, started);
+        }
+    }
 }
 
 /// Writes `len` bytes into the middle of a fresh peer region and reads them
