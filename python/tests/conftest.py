@@ -66,6 +66,24 @@ def read_line(proc: "subprocess.Popen[bytes]", deadline: float, what: str) -> by
     return buffer
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (state ``T`` or
+    ``t`` in its ``/proc`` stat)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                state = f.read().rsplit(") ", 1)[1][:1]
+        except (FileNotFoundError, IndexError):
+            return False
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
 class PeerProcess:
     """A running ``peer.py``."""
 
@@ -93,8 +111,15 @@ class PeerProcess:
         return digest
 
     def sigstop(self) -> None:
+        """SIGSTOP, and waits until every thread of the peer is stopped:
+        ``kill`` returns before a busy thread has stopped, and a transfer
+        posted in between can still complete."""
         os.kill(self.proc.pid, signal.SIGSTOP)
         self.stopped = True
+        deadline = time.monotonic() + EXIT_DEADLINE
+        while not all_threads_stopped(self.proc.pid):
+            assert time.monotonic() < deadline, "the peer does not stop"
+            time.sleep(0.001)
 
     def sigcont(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -22,6 +23,24 @@ sys.path.insert(0, str(HERE))
 
 #: Every wait in these tests ends within this many seconds.
 DEADLINE = 60.0
+
+
+def stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (state ``T`` or
+    ``t`` in its ``/proc`` stat)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                state = f.read().rsplit(") ", 1)[1][:1]
+        except (FileNotFoundError, IndexError):
+            return False
+        if state not in ("T", "t"):
+            return False
+    return True
 
 
 class Peer:
@@ -75,6 +94,16 @@ class Peer:
 
     def signal(self, sig: int) -> None:
         os.kill(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        """SIGSTOP, and waits until every thread of the peer is stopped:
+        ``kill`` returns before a busy thread has stopped, and a transfer
+        posted in between can still complete."""
+        self.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + DEADLINE
+        while not stopped(self.proc.pid):
+            assert time.monotonic() < deadline, f"peer {self.name} does not stop"
+            time.sleep(0.001)
 
     def close(self) -> None:
         if self.proc.poll() is None:

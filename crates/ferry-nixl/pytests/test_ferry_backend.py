@@ -380,7 +380,7 @@ def test_bad_input_gets_nixls_errors_and_moves_nothing(peers):
     handle = decode.initialize_xfer("WRITE", whole, theirs, "prefill")
     assert decode.transfer(handle) in ("PROC", "DONE")
     assert wait_done(decode, handle) == "DONE"
-    prefill.signal(signal.SIGSTOP)
+    prefill.stop()
     try:
         started = time.monotonic()
         expect_error(lambda: (decode.transfer(handle), wait_done(decode, handle, timeout=30))[1])
