@@ -311,8 +311,11 @@ def test_a_transport_left_out_of_transports_is_never_used(peers, monkeypatch):
     reg = decode.register_memory([(local.ctypes.data, local.nbytes, 0, "")], "DRAM")
     src = decode.get_xfer_descs([(local.ctypes.data, BLOCK, 0)], "DRAM")
     dst = decode.get_xfer_descs([(remote["addr"], BLOCK, 0)], "DRAM")
-    expect_error(lambda: decode.transfer(decode.initialize_xfer("WRITE", src, dst, "prefill", b"")))
+    # Made at once (no call waits on the network); it fails when checked.
+    handle = decode.initialize_xfer("WRITE", src, dst, "prefill", b"")
+    expect_error(lambda: (decode.transfer(handle), wait_done(decode, handle, timeout=30))[1])
     assert prefill.ask("digest")["digest"] == untouched
+    decode.release_xfer_handle(handle)
     decode.deregister_memory(reg)
 
     # ibverbs alone, on a host where it cannot run (kept off here, so that

@@ -8,10 +8,15 @@
 //! one is an error ([`Status::NotFound`]), never a transfer into memory the
 //! caller let go of.
 //!
-//! NIXL's calls are synchronous: one that waits (a registration, a
-//! connect) blocks its caller on the process's runtime; a post hands the
-//! request to the runtime and starts it, and a check drives the runtime one
-//! step and reads the request's status ([`crate::drive`]); neither waits.
+//! NIXL's calls are synchronous, and none waits on the network: vLLM and
+//! SGLang make them on the thread that schedules their model, where one
+//! stuck peer must not stall the rest. Connecting to a peer happens in the
+//! background: a request made before it is connected waits for that in
+//! the background too ([`crate::request`]), a `connect` only starts it, and
+//! a notification goes out from a queue per peer. A registration waits on
+//! the process's runtime (local work only); a post hands the request to the
+//! runtime and starts it, and a check drives the runtime one step and reads
+//! the request's status ([`crate::drive`]).
 
 use std::collections::HashMap;
 use std::ptr::NonNull;
@@ -21,9 +26,10 @@ use std::time::Duration;
 
 use ferry::prelude::*;
 use ferry::{
-    DeliveryKind, Inbox, LocalDescList, MemoryBlock, NodeAddr, OpError, RemoteDescList, Xfer,
-    XferError, XferStatus,
+    Bytes, DeliveryKind, Inbox, LocalDescList, MemoryBlock, NodeAddr, OpError, RemoteDescList,
+    XferError,
 };
+use tokio::sync::mpsc;
 use tracing::warn;
 
 use crate::descs::{Desc, bind};
@@ -31,6 +37,12 @@ use crate::drive::{Driver, driver};
 use crate::notif::{frame_notif, unframe_notif};
 use crate::options::Options;
 use crate::place::{Place, conn_info, on_loopback_elsewhere, parse_conn_info};
+pub use crate::request::Request;
+use crate::request::{Preparing, Standing, failed, prepare};
+
+/// Notifications queued to one agent (`genNotif`) while earlier ones are on
+/// their way: past this many the call fails, as NIXL's own queues do.
+pub const NOTIFS_QUEUED: usize = 1024;
 
 /// NIXL's status codes (`nixl_status_t`), as this engine answers them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,10 +86,14 @@ struct Tables {
     remote: HashMap<u64, (String, RemoteBuffer)>,
     /// Agents by name, from their connection info.
     agents: HashMap<String, NodeAddr>,
-    /// Remote memory prepared once (routed, connected, mapped), by the ids
-    /// of its handles in order: each request over the same handles only
-    /// brings descriptors of its own ([`ferry::PreparedRemote::with_descs`]).
-    prepared: HashMap<Vec<u64>, ferry::PreparedRemote>,
+    /// Remote memory prepared once (routed, connected, mapped), or being
+    /// prepared, by the ids of its handles in order: each request over the
+    /// same handles only brings descriptors of its own
+    /// ([`ferry::PreparedRemote::with_descs`]).
+    prepared: HashMap<Vec<u64>, Preparing>,
+    /// Each peer's queue of notifications sent on their own (`genNotif`),
+    /// in order, by a task of its own.
+    notifiers: HashMap<NodeAddr, mpsc::Sender<Bytes>>,
 }
 
 impl Tables {
@@ -100,20 +116,6 @@ pub struct Engine {
     place: Place,
     tables: Mutex<Tables>,
     inbox: Mutex<Inbox>,
-}
-
-/// A prepared transfer ([`Engine::prep`]).
-pub struct Request {
-    xfer: Mutex<Xfer>,
-    /// Every id its descriptors name: checked again at each post.
-    local: Vec<u64>,
-    remote: Vec<u64>,
-}
-
-impl Request {
-    fn status(&self) -> XferStatus {
-        self.xfer.lock().unwrap_or_else(|e| e.into_inner()).status()
-    }
 }
 
 impl Engine {
@@ -218,7 +220,9 @@ impl Engine {
         self.tables().agents.get(agent).copied()
     }
 
-    /// `connect`: the node's connections to `agent` opened ahead.
+    /// `connect`: the node's connections to `agent` start opening, in the
+    /// background (a failure is logged; the requests that need them
+    /// report it).
     pub fn connect(&self, agent: &str) -> Status {
         if agent == self.agent {
             return Status::Success;
@@ -230,13 +234,13 @@ impl Engine {
             );
             return Status::NotFound;
         };
-        match self.driver.block_on(self.node.connect(addr, self.deadline)) {
-            Ok(_) => Status::Success,
-            Err(e) => {
+        let (node, deadline, agent) = (self.node.clone(), self.deadline, agent.to_string());
+        self.driver.handle().spawn(async move {
+            if let Err(e) = node.connect(addr, deadline).await {
                 warn!(agent, "FERRY: connect: {e}");
-                Status::RemoteDisconnect
             }
-        }
+        });
+        Status::Success
     }
 
     /// `disconnect` (NIXL's `remove_remote_agent`): the agent's address is
@@ -383,7 +387,9 @@ impl Engine {
 
     /// `prepXfer`: a request from `local[k]` to `remote[k]` (a READ fills
     /// `local`), every descriptor checked against its registration or
-    /// handle, the remote memory prepared (routed, connected, mapped).
+    /// handle. The remote memory is prepared (routed, connected, mapped)
+    /// once per set of handles, in the background: a request made before
+    /// that ends waits for it ([`crate::request`]).
     pub fn prep(
         &self,
         read: bool,
@@ -421,52 +427,66 @@ impl Engine {
             warn!("FERRY: prepXfer: {e}");
             Status::InvalidParam
         };
-        let local_list = LocalDescList::new(locals.memory, locals.descs).map_err(invalid)?;
-        let remote_ids = remotes.ids;
-        let prepared = match prepared {
-            Some(prepared) => prepared.with_descs(remotes.descs).map_err(invalid)?,
-            None => {
-                let remote_list =
-                    RemoteDescList::new(remotes.memory, remotes.descs).map_err(invalid)?;
-                let prepared = self
-                    .driver
-                    .block_on(self.node.prepare_remote(remote_list, self.deadline))
-                    .map_err(|e| {
-                        warn!(agent, "FERRY: prepXfer: {e}");
-                        match e {
-                            ferry::PrepareError::Connect { .. } => Status::RemoteDisconnect,
-                            _ => Status::Backend,
-                        }
-                    })?;
-                let mut tables = self.tables();
-                // Only while every handle is still loaded: one unloaded
-                // meanwhile must not come back through the cache.
-                if remote_ids.iter().all(|id| tables.remote.contains_key(id)) {
-                    tables.prepared.insert(remote_ids.clone(), prepared.clone());
-                }
-                prepared
-            }
-        };
         let kind = if read { OpKind::Read } else { OpKind::Write };
         let n = local.len();
-        let xfer = self
-            .node
-            .make_xfer(kind, &local_list, 0..n, &prepared, 0..n)
-            .map_err(invalid)?;
-        Ok(Request {
-            xfer: Mutex::new(xfer),
-            local: locals.ids,
-            remote: remote_ids,
-        })
+        let local_list = LocalDescList::new(locals.memory, locals.descs).map_err(invalid)?;
+        let remote_ids = remotes.ids;
+        let ready = prepared
+            .as_ref()
+            .and_then(|preparing| preparing.borrow().clone());
+        if let Some(Ok(prepared)) = ready {
+            let remote = prepared.with_descs(remotes.descs).map_err(invalid)?;
+            let xfer = self
+                .node
+                .make_xfer(kind, &local_list, 0..n, &remote, 0..n)
+                .map_err(invalid)?;
+            return Ok(Request::made(xfer, locals.ids, remote_ids));
+        }
+        // Checked now as the made request would check them: a bad request
+        // is refused at once, not at its post.
+        let remote_list = RemoteDescList::new(remotes.memory, remotes.descs).map_err(invalid)?;
+        if let Some(k) = (0..n).find(|&k| local[k].len != remote[k].len) {
+            warn!(
+                "FERRY: prepXfer: descriptor {k} moves {} bytes locally, {} remotely",
+                local[k].len, remote[k].len
+            );
+            return Err(Status::InvalidParam);
+        }
+        let preparing = match prepared {
+            Some(preparing) if !failed(&preparing) => preparing,
+            _ => self.preparation(&remote_ids, &remote_list),
+        };
+        Ok(Request::unmade(
+            kind,
+            local_list,
+            remote_list,
+            preparing,
+            locals.ids,
+            remote_ids,
+        ))
+    }
+
+    /// Starts preparing the memory of `list` (whose handles' ids are
+    /// `ids`), and keeps the preparation for the requests to come while
+    /// every handle is still loaded.
+    fn preparation(&self, ids: &[u64], list: &RemoteDescList) -> Preparing {
+        let preparing = prepare(
+            self.driver.handle(),
+            &self.node,
+            list.clone(),
+            self.deadline,
+        );
+        let mut tables = self.tables();
+        // One unloaded meanwhile must not come back through the cache.
+        if ids.iter().all(|id| tables.remote.contains_key(id)) {
+            tables.prepared.insert(ids.to_vec(), preparing.clone());
+        }
+        preparing
     }
 
     /// `postXfer`: starts the request (returns at once), with `notif` for
     /// the remote agent behind its data.
     pub fn post(&self, request: &Request, notif: Option<&[u8]>) -> Status {
-        let mut xfer = request.xfer.lock().unwrap_or_else(|e| e.into_inner());
-        if xfer.status() == XferStatus::InProgress {
-            return Status::RepostActive;
-        }
         {
             let tables = self.tables();
             let stale = request
@@ -489,69 +509,61 @@ impl Engine {
                 return Status::NotFound;
             }
         }
-        xfer.set_notification(notif.map(|msg| frame_notif(&self.agent, msg)));
+        let notif = notif.map(|msg| frame_notif(&self.agent, msg));
         // Started here when this caller drives, as UCX starts a send
         // inside its post: the first bytes leave before the first check.
         // A small same-host copy is done within the post: nothing to drive.
-        let (posted, _) = self.driver.poll_with(
-            || xfer.post(self.deadline),
-            |posted| posted.is_err() || xfer.status() == XferStatus::Done,
+        let (status, _) = self.driver.poll_with(
+            || {
+                request.post(
+                    &self.node,
+                    self.driver.handle(),
+                    notif,
+                    self.deadline,
+                    |list| self.preparation(&request.remote, list),
+                    |xfer| xfer.post(self.deadline),
+                )
+            },
+            |status| *status != Status::InProgress,
         );
-        if posted.is_err() {
-            return Status::RepostActive;
-        }
-        drop(xfer);
-        match request.status() {
-            // Done within the post (a small same-host copy): NIXL takes
-            // `Success` from postXfer as complete, and skips the checks.
-            XferStatus::Done => Status::Success,
-            // A failure is the checks' to report.
-            _ => Status::InProgress,
-        }
+        status
     }
 
     /// `checkXfer`: where the request stands; never waits.
     pub fn check(&self, request: &Request) -> Status {
-        let mut status = request.status();
-        if status == XferStatus::InProgress {
+        let mut standing = request.standing(&self.node);
+        if standing == Standing::InProgress {
             // NIXL's callers poll this in a tight loop: the bytes move
             // here (see `drive`), or on the thread that drives now, which
             // then gets the core this caller holds.
             if self.driver.poll() {
-                status = request.status();
+                standing = request.standing(&self.node);
             } else {
                 std::thread::yield_now();
             }
         }
-        match status {
-            XferStatus::InProgress => Status::InProgress,
-            XferStatus::Done => Status::Success,
-            XferStatus::Ready => Status::InvalidParam,
-            XferStatus::Failed(e) => {
-                warn!("FERRY: transfer failed: {e}");
-                status_of(&e)
-            }
+        match standing {
+            Standing::InProgress => Status::InProgress,
+            Standing::Done => Status::Success,
+            Standing::Ready => Status::InvalidParam,
+            Standing::Failed(status) => status,
         }
     }
 
-    /// `releaseReqH`: `Success` when the request may be freed; one still
-    /// in progress is cancelled and answered `RepostActive` (NIXL keeps
-    /// the handle), since its window may still be moving bytes.
+    /// `releaseReqH`: see [`Request::release`].
     pub fn release(&self, request: &Request) -> Status {
-        let xfer = request.xfer.lock().unwrap_or_else(|e| e.into_inner());
-        if xfer.status() == XferStatus::InProgress {
-            xfer.cancel();
-            return Status::RepostActive;
-        }
-        Status::Success
+        request.release()
     }
 
     /// `estimateXferCost`: ferry's estimate, in microseconds.
+    /// A request still waiting for its peer is estimated at the deadline,
+    /// give or take all of it.
     pub fn estimate(&self, request: &Request) -> (i64, i64) {
-        let xfer = request.xfer.lock().unwrap_or_else(|e| e.into_inner());
-        let estimate = self.node.estimate(&xfer);
         let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
-        (micros(estimate.duration), micros(estimate.margin))
+        match request.with_xfer(|xfer| self.node.estimate(xfer)) {
+            Some(estimate) => (micros(estimate.duration), micros(estimate.margin)),
+            None => (micros(self.deadline), micros(self.deadline)),
+        }
     }
 
     /// `getNotifs`: every notification that came, with its sender agent.
@@ -579,7 +591,10 @@ impl Engine {
         }
     }
 
-    /// `genNotif`: `msg` to agent `agent` on its own.
+    /// `genNotif`: `msg` to agent `agent` on its own, queued behind the
+    /// ones before it to that agent and sent by the agent's own task, so
+    /// that the call returns at once whatever the agent does. A failure to
+    /// deliver is logged; a full queue ([`NOTIFS_QUEUED`]) fails the call.
     pub fn gen_notif(&self, agent: &str, msg: &[u8]) -> Status {
         let Some(addr) = self.agent_addr(agent) else {
             warn!(
@@ -589,14 +604,28 @@ impl Engine {
             return Status::NotFound;
         };
         let body = frame_notif(&self.agent, msg);
-        match self
-            .driver
-            .block_on(self.node.notify(addr, body, self.deadline))
-        {
+        let mut tables = self.tables();
+        let queue = tables.notifiers.entry(addr).or_insert_with(|| {
+            let (queue, mut queued) = mpsc::channel::<Bytes>(NOTIFS_QUEUED);
+            let (node, deadline, agent) = (self.node.clone(), self.deadline, agent.to_string());
+            self.driver.handle().spawn(async move {
+                while let Some(body) = queued.recv().await {
+                    if let Err(e) = node.notify(addr, body, deadline).await {
+                        warn!(agent, "FERRY: genNotif: {e}");
+                    }
+                }
+            });
+            queue
+        });
+        match queue.try_send(body) {
             Ok(()) => Status::Success,
             Err(e) => {
-                warn!(agent, "FERRY: genNotif: {e}");
-                Status::RemoteDisconnect
+                warn!(
+                    agent,
+                    "FERRY: genNotif: {NOTIFS_QUEUED} notifications to the agent are still on \
+                     their way ({e})"
+                );
+                Status::Backend
             }
         }
     }
@@ -609,7 +638,7 @@ impl Drop for Engine {
 }
 
 /// NIXL's status for a failed transfer.
-fn status_of(error: &XferError) -> Status {
+pub(crate) fn status_of(error: &XferError) -> Status {
     use ferry::SubmitError;
     match error {
         XferError::Cancelled { .. } => Status::Canceled,

@@ -26,6 +26,7 @@ mod ffi;
 mod notif;
 pub mod options;
 mod place;
+pub mod request;
 
 use std::ffi::c_void;
 use std::path::{Path, PathBuf};
