@@ -102,6 +102,8 @@ pub struct BenchArgs {
     pub region: Option<String>,
     #[command(flatten)]
     pub etcd: EtcdArgs,
+    #[command(flatten)]
+    pub secret: crate::secret::SecretArgs,
     /// Start a `ferry serve` process on 127.0.0.1 and measure against it.
     #[arg(long)]
     pub loopback: bool,

@@ -91,7 +91,8 @@ pub async fn resolve(
     Ok(node.lookup_region(peer, region, LOOKUP_TIMEOUT).await?)
 }
 
-/// Arguments of `ferry ls`.
+/// Arguments of `ferry ls`. It reads etcd alone and connects to no node,
+/// so it takes no cluster secret.
 #[derive(Args, Debug)]
 pub struct LsArgs {
     #[command(flatten)]

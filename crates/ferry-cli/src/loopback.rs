@@ -53,6 +53,11 @@ pub(crate) fn start_server(args: &BenchArgs) -> Result<(Server, RemoteBuffer), F
     if let Some(us) = args.busy_poll_us {
         command.arg(format!("--busy-poll-us={us}"));
     }
+    // The server proves the secret the bench does (the environment's
+    // passes on by itself).
+    if let Some(path) = &args.secret.cluster_secret_file {
+        command.arg("--cluster-secret-file").arg(path);
+    }
     let mut child = command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

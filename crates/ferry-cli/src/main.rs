@@ -10,6 +10,7 @@ mod loopback;
 mod nixl;
 mod register;
 mod rows;
+mod secret;
 mod serve;
 mod submitter;
 mod target;
@@ -47,7 +48,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Measure writes or reads against a served region, per block size.
     Bench(bench::BenchArgs),
-    /// List the nodes published in etcd: transports, regions, lease left.
+    /// List the nodes published in etcd: transports, regions, lease left
+    /// (read from etcd alone: no node is reached, no cluster secret needed).
     Ls(discovery::LsArgs),
     /// ferry as a NIXL backend: install the FERRY plugin into a Python
     /// environment's NIXL.

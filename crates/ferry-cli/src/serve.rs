@@ -86,12 +86,8 @@ pub struct ServeArgs {
     /// or what FERRY_IBV_RAILS names.
     #[arg(long)]
     pub rails: Option<String>,
-    /// A file holding the cluster secret every peer must prove (its first
-    /// line; a second line is a next secret also accepted, for a roll-out).
-    /// Without it, FERRY_CLUSTER_SECRET or FERRY_CLUSTER_SECRET_FILE, if
-    /// set. Never on the command line, where `ps` shows it.
-    #[arg(long)]
-    pub cluster_secret_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub secret: crate::secret::SecretArgs,
 }
 
 fn parse_advertise(text: &str) -> Result<std::net::SocketAddr, String> {
@@ -128,10 +124,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
     if let Some(us) = args.busy_poll_us {
         builder = builder.tcp_busy_poll(std::time::Duration::from_micros(us));
     }
-    if let Some(path) = &args.cluster_secret_file {
-        let secret = ferry::ClusterSecret::from_file(path).map_err(|e| Failure(e.to_string()))?;
-        builder = builder.cluster_secret(secret);
-    }
+    builder = args.secret.apply(builder)?;
     let mut ibverbs = ferry::ibverbs::IbvConfig::default();
     if let Some(ms) = args.notify_coalesce_ms {
         ibverbs.notify_coalesce = Some(std::time::Duration::from_millis(ms));

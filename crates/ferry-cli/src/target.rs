@@ -38,7 +38,7 @@ pub(crate) async fn setup(args: &BenchArgs) -> Result<Target, Failure> {
     if let Some(us) = args.busy_poll_us {
         builder = builder.tcp_busy_poll(std::time::Duration::from_micros(us));
     }
-    let builder = args.etcd.apply(builder, None)?;
+    let builder = args.secret.apply(args.etcd.apply(builder, None)?)?;
     let node = builder
         .tcp_connections(args.streams)
         .ibverbs(matches!(

@@ -276,6 +276,44 @@ fn serve_and_bench_over_a_handle_file() {
     );
 }
 
+/// `bench` takes the cluster secret as `serve` does: against a server that
+/// requires one, a bench without it is refused, with it verifies its bytes;
+/// `--loopback` hands the file to the server it starts.
+#[test]
+fn bench_takes_the_cluster_secret_file_as_serve_does() {
+    let dir = ScratchDir::new("secret");
+    let (handle, secret) = (dir.join("handle.json"), dir.join("secret"));
+    std::fs::write(&secret, "a cluster secret of at least sixteen bytes\n").unwrap();
+    let secret = secret.to_str().unwrap();
+    let mut server = spawn_serve(&["--size", "1M", "--cluster-secret-file", secret], &handle);
+    let h = handle.to_str().unwrap();
+    let run = ["--block", "64K", "--verify", "--json", "--iters", "2"];
+    let refused = ferry(&[&["bench", "--handle", h][..], &run].concat());
+    assert!(
+        !refused.status.success(),
+        "a bench without the secret got through"
+    );
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(why.contains("requires a cluster secret"), "{why}");
+    let rows = bench_rows(
+        "with the secret",
+        &[&["--handle", h, "--cluster-secret-file", secret][..], &run].concat(),
+    );
+    assert_eq!(rows[0]["verified"], true);
+    drop(server.stdin.take());
+    assert!(server.wait().unwrap().success());
+    let rows = bench_rows(
+        "loopback with the secret",
+        &[
+            &["--loopback", "--size", "1M", "--transport", "tcp"][..],
+            &["--cluster-secret-file", secret],
+            &run,
+        ]
+        .concat(),
+    );
+    assert_eq!(rows[0]["verified"], true);
+}
+
 /// SIGTERM stops `serve` cleanly from the moment its handle is out, and
 /// while its stdin (`--stdin`) is still open: the stdin reader never holds
 /// the exit up.
