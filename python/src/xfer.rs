@@ -106,13 +106,30 @@ impl NativeRemoteDescs {
         Ok(PyBytes::new(py, &json))
     }
 
-    /// A list from `to_bytes`'s bytes; checked as `new` checks.
+    /// A list from `to_bytes`'s bytes; checked as `new` checks, and refused
+    /// as `new` refuses: bytes that are not a list are a `MetadataError`,
+    /// a list whose descriptors leave their handles (a `count` raised, an
+    /// offset moved) the same error `new` raises for it (`OutOfBounds`).
     #[staticmethod]
     fn from_bytes(data: &[u8]) -> PyResult<Self> {
-        let list: RemoteDescList = serde_json::from_slice(data)
-            .map_err(|e| Raise::new("MetadataError", format!("not a descriptor list: {e}")))?;
-        // Deserialized fields are untrusted: rebuild to run the checks.
-        RemoteDescList::new(list.regions().to_vec(), list.descs().clone())
+        // The list's fields before its checks, so that a failed check keeps
+        // its type instead of becoming a deserializer's message.
+        let not_a_list = |e: serde_json::Error| {
+            Raise::new("MetadataError", format!("not a descriptor list: {e}"))
+        };
+        let mut fields: serde_json::Value = serde_json::from_slice(data).map_err(not_a_list)?;
+        // `get_mut`, not indexing: indexing a JSON value that is not an
+        // object panics.
+        let mut field = |name| {
+            fields
+                .get_mut(name)
+                .map(serde_json::Value::take)
+                .unwrap_or_default()
+        };
+        let regions: Vec<ferry::RemoteBuffer> =
+            serde_json::from_value(field("regions")).map_err(not_a_list)?;
+        let descs: ferry::Descs = serde_json::from_value(field("descs")).map_err(not_a_list)?;
+        RemoteDescList::new(regions, descs)
             .map(NativeRemoteDescs)
             .map_err(|e| errors::desc(&e).into())
     }

@@ -436,6 +436,19 @@ def test_descriptor_lists_are_checked(
         ferry.LocalDescs([src])
     with pytest.raises(ferry.MetadataError):
         ferry.RemoteDescs.from_bytes(b"{not json")
+    for not_a_list in (b"[1, 2]", b'"text"', b"{}"):
+        with pytest.raises(ferry.MetadataError):
+            ferry.RemoteDescs.from_bytes(not_a_list)
+    # A list whose `count` was raised in transit is refused as making it
+    # is: the same class, the same descriptor named.
+    strided = ferry.RemoteDescs(peer.handles, strided=ferry.Strided(0, 0, 100, 100, 40))
+    doc = json.loads(strided.to_bytes())
+    doc["descs"]["Strided"]["count"] = 41
+    with pytest.raises(ferry.OutOfBounds) as from_bytes:
+        ferry.RemoteDescs.from_bytes(json.dumps(doc).encode())
+    with pytest.raises(ferry.OutOfBounds) as made:
+        ferry.RemoteDescs(peer.handles, strided=ferry.Strided(0, 0, 100, 100, 41))
+    assert from_bytes.value.op_index == made.value.op_index == 40
 
 
 # -- argument errors -------------------------------------------------------------------
