@@ -37,6 +37,7 @@ pub const DISABLE_MEMORY_ENV: &str = "FERRY_DISABLE_MEMORY";
 
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum NodeError {
     /// The endpoint could not start: the address is taken, or it listens on
     /// every interface with no address to advertise.

@@ -38,6 +38,7 @@ pub enum EstimateMethod {
 
 /// What a request is expected to take ([`crate::Node::estimate`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Estimate {
     /// The expected duration, from post to done.
     pub duration: Duration,

@@ -27,6 +27,7 @@ use crate::{IntoBody, Node, NodeActor};
 
 /// Why a submit with a notification failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum NotifyError {
     /// The batch failed or timed out; no notification was sent.
     #[error(transparent)]

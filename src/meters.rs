@@ -118,6 +118,7 @@ impl Submitted {
                     SubmitError::Timeout { .. } => ("batch", "timeout"),
                     SubmitError::BackendStopped => ("batch", "backend_stopped"),
                     SubmitError::ShutDown => ("batch", "shut_down"),
+                    _ => ("batch", "other"),
                 };
                 metrics::counter!("ferry_errors_total", "transport" => m.transport, "op" => op, "error" => error)
                     .increment(1);

@@ -109,12 +109,12 @@ impl Names {
             .filter(|(name, _)| names.is_none_or(|names| names.contains(name)))
             .map(|(name, region)| (name.clone(), region.remote()))
             .collect();
-        NodeMetadata {
-            name: self.name.clone(),
-            node: self.addr,
-            transports: self.transports.clone(),
+        NodeMetadata::new(
+            self.name.clone(),
+            self.addr,
+            self.transports.clone(),
             regions,
-        }
+        )
     }
 
     /// The blob peers fetch (`Service::METADATA`).

@@ -64,6 +64,7 @@ impl PreparedRemote {
 
 /// Why a list could not be prepared, or a peer connected.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PrepareError {
     /// A region of the list is unusable from here: the error names the
     /// region's index in the list. Where each refusal is caught:
@@ -94,6 +95,7 @@ pub enum PrepareError {
 
 /// What [`Node::connect`] set up to a peer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Connected {
     /// The control session (messages, RPC, queue-pair exchange) is open.
     pub control: bool,

@@ -471,6 +471,7 @@ fn merge(
     let mut timed_out: Option<(Duration, usize)> = None;
     let mut stopped = false;
     let mut shut_down = false;
+    let mut unranked = None;
     for result in results {
         match result {
             Ok(()) => {}
@@ -489,6 +490,8 @@ fn merge(
             }
             Err(SubmitError::BackendStopped) => stopped = true,
             Err(SubmitError::ShutDown) => shut_down = true,
+            // A kind of failure this merge does not rank: kept, not lost.
+            Err(other) => unranked = Some(other),
         }
     }
     if let Some((index, error)) = lowest_op {
@@ -500,6 +503,9 @@ fn merge(
             unfinished,
             total,
         });
+    }
+    if let Some(error) = unranked {
+        return Err(error);
     }
     if shut_down {
         Err(SubmitError::ShutDown)
@@ -541,6 +547,7 @@ impl TransportPath {
 
 /// The transports a node runs, and their raw details.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct NodeTransportInfo {
     /// The TCP backend's details.
     pub tcp: Option<TcpTransportInfo>,

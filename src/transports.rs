@@ -5,6 +5,7 @@ use ferry_core::RdmaTransportLevel;
 
 /// One transport of a node: running, or why not.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TransportStatus {
     /// Which transport.
     pub level: RdmaTransportLevel,

@@ -82,6 +82,7 @@ pub enum XferStatus {
 
 /// Why a request failed. Positions are in the request's index arrays.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum XferError {
     /// The transfer failed: an op (its `index` is the position in the
     /// index arrays), the deadline (unfinished ops counted over the whole
@@ -119,6 +120,7 @@ pub enum XferError {
 
 /// Why a post was refused; the request is unchanged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PostError {
     /// It is in progress: post it again once it is done or failed.
     #[error("the request is in progress")]

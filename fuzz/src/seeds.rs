@@ -363,16 +363,16 @@ pub fn seeds() -> Vec<Seed> {
     }
 
     // Discovery: a node's metadata blob, two published regions.
-    let metadata = NodeMetadata {
-        name: Some("prefill-0".into()),
-        node: me,
-        transports: vec![RdmaTransportLevel::Tcp, RdmaTransportLevel::Nic],
-        regions: [
+    let metadata = NodeMetadata::new(
+        Some("prefill-0".into()),
+        me,
+        vec![RdmaTransportLevel::Tcp, RdmaTransportLevel::Nic],
+        [
             ("kv/0".to_string(), handle.clone()),
             ("kv/1".to_string(), handle.slice(0..64).unwrap().read_only()),
         ]
         .into(),
-    };
+    );
     out.push(seed("metadata", "two-regions", metadata.encode().to_vec()));
 
     out.push(seed(

@@ -105,6 +105,7 @@ pub fn submit(error: &SubmitError) -> Raise {
         SubmitError::Timeout { .. } => Raise::new("Timeout", error),
         SubmitError::BackendStopped => Raise::new("BackendStopped", error),
         SubmitError::ShutDown => Raise::new("ShutDown", error),
+        _ => Raise::new("FerryError", error),
     }
 }
 
@@ -114,6 +115,7 @@ pub fn notify(error: &NotifyError) -> Raise {
         NotifyError::Submit(inner) => submit(inner),
         NotifyError::TooLarge { .. } => Raise::new("TooLarge", error),
         NotifyError::Notification { error: inner, .. } => message(inner).saying(error),
+        _ => Raise::new("FerryError", error),
     }
 }
 
@@ -146,6 +148,7 @@ pub fn desc(error: &DescError) -> Raise {
             Raise::new("OutOfBounds", error).at(*position)
         }
         DescError::CountMismatch { .. } => Raise::new("InvalidArgument", error),
+        _ => Raise::new("FerryError", error),
     }
 }
 
@@ -157,6 +160,7 @@ pub fn prepare(error: &PrepareError) -> Raise {
             error: op_error, ..
         } => op(op_error).saying(error),
         PrepareError::ShutDown => Raise::new("ShutDown", error),
+        _ => Raise::new("FerryError", error),
     }
 }
 
@@ -168,6 +172,7 @@ pub fn xfer(error: &XferError) -> Raise {
         XferError::Cancelled { .. } => Raise::new("Cancelled", error),
         XferError::NotPosted => Raise::new("FerryError", error),
         XferError::Desc(inner) => desc(inner),
+        _ => Raise::new("FerryError", error),
     }
 }
 
@@ -207,6 +212,7 @@ pub fn rpc(error: &RpcError) -> Raise {
         RpcError::NameTaken(_) => "InvalidArgument",
         RpcError::ShutDown => "ShutDown",
         RpcError::Protocol { .. } => "ProtocolError",
+        _ => "FerryError",
     };
     Raise::new(class, error)
 }

@@ -354,5 +354,6 @@ fn discovery(error: &ferry::DiscoveryError) -> Raise {
             Raise::new("PeerUnreachable", error)
         }
         ferry::DiscoveryError::Etcd(_) => Raise::new("DiscoveryError", error),
+        _ => Raise::new("FerryError", error),
     }
 }

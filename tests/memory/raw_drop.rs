@@ -85,6 +85,7 @@ async fn give_back_while_stopped(
             );
             return true;
         }
+        Err(other) => panic!("{what}: {other}"),
     }
     assert_eq!(
         watch_unchanged(&memory, Duration::from_millis(300)).await,

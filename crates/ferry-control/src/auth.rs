@@ -65,6 +65,7 @@ pub struct ClusterSecret {
 
 /// A secret that cannot be used.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SecretError {
     /// Shorter than [`MIN_SECRET_LEN`] bytes.
     #[error(

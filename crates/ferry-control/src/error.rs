@@ -11,6 +11,7 @@ use crate::{AuthFailure, Channel, HelloStatus, Service};
 
 /// Why talking to a peer's endpoint failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ControlError {
     /// No connection could be made, or it broke during the hello.
     #[error("peer {endpoint} unreachable: {reason}")]
@@ -172,6 +173,7 @@ impl From<ControlError> for OpError {
 
 /// Why the endpoint could not start, or a handler could not be registered.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EndpointError {
     /// Binding the listener failed.
     #[error("cannot listen on {addr}: {source}")]

@@ -50,6 +50,7 @@ pub enum DeliveryKind {
 
 /// Something a peer sent this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Delivery {
     /// The sender, as its control session names it.
     pub from: NodeAddr,
@@ -61,6 +62,7 @@ pub struct Delivery {
 
 /// Why a message was not delivered.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum MessageError {
     /// Over the limit: refused before any byte was sent.
     #[error("message of {len} bytes is over the {limit}-byte limit")]

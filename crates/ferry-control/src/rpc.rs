@@ -33,6 +33,7 @@ pub const MAX_RPC_NAME: usize = 255;
 
 /// A call as a handler receives it.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct RpcRequest {
     /// The calling node, as its control session names it.
     pub from: NodeAddr,
@@ -50,6 +51,7 @@ type Handler = Arc<dyn Fn(RpcRequest) -> RpcFuture + Send + Sync>;
 
 /// Why a call failed, or a handler could not be registered.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RpcError {
     /// The peer and this node do not hold the same cluster secret: nothing
     /// was sent.

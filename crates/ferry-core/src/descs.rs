@@ -307,6 +307,7 @@ impl Descs {
 /// names the position it is about, so a caller can find the bad entry in
 /// the arrays it passed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DescError {
     /// Descriptor `index` names a region the list does not have.
     #[error("descriptor {index} names region {region}, but the list has {regions} regions")]

@@ -9,6 +9,7 @@ use crate::{Generation, NodeId};
 /// locally before anything is sent and for refusals reported by the remote side,
 /// so callers match on one type whatever caught the problem.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum OpError {
     /// `offset..offset + len` (bytes) reaches past the end of a buffer of
     /// `bound` bytes.
@@ -194,6 +195,7 @@ fn stale_generation_text(handle: Generation, current: Generation) -> String {
 
 /// Outcome of a failed `Submit`.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SubmitError {
     /// Op `index` (position in the submitted batch) failed. When several fail,
     /// the lowest index is reported.
@@ -226,6 +228,7 @@ pub enum SubmitError {
 
 /// Why memory could not be registered.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RegisterError {
     /// A length of 0 bytes was asked for.
     #[error("a region must be at least one byte long")]

@@ -72,6 +72,7 @@ impl fmt::Display for MemoryHolder {
 /// Why [`Closing::wait`] (or [`Region::close`](crate::Region::close))
 /// returned before the memory was the caller's again.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum CloseError {
     /// The deadline passed with the memory still held; nothing was given up
     /// and nothing lost: the memory goes back by itself once the holders

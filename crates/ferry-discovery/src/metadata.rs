@@ -22,6 +22,7 @@ const HEADER_LEN: usize = 12;
 
 /// What a node says about itself.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct NodeMetadata {
     /// Its name in its cluster namespace, if it has one.
     pub name: Option<String>,
@@ -36,6 +37,7 @@ pub struct NodeMetadata {
 
 /// Why a blob is not metadata this node can use.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum MetadataError {
     /// Shorter than its header says: cut short in transit or in storage.
     #[error("metadata truncated: {len} bytes, {needed} needed")]
@@ -70,6 +72,22 @@ pub enum MetadataError {
 }
 
 impl NodeMetadata {
+    /// A node's metadata (the struct grows with what nodes say of
+    /// themselves, so it is made here rather than field by field).
+    pub fn new(
+        name: Option<String>,
+        node: NodeAddr,
+        transports: Vec<RdmaTransportLevel>,
+        regions: BTreeMap<String, RemoteBuffer>,
+    ) -> NodeMetadata {
+        NodeMetadata {
+            name,
+            node,
+            transports,
+            regions,
+        }
+    }
+
     /// The blob: header and body.
     pub fn encode(&self) -> Bytes {
         let body = serde_json::to_vec(self).expect("metadata always serializes");

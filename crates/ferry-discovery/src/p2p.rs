@@ -15,6 +15,7 @@ use crate::peers::LookupError;
 
 /// Why a peer's metadata could not be fetched.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DiscoveryError {
     /// The peer could not be reached or answered with an error.
     #[error(transparent)]

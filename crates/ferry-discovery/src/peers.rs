@@ -24,6 +24,7 @@ pub enum Loaded {
 
 /// Why a lookup found no handle.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum LookupError {
     /// No metadata is loaded for a peer of that name.
     #[error("no peer named {0:?} is known (load or fetch its metadata)")]

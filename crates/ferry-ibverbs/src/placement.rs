@@ -61,6 +61,7 @@ impl RailSet {
 
 /// Why [`crate::IbvBackend::pin_rails`] refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PinError {
     /// The region is not registered with this backend (deregistered, or
     /// of another node).

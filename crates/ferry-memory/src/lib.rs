@@ -84,6 +84,7 @@ pub fn socket_name(id: NodeId) -> String {
 
 /// Why the memory transport cannot start.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MemoryError {
     /// The kernel's boot id is unreadable (no `/proc`).
     #[error("no boot id in /proc/sys/kernel/random/boot_id")]

@@ -102,6 +102,7 @@ impl EtcdConfig {
 
 /// Why an etcd operation failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum EtcdError {
     /// etcd did not answer when the node needed it to.
     #[error("etcd at {endpoints} is unreachable: {reason}")]

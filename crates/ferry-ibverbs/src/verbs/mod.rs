@@ -21,6 +21,7 @@ use rdma_sys::*;
 
 /// A verbs call failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum VerbsError {
     /// `ibv_get_device_list` found nothing usable: the normal situation on a
     /// host without an RDMA NIC.
