@@ -128,7 +128,7 @@ pub struct RegionMap {
 /// slots): logical index `t` lies in physical block `table[t / block]`, at
 /// in-block position `t % block`, whose stride is the axis's stride.
 ///
-/// The paged axis must be held whole ([`Part::Full`]) on both sides, and
+/// The paged axis must be held whole (e.g. [`Part::Full`]) on both sides, and
 /// both sides must page the same axis through the same table name: one
 /// request range then means the same elements on both.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

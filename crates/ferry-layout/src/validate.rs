@@ -192,7 +192,7 @@ fn check_tensor<'a>(
         if paged.blocks == 0 {
             return Err(bad_paging("a pool of 0 blocks"));
         }
-        if t.parts[axis] != Part::Full {
+        if len[axis] != t.tensor.axes[axis].size {
             return Err(bad_paging("the paged axis must be held whole"));
         }
         if mapped == Some(axis) {
