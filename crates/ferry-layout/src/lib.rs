@@ -34,7 +34,8 @@
 //! piece with the remote pieces, picks one source per byte among replicas
 //! (or, pushing, serves every replica), and keeps each intersection as a
 //! short loop nest of strides: its size is O(pieces × dims), never
-//! O(blocks).
+//! O(blocks). [`NixlShape`] gives the same plan in the shape NIXL's
+//! prepared descriptor lists take.
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
@@ -44,6 +45,7 @@ mod expand;
 mod fingerprint;
 mod helpers;
 mod layout;
+mod nixl;
 mod plan;
 mod validate;
 
@@ -52,4 +54,5 @@ pub use expand::{Expansion, RankDescs, TableRequest};
 pub use fingerprint::side_fingerprint;
 pub use helpers::{KvCache, KvPlacement, LayerPlacement, TokenOrder, tp_part};
 pub use layout::{Axis, Paged, Part, Place, RankLayout, RegionMap, Tensor, TensorLayout};
+pub use nixl::{NixlIndices, NixlShape};
 pub use plan::{Direction, Plan, PlanOptions, RemoteRegion, plan};

@@ -7,9 +7,9 @@ mod common;
 
 use std::ops::Range;
 
-use common::{Req, check_pull, check_push};
+use common::{Req, check_pull, check_pull_nixl, check_push};
 use fastrand::Rng;
-use ferry_layout::{Paged, Part, Place, RankLayout, RegionMap, Tensor, TensorLayout};
+use ferry_layout::{Paged, Part, Place, RankLayout, RegionMap, RequestError, Tensor, TensorLayout};
 
 /// One axis of a block's memory order, before strides are known.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -297,8 +297,21 @@ fn case(seed: u64, stats: &mut Stats) {
         _ => Vec::new(),
     };
     let mut descs = 0;
+    // The NIXL shape addresses whole sub-blocks of gcd(both blocks).
+    let aligned = match (&pools, reqs.first()) {
+        (Some((lp, rp)), Some(r)) => {
+            let g = gcd(lp.block, rp.block);
+            r.range.is_empty() || (r.range.start % g == 0 && r.range.end % g == 0)
+        }
+        _ => true,
+    };
     for l in &local {
         descs += check_pull(l, &remote, &reqs).descs;
+        match check_pull_nixl(l, &remote, &reqs) {
+            Ok(_) => assert!(aligned, "an unaligned range through the NIXL shape"),
+            Err(RequestError::Unaligned { .. }) if !aligned => {}
+            Err(e) => panic!("NIXL shape: {e}"),
+        }
     }
     descs += check_push(&local, &remote, &reqs, true);
     let all = || local.iter().chain(&remote).flat_map(|r| &r.tensors);
@@ -320,6 +333,10 @@ struct Stats {
     mapped: usize,
     replicated: usize,
     descs: usize,
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// Prints the seed of a case that panics.

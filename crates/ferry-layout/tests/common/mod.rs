@@ -13,8 +13,10 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use ferry_core::Desc;
 use ferry_layout::{
-    Direction, Expansion, Plan, PlanOptions, RankLayout, TableRequest, TensorLayout, plan,
+    Direction, Expansion, NixlShape, Plan, PlanOptions, RankLayout, RequestError, TableRequest,
+    TensorLayout, plan,
 };
 
 /// One block table of a request, owned.
@@ -171,48 +173,94 @@ impl RankMem {
     }
 }
 
-/// Applies an expansion: copies from the source side to the other (the
-/// local rank's memory `local`, the remote side's `remote`), counting
-/// writes per destination byte. Checks the output's shape on the way.
+/// One descriptor pair: remote rank, local and remote descriptors (region
+/// indices into the plan's tables).
+pub type Pair = (u32, Desc, Desc);
+
+/// An expansion's pairs, checking its shape: lists in step, every
+/// descriptor in the group of its remote rank.
+fn expansion_pairs(plan: &Plan, out: &Expansion) -> Vec<Pair> {
+    let (l, r) = (out.local(), out.remote());
+    assert_eq!(l.len(), r.len(), "local and remote descriptors not in step");
+    let mut pairs = Vec::new();
+    for group in out.ranks() {
+        for k in group.descs.clone() {
+            let (ld, rd) = (l.get(k).expect("desc"), r.get(k).expect("desc"));
+            let rank = plan.remote_regions()[rd.region as usize].rank;
+            assert_eq!(rank, group.rank, "descriptor {k} in the wrong rank group");
+            pairs.push((group.rank, ld, rd));
+        }
+    }
+    assert_eq!(pairs.len(), l.len(), "descriptors outside every rank group");
+    pairs
+}
+
+/// The pairs of a request through the NIXL shape: prepared lists and
+/// index arrays.
+pub fn nixl_pairs(plan: &Plan, reqs: &[Req]) -> Result<Vec<Pair>, RequestError> {
+    let shape = NixlShape::new(plan);
+    let local = shape.local_list();
+    assert_eq!(local.len() as u64, shape.local_len());
+    let mut indices = Vec::new();
+    shape.indices(&borrow(reqs), &mut indices)?;
+    let mut pairs = Vec::new();
+    for group in &indices {
+        let remote = shape.remote_list(group.rank);
+        let len = shape
+            .remote_lens()
+            .iter()
+            .find(|(r, _)| *r == group.rank)
+            .expect("rank")
+            .1;
+        assert_eq!(remote.len() as u64, len);
+        assert_eq!(group.local.len(), group.remote.len());
+        for (&l, &r) in group.local.iter().zip(&group.remote) {
+            let (ld, rd) = (
+                local.get(l as usize).expect("row"),
+                remote.get(r as usize).expect("row"),
+            );
+            let rank = plan.remote_regions()[rd.region as usize].rank;
+            assert_eq!(
+                rank, group.rank,
+                "row {r} of rank {}'s list names another rank",
+                group.rank
+            );
+            pairs.push((group.rank, ld, rd));
+        }
+    }
+    Ok(pairs)
+}
+
+/// Applies descriptor pairs: copies from the source side to the other
+/// (the local rank's memory `local`, the remote side's `remote`),
+/// counting writes per destination byte.
 fn apply(
     plan: &Plan,
-    out: &Expansion,
+    pairs: &[Pair],
     pull: bool,
     local: &mut RankMem,
     remote: &mut BTreeMap<u32, RankMem>,
 ) -> BTreeMap<u32, u64> {
     let mut by_rank = BTreeMap::new();
-    let (l, r) = (out.local(), out.remote());
-    assert_eq!(l.len(), r.len(), "local and remote descriptors not in step");
-    let mut grouped = 0;
-    for group in out.ranks() {
-        grouped += group.descs.len();
-        for k in group.descs.clone() {
-            let (ld, rd) = (l.get(k).expect("desc"), r.get(k).expect("desc"));
-            assert_eq!(ld.len, rd.len, "descriptor {k}: lengths differ");
-            assert!(ld.len > 0, "descriptor {k} is empty");
-            let lregion = plan.local_regions()[ld.region as usize] as usize;
-            let rregion = plan.remote_regions()[rd.region as usize];
-            assert_eq!(
-                rregion.rank, group.rank,
-                "descriptor {k} in the wrong rank group"
-            );
-            *by_rank.entry(group.rank).or_insert(0) += ld.len;
-            let rmem = remote.get_mut(&rregion.rank).expect("rank");
-            let rreg = rregion.region as usize;
-            for i in 0..ld.len {
-                let (lo, ro) = ((ld.offset + i) as usize, (rd.offset + i) as usize);
-                if pull {
-                    local.bytes[lregion][lo] = rmem.bytes[rreg][ro];
-                    local.writes[lregion][lo] += 1;
-                } else {
-                    rmem.bytes[rreg][ro] = local.bytes[lregion][lo];
-                    rmem.writes[rreg][ro] += 1;
-                }
+    for (k, &(rank, ld, rd)) in pairs.iter().enumerate() {
+        assert_eq!(ld.len, rd.len, "descriptor {k}: lengths differ");
+        assert!(ld.len > 0, "descriptor {k} is empty");
+        let lregion = plan.local_regions()[ld.region as usize] as usize;
+        let rregion = plan.remote_regions()[rd.region as usize];
+        *by_rank.entry(rank).or_insert(0) += ld.len;
+        let rmem = remote.get_mut(&rregion.rank).expect("rank");
+        let rreg = rregion.region as usize;
+        for i in 0..ld.len {
+            let (lo, ro) = ((ld.offset + i) as usize, (rd.offset + i) as usize);
+            if pull {
+                local.bytes[lregion][lo] = rmem.bytes[rreg][ro];
+                local.writes[lregion][lo] += 1;
+            } else {
+                rmem.bytes[rreg][ro] = local.bytes[lregion][lo];
+                rmem.writes[rreg][ro] += 1;
             }
         }
     }
-    assert_eq!(grouped, l.len(), "descriptors outside every rank group");
     by_rank
 }
 
@@ -250,9 +298,39 @@ pub fn check_pull(local: &RankLayout, remote: &[RankLayout], reqs: &[Req]) -> Ou
     let plan = plan(local, remote, PlanOptions::default()).expect("plan");
     let mut out = Expansion::new();
     plan.expand(&borrow(reqs), &mut out).expect("expand");
+    let pairs = expansion_pairs(&plan, &out);
+    let bytes_by_rank = check_pull_pairs(local, remote, reqs, &plan, &pairs);
+    Outcome {
+        descs: out.len(),
+        plan,
+        bytes_by_rank,
+    }
+}
+
+/// As [`check_pull`], through the NIXL shape; the request's error if the
+/// NIXL shape refuses it.
+pub fn check_pull_nixl(
+    local: &RankLayout,
+    remote: &[RankLayout],
+    reqs: &[Req],
+) -> Result<usize, RequestError> {
+    let plan = plan(local, remote, PlanOptions::default()).expect("plan");
+    let pairs = nixl_pairs(&plan, reqs)?;
+    check_pull_pairs(local, remote, reqs, &plan, &pairs);
+    Ok(pairs.len())
+}
+
+/// Applies `pairs` (pulling into `local`) and checks every local byte.
+fn check_pull_pairs(
+    local: &RankLayout,
+    remote: &[RankLayout],
+    reqs: &[Req],
+    plan: &Plan,
+    pairs: &[Pair],
+) -> BTreeMap<u32, u64> {
     let mut remote_mem = filled_side(remote, reqs, false);
     let mut local_mem = RankMem::new(local);
-    let bytes_by_rank = apply(&plan, &out, true, &mut local_mem, &mut remote_mem);
+    let bytes_by_rank = apply(plan, pairs, true, &mut local_mem, &mut remote_mem);
     let mut expected: Vec<Vec<u64>> = local
         .region_lens
         .iter()
@@ -292,11 +370,7 @@ pub fn check_pull(local: &RankLayout, remote: &[RankLayout], reqs: &[Req]) -> Ou
             }
         }
     }
-    Outcome {
-        descs: out.len(),
-        plan,
-        bytes_by_rank,
-    }
+    bytes_by_rank
 }
 
 /// Every rank of `local_side` pushes to `remote` (with `local_peers` when
@@ -322,7 +396,8 @@ pub fn check_push(
         plan.expand(&borrow(reqs), &mut out).expect("expand");
         descs += out.len();
         let mem = local_mems.get_mut(&local.rank).expect("rank");
-        apply(&plan, &out, false, mem, &mut remote_mem);
+        let pairs = expansion_pairs(&plan, &out);
+        apply(&plan, &pairs, false, mem, &mut remote_mem);
     }
     for r in remote {
         let mut want: BTreeMap<(u32, u64), (u64, u32)> = BTreeMap::new();
