@@ -210,18 +210,27 @@ impl KvCache {
             _ => self.heads,
         };
         let e = u64::from(self.elem_size);
+        // Saturating: absurd sizes become layouts that validation refuses
+        // (out of region), never an overflow here.
+        let mul = |factors: &[u64]| factors.iter().fold(1u64, |p, &f| p.saturating_mul(f));
         let (token, head) = match self.order {
-            TokenOrder::Nhd => (local_heads * self.head_dim * e, self.head_dim * e),
-            TokenOrder::Hnd => (self.head_dim * e, self.block_tokens * self.head_dim * e),
+            TokenOrder::Nhd => (
+                mul(&[local_heads, self.head_dim, e]),
+                mul(&[self.head_dim, e]),
+            ),
+            TokenOrder::Hnd => (
+                mul(&[self.head_dim, e]),
+                mul(&[self.block_tokens, self.head_dim, e]),
+            ),
         };
         // Bytes of one K (or V) block.
-        let block = self.block_tokens * local_heads * self.head_dim * e;
+        let block = mul(&[self.block_tokens, local_heads, self.head_dim, e]);
         let (block_stride, v_shift, pools) = match self.kv {
             KvPlacement::Separate => (block, 0, 2),
-            KvPlacement::Interleaved => (2 * block, block, 1),
+            KvPlacement::Interleaved => (mul(&[2, block]), block, 1),
         };
         // Bytes of one layer's pool (K and V together when interleaved).
-        let pool = self.blocks * block_stride;
+        let pool = mul(&[self.blocks, block_stride]);
         let layers = self.layers;
         let piece = |name: &str, which: u64| {
             let (region, offset, layer_stride, region_map) = match self.layer_regions {
@@ -262,7 +271,7 @@ impl KvCache {
         };
         let region_lens = match self.layer_regions {
             LayerPlacement::RegionPerLayer => vec![pool; (pools * layers) as usize],
-            LayerPlacement::OneRegion => vec![layers * pool; pools as usize],
+            LayerPlacement::OneRegion => vec![mul(&[layers, pool]); pools as usize],
         };
         Ok(RankLayout {
             rank,
