@@ -335,7 +335,12 @@ impl Plan {
             if nest.count != count {
                 self.build_nest(nest, seg, count);
             }
-            sink.walk(&nest.dims, local, remote, nest.run);
+            if nest.dims.is_empty() {
+                // The common case: one run per block piece.
+                sink.emit(local, remote, nest.run);
+            } else {
+                sink.walk(&nest.dims, local, remote, nest.run);
+            }
             t += count;
             lpos += count;
             if lpos == lb {
