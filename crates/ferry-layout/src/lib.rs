@@ -36,6 +36,42 @@
 //! short loop nest of strides: its size is O(pieces × dims), never
 //! O(blocks). [`NixlShape`] gives the same plan in the shape NIXL's
 //! prepared descriptor lists take.
+//!
+//! A decode rank of tensor-parallel degree 2 reading a KV cache from
+//! prefill ranks of degree 4, compiled once, expanded per request:
+//!
+//! ```
+//! use ferry_layout::{
+//!     Expansion, KvCache, KvPlacement, LayerPlacement, PlanOptions, TableRequest, TokenOrder,
+//!     plan,
+//! };
+//!
+//! let cache = KvCache {
+//!     layers: 2,
+//!     heads: 8,
+//!     head_dim: 128,
+//!     elem_size: 2,
+//!     tokens: 4096,
+//!     block_tokens: 16,
+//!     blocks: 1024,
+//!     order: TokenOrder::Hnd,
+//!     kv: KvPlacement::Separate,
+//!     layer_regions: LayerPlacement::RegionPerLayer,
+//!     table: "kv".into(),
+//! };
+//! let prefill = (0..4).map(|r| cache.rank(r, 4)).collect::<Result<Vec<_>, _>>()?;
+//! let plan = plan(&cache.rank(0, 2)?, &prefill, PlanOptions::default())?;
+//!
+//! // Per request: the tokens and both sides' block tables.
+//! let (local, remote): (Vec<u64>, Vec<u64>) = ((0..8).collect(), (100..108).collect());
+//! let request = TableRequest { table: "kv", range: 0..128, local: &local, remote: &remote };
+//! let mut out = Expansion::new();
+//! plan.expand(&[request], &mut out)?;
+//! // Layers × K and V × blocks × source ranks (prefill ranks 0 and 1).
+//! assert_eq!(out.len(), 2 * 2 * 8 * 2);
+//! assert_eq!(out.ranks().iter().map(|g| g.rank).collect::<Vec<_>>(), [0, 1]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]

@@ -478,7 +478,7 @@ fn base(piece: &Piece<'_>, at: &[u64], mapped: Option<usize>, paged: Option<usiz
 /// Folds loops contiguous on both sides into the run, then merges loops
 /// that continue each other on both sides; drops loops of one step.
 /// Leaves them outermost (largest local stride) first.
-pub(crate) fn coalesce(dims: &mut Vec<Dim>, run: &mut u64) {
+fn coalesce(dims: &mut Vec<Dim>, run: &mut u64) {
     dims.retain(|d| d.count > 1);
     while let Some(i) = dims
         .iter()
