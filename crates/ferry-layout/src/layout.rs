@@ -136,7 +136,8 @@ pub struct Paged {
     /// The paged axis (logical index).
     pub axis: u32,
     /// Elements of that axis per block (block size in tokens; 1 for state
-    /// slots).
+    /// slots). All `block` slots of every physical block must lie in the
+    /// region, even when the axis is shorter than a block.
     pub block: u64,
     /// Bytes between the starts of consecutive physical blocks.
     pub block_stride: u64,

@@ -262,7 +262,9 @@ fn extent(
         }
         match &t.paged {
             Some(p) if p.axis as usize == axis => {
-                dims.push((n.min(p.block), stride, axis, false));
+                // All `block` slots of a physical block, even past the
+                // axis's end: NIXL rows and block strides address them.
+                dims.push((p.block, stride, axis, false));
                 dims.push((p.blocks, p.block_stride, axis, true));
             }
             _ => dims.push((n, stride, axis, false)),

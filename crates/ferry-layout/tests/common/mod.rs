@@ -10,6 +10,8 @@
 
 #![allow(dead_code)]
 
+pub mod random;
+
 use std::collections::BTreeMap;
 use std::ops::Range;
 
