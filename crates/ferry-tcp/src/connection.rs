@@ -8,6 +8,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use ferry_control::Channel;
 use ferry_core::{NodeAddr, OpError};
@@ -19,7 +20,7 @@ use tracing::debug;
 use crate::chunk::{Chunk, Local};
 use crate::client::ClientConfig;
 use crate::frame::{ClientFrame, REQUEST_LEN, RESPONSE_LEN, Range, RequestKind, Response};
-use crate::io::{FrameReader, IoVecs, extend_from_raw};
+use crate::io::{FrameReader, IoVecs, extend_from_raw, poll_for};
 use crate::pool::{PeerTable, release, resend};
 
 /// Chunks sent and not yet answered, by request id.
@@ -129,6 +130,7 @@ async fn run_connection(
     let unanswered = AtomicBool::new(false);
     let room = Semaphore::new(window as usize);
     let mut reader = FrameReader::new(config.busy_poll);
+    let busy_poll = config.busy_poll;
     let writing = async {
         let r = write_loop(
             &stream,
@@ -146,6 +148,7 @@ async fn run_connection(
         let r = read_loop(
             &stream,
             &mut reader,
+            busy_poll,
             &pending,
             &unanswered,
             &closed,
@@ -400,6 +403,7 @@ fn note_staged(segments: &mut Vec<Segment>, start: usize, end: usize) {
 async fn read_loop(
     stream: &TcpStream,
     reader: &mut FrameReader,
+    busy_poll: Duration,
     pending: &Mutex<Pending>,
     unanswered: &AtomicBool,
     closed: &CancellationToken,
@@ -410,6 +414,10 @@ async fn read_loop(
     // for every frame cost as much as decoding it.
     let mut cancelled = std::pin::pin!(closed.cancelled());
     loop {
+        // Behind a bulk window the next answer is a payload's transfer
+        // time away: see `poll_for`.
+        let in_flight = (window as usize).saturating_sub(room.available_permits());
+        reader.set_busy_poll(poll_for(in_flight, busy_poll));
         let header = tokio::select! {
             biased;
             _ = &mut cancelled => return Ok(()),
