@@ -48,10 +48,28 @@ impl Node {
     /// channel: connections opened or accepted later. Those already open
     /// stay. To roll a new secret through a running cluster, node by node
     /// (see [`ferry_control::auth`]): every node to the old one also
-    /// accepting the new ([`ferry_control::ClusterSecret::also_accept`]), then every node
-    /// to the new one also accepting the old, then to the new one alone.
+    /// accepting the new ([`ferry_control::ClusterSecret::also_accept`]),
+    /// then every node to the new one also accepting the old, then to the
+    /// new one alone. To cut off a leaked secret at once, use
+    /// [`Node::revoke_cluster_secret`].
     pub fn set_cluster_secret(&self, secret: Option<ferry_control::ClusterSecret>) {
         self.0.router.endpoint.dialer().set_secret(secret);
+    }
+
+    /// [`Node::set_cluster_secret`], and every open connection (control
+    /// session, TCP data connection) that proved a secret `secret` does
+    /// not accept is closed now: what a holder of a leaked secret opened
+    /// ends with it. Transfers in flight on those connections fail; later
+    /// ones reconnect under `secret`. Returns how many were closed.
+    pub fn revoke_cluster_secret(&self, secret: Option<ferry_control::ClusterSecret>) -> usize {
+        self.0.router.endpoint.dialer().revoke_secret(secret)
+    }
+
+    /// Authenticated connections this node closed because a frame failed
+    /// its tag (altered, injected or replayed on the way: a relay, or
+    /// anyone on the path), since it started.
+    pub fn forged_connections(&self) -> u64 {
+        self.0.router.endpoint.dialer().secret_cell().forged()
     }
 
     /// Whether this node requires a cluster secret of its peers.

@@ -225,14 +225,10 @@ pub fn seeds() -> Vec<Seed> {
     // Endpoint hellos and replies: a refused one, and one between nodes
     // that prove a cluster secret (its reply's tag made by one).
     let secret = ferry_control::ClusterSecret::new("a seed's cluster secret").unwrap();
-    let hello = Hello {
-        version: VERSION,
-        channel: Channel::CONTROL,
-        node: me.id,
-        proves: true,
-        nonce: [0x5a; 32],
-    }
-    .encode();
+    let mut hello = Hello::new(Channel::CONTROL, me.id, NodeId(0x7a6e7));
+    hello.proves = true;
+    hello.nonce = [0x5a; 32];
+    let hello = hello.encode();
     let mut hellos = hello.to_vec();
     let mut reply = HelloReply {
         version: VERSION,

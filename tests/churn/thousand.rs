@@ -297,7 +297,8 @@ async fn reset_connections(hub: &Hub) {
         let mut stream = ferry::control::Dialer::new(me, None)
             .connect(hub.node.addr(), channel)
             .await
-            .unwrap();
+            .unwrap()
+            .stream;
         stream.write_all(half_frame).await.unwrap();
         stream.set_zero_linger().unwrap();
         drop(stream);

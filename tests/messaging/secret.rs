@@ -280,7 +280,10 @@ async fn a_peer_proving_the_secret_cannot_speak_as_another_node() {
     // A control session whose hello proved `me` but whose Open names the
     // victim: refused (the session never opens), so nothing it sends
     // afterwards can arrive as the victim's.
-    let mut stream = me.connect(owner.addr(), Channel::CONTROL).await.unwrap();
+    // Sealed as a member seals them: the refusal is for the node named,
+    // not for a bad tag.
+    let greeted = me.connect(owner.addr(), Channel::CONTROL).await.unwrap();
+    let (mut stream, auth) = (greeted.stream, greeted.auth.expect("both prove the secret"));
     let open = Frame::Open {
         min_version: 1,
         max_version: u16::MAX,
@@ -290,7 +293,9 @@ async fn a_peer_proving_the_secret_cannot_speak_as_another_node() {
         },
     };
     let mut wire = bytes::BytesMut::new();
-    ControlCodec::default().encode(open, &mut wire).unwrap();
+    ControlCodec::sealed(1 << 20, Some(auth.keys.send))
+        .encode(open, &mut wire)
+        .unwrap();
     stream.write_all(&wire).await.unwrap();
     let mut rest = Vec::new();
     let _ = tokio::time::timeout(DEADLINE, stream.read_to_end(&mut rest))
@@ -298,7 +303,9 @@ async fn a_peer_proving_the_secret_cannot_speak_as_another_node() {
         .expect("the owner hangs up");
 
     // A data connection proving `me` whose notification names the victim.
-    let mut data = me.connect(owner.addr(), Channel::TCP_DATA).await.unwrap();
+    let greeted = me.connect(owner.addr(), Channel::TCP_DATA).await.unwrap();
+    let (mut data, auth) = (greeted.stream, greeted.auth.expect("both prove the secret"));
+    let mut seal = auth.keys.send;
     let notify = ferry::tcp::frame::Notify {
         id: 1,
         tag: 0,
@@ -309,8 +316,12 @@ async fn a_peer_proving_the_secret_cannot_speak_as_another_node() {
             endpoint: "127.0.0.1:9".parse().unwrap(),
         },
     };
-    data.write_all(&notify.encode()).await.unwrap();
-    data.write_all(b"forged").await.unwrap();
+    let header = notify.encode();
+    let tag = seal.seal(&[&header, b"forged"]);
+    // The owner may hang up as soon as it read the header.
+    let _ = data
+        .write_all(&[&header[..], b"forged", &tag].concat())
+        .await;
     let mut rest = Vec::new();
     let _ = tokio::time::timeout(DEADLINE, data.read_to_end(&mut rest))
         .await

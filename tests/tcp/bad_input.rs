@@ -327,15 +327,10 @@ async fn peer_killed_mid_transfer_fails_before_the_deadline() {
 /// must name (the node binds a notification's sender to its connection's).
 const RAW_CLIENT: NodeId = NodeId(0xc1_1e47);
 
-async fn hello(stream: &mut TcpStream, version: u16) -> HelloReply {
-    let hello = Hello {
-        version,
-        channel: Channel::TCP_DATA,
-        node: RAW_CLIENT,
-        proves: false,
-        nonce: [1; 32],
-    }
-    .encode();
+async fn hello(stream: &mut TcpStream, version: u16, owner: NodeId) -> HelloReply {
+    let mut hello = Hello::new(Channel::TCP_DATA, RAW_CLIENT, owner);
+    hello.version = version;
+    let hello = hello.encode();
     // A node of another version sends another length: its header, which
     // is all a refusal reads.
     let len = if version == VERSION {
@@ -376,6 +371,7 @@ async fn assert_closed(stream: &mut TcpStream) {
 async fn garbage_on_the_wire_does_not_disturb_the_listener() {
     let (node, mut peer, target, local) = setup(Access::ReadWrite).await;
     let endpoint = target.handle.owner().endpoint;
+    let owner = target.handle.owner().id;
     let token = target.handle.transports().tcp.unwrap().token;
     let request = |kind, len, token| Request {
         kind,
@@ -400,7 +396,7 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
     for version in [VERSION + 1, 3] {
         let mut s = TcpStream::connect(endpoint).await.unwrap();
         assert_eq!(
-            hello(&mut s, version).await.status,
+            hello(&mut s, version, owner).await.status,
             HelloStatus::BadVersion,
             "version {version}"
         );
@@ -409,7 +405,7 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
 
     // A truncated request header, then end of stream.
     let mut s = TcpStream::connect(endpoint).await.unwrap();
-    assert_eq!(hello(&mut s, VERSION).await.status, HelloStatus::Ok);
+    assert_eq!(hello(&mut s, VERSION, owner).await.status, HelloStatus::Ok);
     s.write_all(&request(RequestKind::Write, 8, token).encode()[..30])
         .await
         .unwrap();
@@ -418,7 +414,7 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
 
     // An oversized length: refused as malformed, then hung up on.
     let mut s = TcpStream::connect(endpoint).await.unwrap();
-    hello(&mut s, VERSION).await;
+    hello(&mut s, VERSION, owner).await;
     s.write_all(&request(RequestKind::Write, u64::MAX, token).encode())
         .await
         .unwrap();
@@ -435,7 +431,7 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
 
     // An unknown request kind.
     let mut s = TcpStream::connect(endpoint).await.unwrap();
-    hello(&mut s, VERSION).await;
+    hello(&mut s, VERSION, owner).await;
     let mut bad = request(RequestKind::Read, 8, token).encode();
     bad[0] = 77;
     s.write_all(&bad).await.unwrap();
@@ -451,7 +447,7 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
     // A refused write (wrong token) has its payload skipped; the connection
     // stays usable for a proper request.
     let mut s = TcpStream::connect(endpoint).await.unwrap();
-    hello(&mut s, VERSION).await;
+    hello(&mut s, VERSION, owner).await;
     s.write_all(&request(RequestKind::Write, 16, token ^ 1).encode())
         .await
         .unwrap();
@@ -489,7 +485,7 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
         },
     };
     let mut s = TcpStream::connect(endpoint).await.unwrap();
-    hello(&mut s, VERSION).await;
+    hello(&mut s, VERSION, owner).await;
     let mut refused = request(RequestKind::Write, 16, token ^ 1);
     refused.tag = 5;
     s.write_all(&refused.encode()).await.unwrap();
@@ -525,7 +521,7 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
         |b| b[4] = 5,
     ] {
         let mut s = TcpStream::connect(endpoint).await.unwrap();
-        hello(&mut s, VERSION).await;
+        hello(&mut s, VERSION, owner).await;
         let mut bad = notify(13, 1, 0, false).encode();
         edit(&mut bad);
         s.write_all(&bad).await.unwrap();

@@ -5,11 +5,10 @@
 //! at a bound to make room) so that idle clients cannot lock a well-behaved
 //! peer out.
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use ferry::control::frame::{ControlCodec, Frame, SESSION_VERSIONS, Service};
-use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
+use ferry::control::hello::{HELLO_LEN, Hello, HelloReply};
 use ferry::control::{Channel, ConnectionLimits, EVICTABLE_AFTER, HelloStatus};
 use ferry::prelude::*;
 use ferry::tcp::frame::{ClientFrame, Ranges, Request, RequestKind};
@@ -111,7 +110,7 @@ async fn the_pool_fills_behind_the_first_transfer() {
 
 /// A client from `from` that says a data-channel hello and then idles:
 /// `Some` if the server took it.
-async fn hello_only(server: SocketAddr, from: &str) -> Option<TcpStream> {
+async fn hello_only(server: NodeAddr, from: &str) -> Option<TcpStream> {
     hello_on(server, from, Channel::TCP_DATA).await
 }
 
@@ -121,17 +120,11 @@ async fn hello_only(server: SocketAddr, from: &str) -> Option<TcpStream> {
 /// sessions' `Open` must name (the node binds it to the hello's).
 const RAW_CLIENT: NodeId = NodeId(0x5e55_1011);
 
-async fn hello_on(server: SocketAddr, from: &str, channel: Channel) -> Option<TcpStream> {
+async fn hello_on(server: NodeAddr, from: &str, channel: Channel) -> Option<TcpStream> {
     let socket = TcpSocket::new_v4().unwrap();
     socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
-    let mut stream = socket.connect(server).await.unwrap();
-    let hello = Hello {
-        version: VERSION,
-        channel,
-        node: RAW_CLIENT,
-        proves: false,
-        nonce: [1; 32],
-    };
+    let mut stream = socket.connect(server.endpoint).await.unwrap();
+    let hello = Hello::new(channel, RAW_CLIENT, server.id);
     let exchange = async {
         stream.write_all(&hello.encode()).await?;
         let mut reply = [0; HELLO_LEN];
@@ -203,7 +196,7 @@ async fn a_client_with_no_connection_to_an_owner_at_its_limit_gets_peer_busy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_clients_do_not_lock_a_peer_out_of_their_address() {
     let owner = tcp_node(Some(limits(6, Duration::from_secs(60)))).await;
-    let server = owner.addr().endpoint;
+    let server = owner.addr();
     let mut flood = Vec::new();
     for _ in 0..6 {
         flood.push(
@@ -235,9 +228,7 @@ async fn idle_clients_do_not_lock_a_peer_out_of_their_address() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_data_connections_are_closed_after_the_idle_timeout() {
     let owner = tcp_node(Some(limits(8, Duration::from_millis(300)))).await;
-    let mut idle = hello_only(owner.addr().endpoint, "127.0.0.2")
-        .await
-        .expect("taken");
+    let mut idle = hello_only(owner.addr(), "127.0.0.2").await.expect("taken");
     assert!(
         closed_within(&mut idle, T).await,
         "the idle client was closed"
@@ -272,7 +263,7 @@ const STALLS: [Stall; 3] = [Stall::Table, Stall::WritePayload, Stall::ControlFra
 
 /// A client from 127.0.0.1 that begins a frame as `stall` says and then
 /// sends nothing: `Some` if the server took it.
-async fn stalled_client(server: SocketAddr, stall: Stall) -> Option<TcpStream> {
+async fn stalled_client(server: NodeAddr, stall: Stall) -> Option<TcpStream> {
     let channel = match stall {
         Stall::ControlFrame => Channel::CONTROL,
         Stall::Table | Stall::WritePayload => Channel::TCP_DATA,
@@ -346,7 +337,7 @@ async fn stalled_client(server: SocketAddr, stall: Stall) -> Option<TcpStream> {
 async fn clients_stalled_mid_frame_do_not_lock_a_peer_out() {
     for stall in STALLS {
         let owner = tcp_node(Some(limits(6, Duration::from_secs(60)))).await;
-        let server = owner.addr().endpoint;
+        let server = owner.addr();
         let mut flood = Vec::new();
         for _ in 0..6 {
             let client = stalled_client(server, stall).await;
@@ -381,9 +372,7 @@ async fn a_client_stalled_mid_frame_is_cut_after_the_frame_timeout() {
     }))
     .await;
     for stall in STALLS {
-        let mut client = stalled_client(owner.addr().endpoint, stall)
-            .await
-            .expect("taken");
+        let mut client = stalled_client(owner.addr(), stall).await.expect("taken");
         let started = Instant::now();
         assert!(
             closed_within(&mut client, T).await,

@@ -12,7 +12,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
+use ferry::control::hello::{HELLO_LEN, Hello, HelloReply};
 use ferry::control::{Channel, HelloStatus};
 use ferry::prelude::*;
 use ferry::tcp::frame::{
@@ -130,13 +130,7 @@ async fn connect(endpoint: SocketAddr) -> TcpStream {
 /// Says hello for `channel`; the node's reply.
 async fn open(owner: NodeAddr, channel: Channel, me: NodeId) -> (TcpStream, HelloReply) {
     let mut s = connect(owner.endpoint).await;
-    let hello = Hello {
-        version: VERSION,
-        channel,
-        node: me,
-        proves: false,
-        nonce: [9; 32],
-    };
+    let hello = Hello::new(channel, me, owner.id);
     s.write_all(&hello.encode()).await.unwrap();
     let mut reply = [0; HelloReply::LEN];
     tokio::time::timeout(WAIT, s.read_exact(&mut reply))
@@ -191,8 +185,12 @@ async fn data_round(
     sent: &mut Sent,
 ) {
     // Under the id its notifications name (the node binds them to the
-    // hello's): the owner's own, which nothing else checks.
-    let (s, reply) = open(owner, Channel::TCP_DATA, owner.id).await;
+    // hello's; a hello claiming the owner's own id is refused).
+    let client = NodeAddr {
+        id: NodeId(0xda7a_c11e),
+        endpoint: owner.endpoint,
+    };
+    let (s, reply) = open(owner, Channel::TCP_DATA, client.id).await;
     assert_eq!(reply.status, HelloStatus::Ok);
     let mut wire = Vec::new();
     let mut expect = Vec::new();
@@ -304,7 +302,7 @@ async fn data_round(
         tag,
         len,
         discard,
-        from: owner,
+        from: client,
     };
     if failed_tag {
         wire.extend_from_slice(&notify(100, 7, 3, false).encode());

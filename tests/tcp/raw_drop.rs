@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use ferry::control::Channel;
-use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
+use ferry::control::hello::{HELLO_LEN, Hello, HelloReply};
 use ferry::prelude::*;
 use ferry::tcp::frame::{RESPONSE_LEN, Refusal, Request, RequestKind, Response};
 use ferry::{CloseError, MemoryHolder, NodeId};
@@ -24,13 +24,7 @@ const DEADLINE: Duration = Duration::from_secs(20);
 /// A data connection to `node` from a client calling itself `me`.
 async fn data_connection(node: &Node, me: NodeId) -> TcpStream {
     let mut s = TcpStream::connect(node.addr().endpoint).await.unwrap();
-    let hello = Hello {
-        version: VERSION,
-        channel: Channel::TCP_DATA,
-        node: me,
-        proves: false,
-        nonce: [1; 32],
-    };
+    let hello = Hello::new(Channel::TCP_DATA, me, node.addr().id);
     s.write_all(&hello.encode()).await.unwrap();
     let mut reply = [0; HelloReply::LEN];
     s.read_exact(&mut reply).await.unwrap();

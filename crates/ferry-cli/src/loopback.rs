@@ -53,10 +53,13 @@ pub(crate) fn start_server(args: &BenchArgs) -> Result<(Server, RemoteBuffer), F
     if let Some(us) = args.busy_poll_us {
         command.arg(format!("--busy-poll-us={us}"));
     }
-    // The server proves the secret the bench does (the environment's
-    // passes on by itself).
+    // The server proves the secret the bench does: the file's, or the one
+    // this process took out of its environment, given back to the child
+    // alone.
     if let Some(path) = &args.secret.cluster_secret_file {
         command.arg("--cluster-secret-file").arg(path);
+    } else if let Some(text) = crate::secret::from_env() {
+        command.env(ferry::control::auth::SECRET_ENV, text);
     }
     let mut child = command
         .stdin(Stdio::piped())

@@ -146,7 +146,10 @@ struct Info {
 
 /// What a node starts here: one is spawned on loopback and asked.
 async fn info() -> Result<Info, Failure> {
-    let node = Node::builder().spawn().await?;
+    let node = secret::SecretArgs::default()
+        .apply(Node::builder())?
+        .spawn()
+        .await?;
     let transports = node
         .transports()
         .iter()
@@ -308,6 +311,10 @@ fn init_logging(command: &Command) {
 }
 
 fn main() -> ExitCode {
+    // SAFETY: no thread runs yet: the runtime starts below.
+    if let Err(Failure(e)) = unsafe { secret::take_from_env() } {
+        return fail(e);
+    }
     let cli = Cli::parse();
     init_logging(&cli.command);
     let threads = match &cli.command {

@@ -186,8 +186,19 @@ pub async fn serve(args: ServeArgs) -> Result<(), Failure> {
         }
     });
     match &args.handle_file {
-        Some(path) => std::fs::write(path, format!("{handle}\n"))
-            .map_err(|e| Failure(format!("cannot write {}: {e}", path.display())))?,
+        // Mode 0600: the handle carries the region's token, which opens
+        // the region to whoever holds it.
+        Some(path) => {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(path)
+                .and_then(|mut file| writeln!(file, "{handle}"))
+                .map_err(|e| Failure(format!("cannot write {}: {e}", path.display())))?
+        }
         None => {
             let mut out = std::io::stdout();
             writeln!(out, "{handle}")?;

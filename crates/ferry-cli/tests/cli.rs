@@ -284,6 +284,9 @@ fn bench_takes_the_cluster_secret_file_as_serve_does() {
     let dir = ScratchDir::new("secret");
     let (handle, secret) = (dir.join("handle.json"), dir.join("secret"));
     std::fs::write(&secret, "a cluster secret of at least sixteen bytes\n").unwrap();
+    // Readable by its owner alone: ferry refuses a secret others can read.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
     let secret = secret.to_str().unwrap();
     let mut server = spawn_serve(&["--size", "1M", "--cluster-secret-file", secret], &handle);
     let h = handle.to_str().unwrap();

@@ -22,6 +22,22 @@
 //! against another: a holder of the secret can claim any node id. What it
 //! cannot do is reach a node without the secret, or be reached by one.
 //!
+//! The hello alone would not be enough: a process without the secret that
+//! gets a member to dial it (a handle, NIXL connection info or an etcd
+//! record naming another member at its address; none of these is signed)
+//! could pass the two proofs between the members, then drop one side and
+//! speak for itself. So the hello names the node the client means to reach
+//! (a node refuses a hello meant for another, and one that claims its own
+//! id), and both ends derive [`SessionKeys`] from the secret and the
+//! handshake: every later frame of the connection carries a tag under
+//! them, with a sequence number, and one that fails its check ends the
+//! connection. A relay then only relays.
+//!
+//! The secret is stretched once, when it is read, with PBKDF2-HMAC-SHA-256
+//! ([`KDF_ROUNDS`] rounds): the tags a node sends anyone who connects are
+//! keyed by the stretched key, so each guess of a short secret costs an
+//! attacker those rounds. The secret's own bytes are not kept.
+//!
 //! Rotation: a node holds its current secret and, while a new one rolls
 //! out, one more it also accepts. It proves the current one when it
 //! answers a connection, and as a client accepts a server proving either
@@ -55,12 +71,34 @@ pub const SECRET_FILE_ENV: &str = "FERRY_CLUSTER_SECRET_FILE";
 /// A 32-byte value: a nonce, or a tag.
 pub type Tag = [u8; TAG_LEN];
 
+/// Rounds of PBKDF2-HMAC-SHA-256 that turn a secret into its key: about
+/// 30 ms once per secret read (with the CPU's SHA extensions), and as much
+/// for every guess an attacker tries against a recorded tag.
+pub const KDF_ROUNDS: u32 = 100_000;
+
+/// Bytes of the tag every frame after the hello carries (see
+/// [`FrameMac`]): HMAC-SHA-256 truncated to 128 bits.
+pub const FRAME_TAG_LEN: usize = 16;
+
+/// A secret's key, derived once, and its public id: which secret a
+/// connection proved, for revoking it when the secret is replaced.
+struct Key {
+    bytes: [u8; 32],
+    id: KeyId,
+}
+
+/// Names a derived key without revealing it (the first 8 bytes of an HMAC
+/// under it): what a connection records of the secret it proved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KeyId(pub u64);
+
 /// The secret a node proves, and the one more it accepts while a new
-/// secret rolls out. Its bytes never show in `Debug` output or logs.
+/// secret rolls out. Only their derived keys are kept (see the module
+/// documentation), and those never show in `Debug` output or logs.
 #[derive(Clone)]
 pub struct ClusterSecret {
-    current: Arc<[u8]>,
-    also: Option<Arc<[u8]>>,
+    current: Arc<Key>,
+    also: Option<Arc<Key>>,
 }
 
 /// A secret that cannot be used.
@@ -81,15 +119,31 @@ pub enum SecretError {
         /// The operating system's error.
         reason: String,
     },
+    /// Its file can be read by users other than its owner (mode `mode`):
+    /// a secret everyone on the host can read is no secret.
+    #[error(
+        "the cluster secret file {path} is readable by group or others (mode {mode:o}): \
+         chmod 600 it"
+    )]
+    Exposed {
+        /// The file.
+        path: String,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// Its bytes (a file's, or the environment variable's) are not UTF-8
+    /// text, which ferry reads line by line: refused rather than replaced.
+    #[error("the cluster secret {0} is not UTF-8 text")]
+    NotText(String),
 }
 
 impl ClusterSecret {
     /// A node's secret: any bytes, at least [`MIN_SECRET_LEN`] of them (a
-    /// random string, not a password: a weak one can be guessed from one
-    /// recorded handshake).
+    /// random string, not a password). Stretched into its key here, once
+    /// ([`KDF_ROUNDS`]).
     pub fn new(secret: impl AsRef<[u8]>) -> Result<Self, SecretError> {
         Ok(ClusterSecret {
-            current: checked(secret.as_ref())?,
+            current: derive(secret.as_ref())?,
             also: None,
         })
     }
@@ -97,18 +151,35 @@ impl ClusterSecret {
     /// Also accepts `next` from peers (for a rotation; see the module
     /// documentation), while still proving the current secret.
     pub fn also_accept(mut self, next: impl AsRef<[u8]>) -> Result<Self, SecretError> {
-        self.also = Some(checked(next.as_ref())?);
+        self.also = Some(derive(next.as_ref())?);
         Ok(self)
     }
 
     /// Reads a secret file: its first line is the current secret, a second
     /// line (if any) the one also accepted. Surrounding whitespace on each
-    /// line is ignored, so `echo` and editors can write it.
+    /// line is ignored, so `echo` and editors can write it. A file that
+    /// group or others may read is refused ([`SecretError::Exposed`]), as
+    /// ssh refuses such a key; so is one that is not UTF-8 text.
     pub fn from_file(path: &std::path::Path) -> Result<Self, SecretError> {
-        let text = std::fs::read_to_string(path).map_err(|e| SecretError::File {
-            path: path.display().to_string(),
+        use std::os::unix::fs::PermissionsExt;
+        let shown = || path.display().to_string();
+        let unreadable = |e: std::io::Error| SecretError::File {
+            path: shown(),
             reason: e.to_string(),
-        })?;
+        };
+        let bytes = std::fs::read(path).map_err(unreadable)?;
+        let mode = std::fs::metadata(path)
+            .map_err(unreadable)?
+            .permissions()
+            .mode();
+        if mode & 0o077 != 0 {
+            return Err(SecretError::Exposed {
+                path: shown(),
+                mode: mode & 0o7777,
+            });
+        }
+        let text = String::from_utf8(bytes)
+            .map_err(|_| SecretError::NotText(format!("file {}", shown())))?;
         Self::from_lines(&text)
     }
 
@@ -124,10 +195,17 @@ impl ClusterSecret {
     }
 
     /// The secret from the environment ([`SECRET_ENV`], else the file
-    /// [`SECRET_FILE_ENV`] names), if either is set.
+    /// [`SECRET_FILE_ENV`] names), if either is set. The variable stays in
+    /// the environment (its children inherit it, and `/proc/PID/environ`
+    /// shows it to the same user): a program that can, removes it before
+    /// it starts threads, as `ferry` and the Python package do (see
+    /// [`ClusterSecret::take_from_env`]).
     pub fn from_env() -> Result<Option<Self>, SecretError> {
         if let Some(text) = std::env::var_os(SECRET_ENV) {
-            return Self::from_lines(&text.to_string_lossy()).map(Some);
+            let text = text
+                .into_string()
+                .map_err(|_| SecretError::NotText(format!("in {SECRET_ENV}")))?;
+            return Self::from_lines(&text).map(Some);
         }
         match std::env::var_os(SECRET_FILE_ENV) {
             Some(path) => Self::from_file(std::path::Path::new(&path)).map(Some),
@@ -135,18 +213,47 @@ impl ClusterSecret {
         }
     }
 
+    /// [`ClusterSecret::from_env`], then [`SECRET_ENV`] removed from the
+    /// environment, so that neither the processes this one starts nor
+    /// anyone reading its environment see the secret.
+    ///
+    /// # Safety
+    ///
+    /// Changing the environment races with any other thread reading or
+    /// changing it (`getenv` in C libraries included): call this before
+    /// the process starts threads, as `main` of a command does.
+    pub unsafe fn take_from_env() -> Result<Option<Self>, SecretError> {
+        let secret = Self::from_env()?;
+        // SAFETY: the caller's guarantee: no other thread runs yet.
+        unsafe { std::env::remove_var(SECRET_ENV) };
+        Ok(secret)
+    }
+
     /// Whether a second secret is accepted besides the current one.
     pub fn is_rotating(&self) -> bool {
         self.also.is_some()
     }
 
-    fn keys(&self) -> impl Iterator<Item = &[u8]> {
+    fn keys(&self) -> impl Iterator<Item = &Key> {
         std::iter::once(&*self.current).chain(self.also.as_deref())
+    }
+
+    /// The id of the key this node proves now.
+    pub fn key_id(&self) -> KeyId {
+        self.current.id
+    }
+
+    /// Whether a connection that proved key `id` may go on under this
+    /// secret: `id` is the current key or the one also accepted. A
+    /// connection that proved a key no longer accepted is closed when
+    /// the secret is replaced (revocation).
+    pub fn accepts(&self, id: KeyId) -> bool {
+        self.keys().any(|key| key.id == id)
     }
 
     /// The server's tag over `transcript`, with the current secret.
     pub fn server_tag(&self, transcript: &[&[u8]]) -> Tag {
-        tag(&self.current, SERVER_LABEL, transcript)
+        tag(&self.current.bytes, SERVER_LABEL, transcript)
     }
 
     /// Which of this node's secrets (0: the current one, 1: the one also
@@ -154,20 +261,119 @@ impl ClusterSecret {
     /// neither did. Compared in constant time.
     pub fn check_server(&self, transcript: &[&[u8]], tag: &Tag) -> Option<usize> {
         self.keys()
-            .position(|key| verify(key, SERVER_LABEL, transcript, tag))
+            .position(|key| verify(&key.bytes, SERVER_LABEL, transcript, tag))
     }
 
     /// The client's tag over `transcript`, with the secret the server
     /// proved (`key`, from [`ClusterSecret::check_server`]).
     pub fn client_tag(&self, key: usize, transcript: &[&[u8]]) -> Tag {
-        let key = self.keys().nth(key).unwrap_or(&self.current);
-        tag(key, CLIENT_LABEL, transcript)
+        tag(&self.key(key).bytes, CLIENT_LABEL, transcript)
     }
 
     /// Whether a client's `tag` over `transcript` was made with the
     /// current secret (the one this node proved as the server).
     pub fn check_client(&self, transcript: &[&[u8]], tag: &Tag) -> bool {
-        verify(&self.current, CLIENT_LABEL, transcript, tag)
+        verify(&self.current.bytes, CLIENT_LABEL, transcript, tag)
+    }
+
+    fn key(&self, index: usize) -> &Key {
+        self.keys().nth(index).unwrap_or(&self.current)
+    }
+
+    /// The keys of one connection whose handshake `transcript` (the whole
+    /// of it: hello, reply and the client's proof) proved key `key` (as
+    /// [`ClusterSecret::check_server`] numbers them; the server's is 0),
+    /// for this node's `side` of it.
+    pub fn session_keys(&self, key: usize, transcript: &[&[u8]], side: Side) -> SessionKeys {
+        let key = self.key(key);
+        let master = tag(&key.bytes, SESSION_LABEL, transcript);
+        let to_server = FrameMac::new(&tag(&master, TO_SERVER_LABEL, &[]));
+        let to_client = FrameMac::new(&tag(&master, TO_CLIENT_LABEL, &[]));
+        let (send, recv) = match side {
+            Side::Client => (to_server, to_client),
+            Side::Server => (to_client, to_server),
+        };
+        SessionKeys {
+            send,
+            recv,
+            key: key.id,
+        }
+    }
+}
+
+/// Which end of a connection a node is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// It dialed.
+    Client,
+    /// It accepted.
+    Server,
+}
+
+/// The keys of one authenticated connection: one per direction, each with
+/// its own sequence of frames. Made by the hello where both ends prove a
+/// cluster secret; every frame after it is sealed with [`FrameMac::seal`]
+/// by its sender and checked with [`FrameMac::open`] by its receiver.
+#[derive(Clone)]
+pub struct SessionKeys {
+    /// Seals what this end sends.
+    pub send: FrameMac,
+    /// Checks what this end receives.
+    pub recv: FrameMac,
+    /// The secret's key the handshake proved (see [`ClusterSecret::accepts`]).
+    pub key: KeyId,
+}
+
+impl fmt::Debug for SessionKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SessionKeys")
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One direction's frame authentication: HMAC-SHA-256 under a key of that
+/// direction, over a sequence number and the frame's parts, truncated to
+/// [`FRAME_TAG_LEN`] bytes. The sequence number counts frames, so a frame
+/// replayed, dropped, reordered or moved to the other direction fails its
+/// check as surely as an altered one.
+#[derive(Clone)]
+pub struct FrameMac {
+    /// Keyed once: each frame clones it (no key schedule per frame).
+    mac: Hmac<Sha256>,
+    seq: u64,
+}
+
+impl FrameMac {
+    fn new(key: &[u8]) -> Self {
+        FrameMac {
+            mac: <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes keys of any length"),
+            seq: 0,
+        }
+    }
+
+    fn next(&mut self, parts: &[&[u8]]) -> Hmac<Sha256> {
+        let mut mac = self.mac.clone();
+        mac.update(&self.seq.to_le_bytes());
+        self.seq += 1;
+        for part in parts {
+            mac.update(&(part.len() as u64).to_le_bytes());
+            mac.update(part);
+        }
+        mac
+    }
+
+    /// The tag of the next frame sent, made of `parts`.
+    pub fn seal(&mut self, parts: &[&[u8]]) -> [u8; FRAME_TAG_LEN] {
+        let full = self.next(parts).finalize().into_bytes();
+        full[..FRAME_TAG_LEN].try_into().expect("32 bytes")
+    }
+
+    /// Whether `tag` is the next frame's, received as `parts` (compared in
+    /// constant time). A connection whose frame fails this is closed:
+    /// nothing after it can be trusted.
+    pub fn open(&mut self, parts: &[&[u8]], tag: &[u8]) -> bool {
+        tag.len() == FRAME_TAG_LEN && self.next(parts).verify_truncated_left(tag).is_ok()
     }
 }
 
@@ -247,14 +453,28 @@ pub fn nonce() -> Tag {
     n
 }
 
-const SERVER_LABEL: &[u8] = b"ferry cluster secret v1: server";
-const CLIENT_LABEL: &[u8] = b"ferry cluster secret v1: client";
+const SERVER_LABEL: &[u8] = b"ferry cluster secret v2: server";
+const CLIENT_LABEL: &[u8] = b"ferry cluster secret v2: client";
+const SESSION_LABEL: &[u8] = b"ferry cluster secret v2: session";
+const TO_SERVER_LABEL: &[u8] = b"ferry cluster secret v2: to the server";
+const TO_CLIENT_LABEL: &[u8] = b"ferry cluster secret v2: to the client";
+const KEY_ID_LABEL: &[u8] = b"ferry cluster secret v2: key id";
+/// PBKDF2's salt: one for every cluster, since both ends derive the key
+/// alone; what it buys is that ferry's keys are not another program's.
+const KDF_SALT: &[u8] = b"ferry cluster secret v2";
 
-fn checked(secret: &[u8]) -> Result<Arc<[u8]>, SecretError> {
+/// Checks a secret's length and stretches it into its key.
+fn derive(secret: &[u8]) -> Result<Arc<Key>, SecretError> {
     if secret.len() < MIN_SECRET_LEN {
         return Err(SecretError::TooShort(secret.len()));
     }
-    Ok(secret.into())
+    let mut bytes = [0u8; 32];
+    pbkdf2::pbkdf2_hmac::<Sha256>(secret, KDF_SALT, KDF_ROUNDS, &mut bytes);
+    let id = tag(&bytes, KEY_ID_LABEL, &[]);
+    Ok(Arc::new(Key {
+        bytes,
+        id: KeyId(u64::from_le_bytes(id[..8].try_into().expect("8 bytes"))),
+    }))
 }
 
 fn mac(key: &[u8], label: &[u8], transcript: &[&[u8]]) -> Hmac<Sha256> {
@@ -280,6 +500,52 @@ fn verify(key: &[u8], label: &[u8], transcript: &[&[u8]], tag: &Tag) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn session_keys_pair_up_and_frames_fail_out_of_place() {
+        let secret = ClusterSecret::new("a cluster secret, 16+ bytes").unwrap();
+        let transcript: &[&[u8]] = &[b"hello", b"reply", b"proof"];
+        let mut client = secret.session_keys(0, transcript, Side::Client);
+        let mut server = secret.session_keys(0, transcript, Side::Server);
+        let first = client.send.seal(&[b"frame 1"]);
+        let second = client.send.seal(&[b"frame 2"]);
+        assert!(server.recv.open(&[b"frame 1"], &first));
+        // Replayed: the sequence number moved on.
+        assert!(!server.recv.clone().open(&[b"frame 1"], &first));
+        assert!(server.recv.clone().open(&[b"frame 2"], &second));
+        // Altered, or moved between parts.
+        assert!(!server.recv.clone().open(&[b"frame 3"], &second));
+        assert!(!server.recv.clone().open(&[b"frame ", b"2"], &second));
+        // Reflected: the server's own direction has another key.
+        let back = server.send.seal(&[b"frame 1"]);
+        assert!(!client.clone().send.open(&[b"frame 1"], &back));
+        assert!(client.recv.open(&[b"frame 1"], &back));
+        // Another handshake, other keys.
+        let mut other = secret.session_keys(0, &[b"hello", b"reply", b"other"], Side::Server);
+        assert!(!other.recv.open(&[b"frame 1"], &first));
+    }
+
+    #[test]
+    fn secret_files_must_be_private_text() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("ferry-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("secret");
+        std::fs::write(&file, "a cluster secret, 16+ bytes\n").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(matches!(
+            ClusterSecret::from_file(&file),
+            Err(SecretError::Exposed { mode: 0o644, .. })
+        ));
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(ClusterSecret::from_file(&file).is_ok());
+        std::fs::write(&file, b"\xff\xfe not text at all, 16+ bytes").unwrap();
+        assert!(matches!(
+            ClusterSecret::from_file(&file),
+            Err(SecretError::NotText(_))
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn tags_prove_the_secret_and_bind_the_transcript() {
@@ -324,7 +590,10 @@ mod tests {
         let s =
             ClusterSecret::from_lines("\n  current-secret-0123  \nnext-secret-456789\n").unwrap();
         assert!(s.is_rotating());
-        assert_eq!(&*s.current, b"current-secret-0123");
+        let current = ClusterSecret::new("current-secret-0123").unwrap();
+        let next = ClusterSecret::new("next-secret-456789").unwrap();
+        assert_eq!(s.key_id(), current.key_id());
+        assert!(s.accepts(next.key_id()) && !current.accepts(next.key_id()));
         assert!(ClusterSecret::from_lines("").is_err());
         assert!(!format!("{s:?}").contains("secret-0123"));
         assert_ne!(nonce(), nonce());

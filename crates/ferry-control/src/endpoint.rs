@@ -21,6 +21,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::hello::Authenticated;
 use crate::limits::{Admission, ConnectionLimits, ConnectionPermit, IdleClose};
 use crate::session::{self, ServiceFuture, ServiceHandler};
 use crate::{
@@ -72,8 +73,14 @@ impl Default for EndpointConfig {
 pub struct Connection {
     /// The stream, positioned at the channel's first byte.
     pub stream: TcpStream,
-    /// The node the client said it is in its hello (unauthenticated).
+    /// The node the client said it is in its hello: proved where both ends
+    /// hold a cluster secret (`auth` is then set), a claim otherwise.
     pub node: NodeId,
+    /// Where both ends proved a cluster secret: the keys the channel seals
+    /// and checks every frame with, and the token that ends it when that
+    /// secret is revoked. The data plane keeps it as long as the
+    /// connection.
+    pub auth: Option<Authenticated>,
     /// Where the connection comes from.
     pub remote: SocketAddr,
     /// Its place under the [`ConnectionLimits`], held until the connection
@@ -411,8 +418,14 @@ impl Endpoint {
             return Ok(session);
         }
         let open = async {
-            let stream = shared.dialer.connect(peer, Channel::CONTROL).await?;
-            session::start(shared, stream, session::Side::Opened(peer)).await
+            let greeted = shared.dialer.connect(peer, Channel::CONTROL).await?;
+            session::start(
+                shared,
+                greeted.stream,
+                greeted.auth,
+                session::Side::Opened(peer),
+            )
+            .await
         };
         let (session, _task) = tokio::select! {
             opened = tokio::time::timeout_at(deadline, open) => opened.map_err(|_| timed_out())??,
@@ -477,7 +490,7 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 // Over a bound with nothing idle to make room: told so and
                 // closed, before it costs a task or a buffer.
                 let Some(permit) = shared.admission.admit(remote.ip()) else {
-                    crate::hello::refuse_busy(&stream, shared.local.id);
+                    crate::hello::refuse_busy(&stream);
                     continue;
                 };
                 let shared = shared.clone();
@@ -520,7 +533,7 @@ async fn serve_connection(
             crate::hello::accept(&mut stream, me, shared.dialer.secret().as_ref(), serves),
         )
         .await;
-    let hello = match hello {
+    let (hello, keys) = match hello {
         Ok(Ok(hello)) => hello,
         Ok(Err(e)) if e.is_auth() => return shared.auth_refusals.refused(&remote, &e),
         Ok(Err(e)) => return debug!(%remote, error = %e, "hello failed"),
@@ -529,6 +542,7 @@ async fn serve_connection(
         }
         Err(e) => return debug!(%remote, "before its hello: {e}"),
     };
+    let auth = keys.map(|keys| Authenticated::track(&shared.dialer.secret_cell(), keys));
     if hello.channel == Channel::CONTROL {
         // The connection and its permit last as long as the session, idle
         // only while the peer stalls inside a frame: between frames the
@@ -539,6 +553,7 @@ async fn serve_connection(
             session::start(
                 shared,
                 stream,
+                auth,
                 session::Side::Accepted {
                     hello: hello.node,
                     permit: permit.clone(),
@@ -559,6 +574,7 @@ async fn serve_connection(
     handler(Connection {
         stream,
         node: hello.node,
+        auth,
         remote,
         permit,
     })

@@ -22,13 +22,12 @@ pub enum ControlError {
         reason: String,
     },
     /// Another node answers at the endpoint: a restarted process, or a
-    /// handle naming the wrong address.
-    #[error("endpoint {endpoint} is not node {expected} (node {found} answered)")]
+    /// handle naming the wrong address (the node there refused a hello
+    /// meant for `expected`, and says nothing of itself).
+    #[error("endpoint {endpoint} is not node {expected} (another node answers there)")]
     WrongNode {
         /// The node the caller meant.
         expected: NodeId,
-        /// The node that answered.
-        found: NodeId,
         /// The endpoint.
         endpoint: SocketAddr,
     },

@@ -1,13 +1,17 @@
 //! Frames of a control session and their codec: where a control frame is
 //! parsed.
 //!
-//! Every frame is length-prefixed (tokio-util's `LengthDelimitedCodec`: a
-//! 4-byte big-endian length), then a 16-byte little-endian header, then the
-//! body:
+//! Every frame is length-prefixed (a 4-byte big-endian length), then a
+//! 16-byte little-endian header, then the body, then, on a session whose
+//! hello proved a cluster secret, a 16-byte tag over all of it
+//! ([`crate::auth::FrameMac`]; a frame whose tag fails ends the session):
 //!
 //! ```text
-//! kind u8 | status u8 | service u16 | deadline_ms u32 | id u64 | body ...
+//! length u32 BE | kind u8 | status u8 | service u16 | deadline_ms u32 | id u64 | body ... | tag?
 //! ```
+//!
+//! Nothing is reserved for a frame before its bytes arrive: a peer that
+//! declares a long frame and stalls holds only what it sent.
 //!
 //! - `Open` (kind 1) is each side's first frame: the protocol versions it
 //!   speaks and the node it is (id and advertised endpoint).
@@ -31,10 +35,11 @@
 
 use std::time::Duration;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use ferry_core::NodeAddr;
-use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
+use tokio_util::codec::{Decoder, Encoder};
 
+use crate::auth::{FRAME_TAG_LEN, FrameMac};
 use crate::wire::{NODE_ADDR_LEN, encode_node_addr, node_addr_at, u16_at, u32_at, u64_at};
 
 /// Oldest and newest session protocol versions this build speaks.
@@ -179,9 +184,22 @@ pub enum Frame {
 /// no longer be trusted.
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
-    /// The connection failed (or the length prefix was over the bound).
+    /// The connection failed.
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    /// The length prefix says more than the session's bound.
+    #[error("a frame of {len} bytes, over the bound of {max}")]
+    TooLong {
+        /// The length declared.
+        len: usize,
+        /// The bound.
+        max: usize,
+    },
+    /// The frame's tag does not check out under the session's keys: its
+    /// bytes were altered, injected, replayed or reordered on the way (or
+    /// the frame is too short to carry a tag).
+    #[error("a frame's authentication tag is wrong: altered or injected on the way")]
+    Forged,
     /// Shorter than its kind requires.
     #[error("{kind} frame of {len} bytes is truncated")]
     Truncated {
@@ -201,19 +219,48 @@ pub enum FrameError {
     BadAddress(u8),
 }
 
-/// Length-prefixed control frames.
-#[derive(Debug)]
+/// Length-prefixed control frames, sealed or checked with one direction's
+/// [`FrameMac`] on an authenticated session.
 pub struct ControlCodec {
-    frames: LengthDelimitedCodec,
+    max_frame: usize,
+    mac: Option<FrameMac>,
 }
 
+impl std::fmt::Debug for ControlCodec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlCodec")
+            .field("max_frame", &self.max_frame)
+            .field("sealed", &self.mac.is_some())
+            .finish()
+    }
+}
+
+/// Bytes of a frame's length prefix.
+const PREFIX_LEN: usize = 4;
+
 impl ControlCodec {
-    /// A codec refusing frames longer than `max_frame` bytes.
+    /// A codec refusing frames longer than `max_frame` bytes, unsealed.
     pub fn new(max_frame: usize) -> Self {
+        Self::sealed(max_frame, None)
+    }
+
+    /// A codec that seals what it encodes, or checks what it decodes, with
+    /// `mac` (one direction of a session's keys), if given.
+    pub fn sealed(max_frame: usize, mac: Option<FrameMac>) -> Self {
+        ControlCodec { max_frame, mac }
+    }
+
+    fn tag_len(&self) -> usize {
+        if self.mac.is_some() { FRAME_TAG_LEN } else { 0 }
+    }
+}
+
+#[cfg(test)]
+impl ControlCodec {
+    fn clone_for_test(&self) -> ControlCodec {
         ControlCodec {
-            frames: LengthDelimitedCodec::builder()
-                .max_frame_length(max_frame)
-                .new_codec(),
+            max_frame: self.max_frame,
+            mac: self.mac.clone(),
         }
     }
 }
@@ -229,10 +276,31 @@ impl Decoder for ControlCodec {
     type Error = FrameError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
-        match self.frames.decode(src)? {
-            Some(bytes) => parse(bytes.freeze()).map(Some),
-            None => Ok(None),
+        let Some(prefix) = src.first_chunk::<PREFIX_LEN>() else {
+            return Ok(None);
+        };
+        let len = u32::from_be_bytes(*prefix) as usize;
+        let max = self.max_frame + self.tag_len();
+        if len > max {
+            return Err(FrameError::TooLong { len, max });
         }
+        // Whole frames only; the buffer grows as bytes come (nothing is
+        // reserved on the peer's word).
+        if src.len() < PREFIX_LEN + len {
+            return Ok(None);
+        }
+        src.advance(PREFIX_LEN);
+        let mut bytes = src.split_to(len).freeze();
+        if let Some(mac) = &mut self.mac {
+            let Some(body_len) = len.checked_sub(FRAME_TAG_LEN) else {
+                return Err(FrameError::Forged);
+            };
+            let tag = bytes.split_off(body_len);
+            if !mac.open(&[&bytes], &tag) {
+                return Err(FrameError::Forged);
+            }
+        }
+        parse(bytes).map(Some)
     }
 }
 
@@ -241,7 +309,19 @@ impl Encoder<Frame> for ControlCodec {
 
     fn encode(&mut self, frame: Frame, dst: &mut BytesMut) -> Result<(), FrameError> {
         let bytes = serialize(&frame);
-        self.frames.encode(bytes, dst)?;
+        if bytes.len() > self.max_frame {
+            return Err(FrameError::TooLong {
+                len: bytes.len(),
+                max: self.max_frame,
+            });
+        }
+        let len = bytes.len() + self.tag_len();
+        dst.reserve(PREFIX_LEN + len);
+        dst.put_u32(u32::try_from(len).expect("bounded by max_frame"));
+        dst.put_slice(&bytes);
+        if let Some(mac) = &mut self.mac {
+            dst.put_slice(&mac.seal(&[&bytes]));
+        }
         Ok(())
     }
 }
@@ -484,6 +564,57 @@ mod tests {
         // A length prefix over the bound is refused before anything is buffered.
         let mut codec = ControlCodec::new(64);
         let mut huge = BytesMut::from(&(1u32 << 30).to_be_bytes()[..]);
-        assert!(matches!(codec.decode(&mut huge), Err(FrameError::Io(_))));
+        assert!(matches!(
+            codec.decode(&mut huge),
+            Err(FrameError::TooLong {
+                len: 0x4000_0000,
+                max: 64
+            })
+        ));
+        // One within the bound is waited for without reserving its length.
+        let mut codec = ControlCodec::new(1 << 20);
+        let mut declared = BytesMut::from(&(1u32 << 20).to_be_bytes()[..]);
+        assert!(codec.decode(&mut declared).unwrap().is_none());
+        assert!(declared.capacity() < 4096, "{}", declared.capacity());
+    }
+
+    #[test]
+    fn sealed_frames_check_out_and_altered_ones_do_not() {
+        use crate::auth::{ClusterSecret, Side};
+        let secret = ClusterSecret::new("a cluster secret, 16+ bytes").unwrap();
+        let keys = |side| secret.session_keys(0, &[b"handshake"], side);
+        let (client, server) = (keys(Side::Client), keys(Side::Server));
+        let mut sender = ControlCodec::sealed(1 << 20, Some(client.send));
+        let mut receiver = ControlCodec::sealed(1 << 20, Some(server.recv.clone()));
+        let frame = Frame::Cancel { id: 3 };
+        let mut buf = BytesMut::new();
+        sender.encode(frame.clone(), &mut buf).unwrap();
+        sender.encode(frame.clone(), &mut buf).unwrap();
+        let second = buf.split_off(buf.len() / 2);
+        assert_eq!(receiver.decode(&mut buf).unwrap(), Some(frame.clone()));
+        // The same bytes again (a replay) fail: the sequence moved on.
+        let mut replay = BytesMut::from(&second[..]);
+        let mut fresh = ControlCodec::sealed(1 << 20, Some(server.recv.clone()));
+        assert!(matches!(
+            fresh.decode(&mut replay.clone()),
+            Err(FrameError::Forged)
+        ));
+        assert_eq!(receiver.decode(&mut replay).unwrap(), Some(frame.clone()));
+        // An altered byte, and an unsealed frame on a sealed session.
+        let mut altered = BytesMut::new();
+        sender.encode(frame.clone(), &mut altered).unwrap();
+        altered[PREFIX_LEN + 8] ^= 1;
+        assert!(matches!(
+            receiver.clone_for_test().decode(&mut altered),
+            Err(FrameError::Forged)
+        ));
+        let mut plain = BytesMut::new();
+        ControlCodec::new(1 << 20)
+            .encode(frame, &mut plain)
+            .unwrap();
+        assert!(matches!(
+            receiver.decode(&mut plain),
+            Err(FrameError::Forged)
+        ));
     }
 }

@@ -4,11 +4,18 @@
 //! proof both ways that they hold the same one (see [`crate::auth`]).
 //!
 //! ```text
-//! client -> Hello (56 B: header, nonce)
+//! client -> Hello (72 B: header, the node it means to reach, nonce)
 //! server -> HelloReply (24 B header; + nonce and tag, 64 B, when taken)
 //! client -> proof (32 B tag), only where both prove a secret
-//! then the channel's own protocol
+//! then the channel's own protocol (every frame sealed, where both prove
+//! a secret: see [`crate::auth::SessionKeys`])
 //! ```
+//!
+//! A server refuses a hello meant for another node ([`HelloStatus::WrongNode`])
+//! and one that claims to come from itself ([`HelloStatus::Reflected`]), so
+//! that a hello relayed to another member or bounced back to its sender is
+//! refused before any proof is checked; a refusal names no node, so that
+//! it tells a stranger nothing.
 //!
 //! The client says nothing more until it has the reply, so the server never
 //! finds bytes of the channel's protocol behind the hello; its proof goes
@@ -25,7 +32,7 @@ use crate::wire::{u16_at, u32_at, u128_at};
 
 mod handshake;
 
-pub use handshake::{Dialer, SecretCell};
+pub use handshake::{Authenticated, Dialer, Greeted, SecretCell, Tracked};
 pub(crate) use handshake::{accept, refuse_busy};
 
 /// "FRY1": every hello starts with it, so a stray client is told apart from
@@ -38,8 +45,10 @@ pub const MAGIC: u32 = u32::from_le_bytes(*b"FRY1");
 /// reported a protocol error); the bump makes a mixed cluster fail at the
 /// hello with `BadVersion` instead. An endpoint at its bound sends `Busy`
 /// before it reads the hello, so an older client still sees it there.
-/// 5: nonces, tags and the cluster secret's statuses.
-pub const VERSION: u16 = 5;
+/// 5: nonces, tags and the cluster secret's statuses. 6: the node the
+/// client means to reach, refusals that name no node, and sealed frames
+/// after a hello that proved a secret.
+pub const VERSION: u16 = 6;
 /// Length of a hello's and a reply's header, the part every version
 /// shares (so that a node of another version reads the refusal).
 pub const HELLO_LEN: usize = 24;
@@ -76,6 +85,7 @@ impl fmt::Debug for Channel {
 
 /// A client's first frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Hello {
     /// The client's [`VERSION`].
     pub version: u16,
@@ -84,6 +94,9 @@ pub struct Hello {
     /// The node the client says it is: a claim, unless both ends prove a
     /// cluster secret, whose tags cover it.
     pub node: NodeId,
+    /// The node the client means to reach; [`NodeId`] 0 only on
+    /// [`Channel::IDENTIFY`], which asks who the node is.
+    pub target: NodeId,
     /// Whether the client proves a cluster secret.
     pub proves: bool,
     /// The client's fresh nonce, which the server's tag covers.
@@ -127,6 +140,12 @@ pub enum HelloStatus {
     SecretRequired,
     /// The client proves a cluster secret, and the node has none.
     NoSecret,
+    /// The hello names another node than this one: a relayed hello, or a
+    /// handle naming another node's id at this address.
+    WrongNode,
+    /// The hello claims to come from this very node: a hello bounced back
+    /// to its sender.
+    Reflected,
     /// A status this version does not know (from a newer server).
     Unknown(u8),
 }
@@ -140,6 +159,8 @@ impl HelloStatus {
             HelloStatus::Busy => 3,
             HelloStatus::SecretRequired => 4,
             HelloStatus::NoSecret => 5,
+            HelloStatus::WrongNode => 6,
+            HelloStatus::Reflected => 7,
             HelloStatus::Unknown(code) => code,
         }
     }
@@ -152,6 +173,8 @@ impl HelloStatus {
             3 => HelloStatus::Busy,
             4 => HelloStatus::SecretRequired,
             5 => HelloStatus::NoSecret,
+            6 => HelloStatus::WrongNode,
+            7 => HelloStatus::Reflected,
             other => HelloStatus::Unknown(other),
         }
     }
@@ -190,8 +213,21 @@ fn tag_at(b: &[u8], at: usize) -> Tag {
 }
 
 impl Hello {
-    /// Length of a hello: its header and nonce.
-    pub const LEN: usize = HELLO_LEN + TAG_LEN;
+    /// Length of a hello: its header, the target node, and the nonce.
+    pub const LEN: usize = HELLO_LEN + 16 + TAG_LEN;
+
+    /// A hello of this version from node `node`, for `channel` of node
+    /// `target`, proving no secret, with a fresh nonce.
+    pub fn new(channel: Channel, node: NodeId, target: NodeId) -> Hello {
+        Hello {
+            version: VERSION,
+            channel,
+            node,
+            target,
+            proves: false,
+            nonce: crate::auth::nonce(),
+        }
+    }
 
     /// The hello's bytes.
     pub fn encode(&self) -> [u8; Self::LEN] {
@@ -202,7 +238,8 @@ impl Hello {
             self.proves,
             self.node,
         ));
-        b[HELLO_LEN..].copy_from_slice(&self.nonce);
+        b[HELLO_LEN..HELLO_LEN + 16].copy_from_slice(&self.target.0.to_le_bytes());
+        b[HELLO_LEN + 16..].copy_from_slice(&self.nonce);
         b
     }
 
@@ -220,8 +257,9 @@ impl Hello {
             version,
             channel: Channel(channel),
             node,
+            target: NodeId(u128_at(b, HELLO_LEN)),
             proves,
-            nonce: tag_at(b, HELLO_LEN),
+            nonce: tag_at(b, HELLO_LEN + 16),
         })
     }
 }
@@ -274,13 +312,8 @@ mod tests {
 
     #[test]
     fn hellos_round_trip_and_reject_garbage() {
-        let hello = Hello {
-            version: VERSION,
-            channel: Channel::TCP_DATA,
-            node: NodeId(77),
-            proves: true,
-            nonce: [7; TAG_LEN],
-        };
+        let mut hello = Hello::new(Channel::TCP_DATA, NodeId(77), NodeId(78));
+        hello.proves = true;
         assert_eq!(Hello::decode(&hello.encode()), Ok(hello));
         for status in [
             HelloStatus::Ok,
@@ -289,6 +322,8 @@ mod tests {
             HelloStatus::Busy,
             HelloStatus::SecretRequired,
             HelloStatus::NoSecret,
+            HelloStatus::WrongNode,
+            HelloStatus::Reflected,
             HelloStatus::Unknown(9),
         ] {
             let reply = HelloReply {

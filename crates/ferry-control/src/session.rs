@@ -93,6 +93,9 @@ struct Inner {
     lost_tells: AtomicU64,
     peer_timeout: Duration,
     silent_grace: Duration,
+    /// The session's place among its secret's live connections, where the
+    /// hello proved one: for revocation, and to count a forged frame.
+    tracked: Option<crate::hello::Tracked>,
 }
 
 impl std::fmt::Debug for Session {
@@ -402,6 +405,7 @@ async fn handshake(
 pub(crate) async fn start(
     shared: &Arc<Shared>,
     stream: TcpStream,
+    auth: Option<crate::hello::Authenticated>,
     side: Side,
 ) -> Result<(Session, tokio::task::JoinHandle<()>), ControlError> {
     let (expected, hello, permit) = match side {
@@ -416,8 +420,19 @@ pub(crate) async fn start(
     }
     let (read, write) = stream.into_split();
     let max_frame = shared.config.max_frame;
-    let mut read = FramedRead::new(read, ControlCodec::new(max_frame));
-    let mut write = FramedWrite::new(write, ControlCodec::new(max_frame));
+    // Sealed where the hello proved a secret: from the `Open` frames on,
+    // every frame carries its tag, and one that fails ends the session.
+    let (send_mac, recv_mac, revoked, tracked) = match auth {
+        Some(auth) => (
+            Some(auth.keys.send),
+            Some(auth.keys.recv),
+            Some(auth.revoked),
+            Some(auth.tracked),
+        ),
+        None => (None, None, None, None),
+    };
+    let mut read = FramedRead::new(read, ControlCodec::sealed(max_frame, recv_mac));
+    let mut write = FramedWrite::new(write, ControlCodec::sealed(max_frame, send_mac));
     let (peer, version) =
         handshake(&mut read, &mut write, shared.local, remote, expected, hello).await?;
     let (outgoing, queue) = mpsc::channel(OUTGOING_QUEUE);
@@ -435,10 +450,24 @@ pub(crate) async fn start(
         lost_tells: AtomicU64::new(0),
         peer_timeout: shared.config.peer_timeout,
         silent_grace: shared.config.silent_grace,
+        tracked,
     });
     let session = Session(inner.clone());
     debug!(peer = %peer.endpoint, node = %peer.id, id = inner.id, version, "control session open");
     let read = FrameSource::new(read, permit, shared.config.limits.frame_timeout);
+    // A revoked secret ends the session as a close does.
+    if let Some(revoked) = revoked {
+        let closed = inner.closed.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = revoked.cancelled() => {
+                    debug!("control session closed: the cluster secret it proved was revoked");
+                    closed.cancel();
+                }
+                _ = closed.cancelled() => {}
+            }
+        });
+    }
     let task = tokio::spawn(run(shared.clone(), inner, read, write, queue));
     Ok((session, task))
 }
@@ -539,6 +568,15 @@ async fn read_loop(
                 inner.note_failure(&e);
                 debug!(peer = %inner.peer.endpoint, error = %e, "control session: connection lost");
                 return Ok(());
+            }
+            Some(Err(crate::frame::FrameError::Forged)) => {
+                if let Some(tracked) = &inner.tracked {
+                    tracked.forged("control", &inner.peer.endpoint);
+                }
+                return Err(format!(
+                    "protocol error: {}",
+                    crate::frame::FrameError::Forged
+                ));
             }
             Some(Err(e)) => return Err(format!("protocol error: {e}")),
         };

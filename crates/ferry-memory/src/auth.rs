@@ -49,10 +49,7 @@ pub(crate) struct SocketAuth {
 impl SocketAuth {
     /// The secret now, if any.
     pub fn secret(&self) -> Option<ClusterSecret> {
-        self.secret
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.secret.get()
     }
 }
 
@@ -219,9 +216,7 @@ mod tests {
         };
         let auth = SocketAuth {
             me: owner_id,
-            secret: std::sync::Arc::new(std::sync::RwLock::new(
-                owner_secret.map(|s| ClusterSecret::new(s).unwrap()),
-            )),
+            secret: SecretCell::new(owner_secret.map(|s| ClusterSecret::new(s).unwrap())),
         };
         let secret = ClusterSecret::new(peer_secret).unwrap();
         let owner_side = async {

@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use ferry_control::Channel;
+use ferry_control::auth::FrameMac;
+use ferry_control::hello::Authenticated;
 use ferry_core::{NodeAddr, OpError};
 use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc};
@@ -83,11 +85,18 @@ pub(crate) async fn connect(
     config: ClientConfig,
     pool: (std::sync::Weak<PeerTable>, NodeAddr),
 ) -> Result<Conn, OpError> {
-    let stream = config.dialer.connect(addr, Channel::TCP_DATA).await?;
+    let greeted = config.dialer.connect(addr, Channel::TCP_DATA).await?;
     let endpoint = addr.endpoint;
     let (tx, rx) = mpsc::channel(config.queue_depth.max(1));
     let closed = CancellationToken::new();
-    let run = run_connection(stream, rx, closed.clone(), endpoint, config.clone());
+    let run = run_connection(
+        greeted.stream,
+        greeted.auth,
+        rx,
+        closed.clone(),
+        endpoint,
+        config.clone(),
+    );
     tokio::spawn(async move {
         let unread = run.await;
         if !unread.is_empty() {
@@ -116,13 +125,26 @@ pub(crate) async fn connect(
 /// answered): enough to keep the link busy, and all that a submit which
 /// times out still moves on this connection, since what it has not sent by
 /// then is dropped unsent.
+/// Where the hello proved a cluster secret (`auth`), every request is sealed
+/// and every response checked (see `ferry_control::auth::FrameMac`), and
+/// the connection ends when that secret is revoked.
 async fn run_connection(
     stream: TcpStream,
+    auth: Option<Authenticated>,
     mut rx: mpsc::Receiver<Chunk>,
     closed: CancellationToken,
     endpoint: SocketAddr,
     config: ClientConfig,
 ) -> Vec<Chunk> {
+    let (mut send_mac, mut recv_mac, revoked, tracked) = match auth {
+        Some(a) => (
+            Some(a.keys.send),
+            Some(a.keys.recv),
+            Some(a.revoked),
+            Some(a.tracked),
+        ),
+        None => (None, None, None, None),
+    };
     let window = config.window.max(1);
     let pending = Mutex::new(Pending::default());
     // Set when a chunk goes out with nothing in flight, cleared by any
@@ -134,6 +156,7 @@ async fn run_connection(
     let writing = async {
         let r = write_loop(
             &stream,
+            send_mac.as_mut(),
             &mut rx,
             &pending,
             &unanswered,
@@ -148,6 +171,7 @@ async fn run_connection(
         let r = read_loop(
             &stream,
             &mut reader,
+            recv_mac.as_mut(),
             busy_poll,
             &pending,
             &unanswered,
@@ -158,7 +182,19 @@ async fn run_connection(
         closed.cancel();
         r
     };
-    let (w, r) = tokio::join!(writing, reading);
+    // A revoked secret ends the connection as a close does.
+    let revoking = async {
+        if let Some(revoked) = &revoked {
+            tokio::select! {
+                _ = revoked.cancelled() => {
+                    debug!(%endpoint, "data connection closed: the cluster secret it proved was revoked");
+                    closed.cancel();
+                }
+                _ = closed.cancelled() => {}
+            }
+        }
+    };
+    let (w, r, ()) = tokio::join!(writing, reading, revoking);
     let closed_by_owner = |r: &io::Result<()>| {
         r.as_ref().err().is_some_and(|e| {
             matches!(
@@ -173,8 +209,14 @@ async fn run_connection(
     let unread = closed_by_owner(&r)
         && (w.is_ok() || closed_by_owner(&w))
         && unanswered.load(Ordering::Acquire);
-    if let Err(e) = w.and(r) {
-        debug!(%endpoint, error = %e, "data connection lost");
+    match w.and(r) {
+        Err(e) if crate::io::is_forged(&e) => {
+            if let Some(tracked) = &tracked {
+                tracked.forged("tcp-data", &endpoint);
+            }
+        }
+        Err(e) => debug!(%endpoint, error = %e, "data connection lost"),
+        Ok(()) => {}
     }
     // Both loops have returned, so nothing reaches region memory through this
     // connection any more: only now may the chunks (and their pins) go.
@@ -217,6 +259,7 @@ async fn run_connection(
 /// window, skipping (and finishing) those whose submit has timed out.
 async fn write_loop(
     stream: &TcpStream,
+    mut seal: Option<&mut FrameMac>,
     rx: &mut mpsc::Receiver<Chunk>,
     pending: &Mutex<Pending>,
     unanswered: &AtomicBool,
@@ -299,8 +342,15 @@ async fn write_loop(
                 next_id += 1;
                 chunk.frame.set_id(next_id);
                 segments.push(Segment::Header(headers.len()));
-                headers.push(chunk.frame.encode());
-                plan_payload(&chunk, &mut staged, &mut segments);
+                let header = chunk.frame.encode();
+                headers.push(header);
+                plan_payload(
+                    &chunk,
+                    &header,
+                    seal.as_deref_mut(),
+                    &mut staged,
+                    &mut segments,
+                );
                 pins.push(chunk.local.clone());
                 pending.insert(next_id, chunk);
             }
@@ -346,14 +396,40 @@ enum Segment {
 /// and one `sendmsg` takes at most [`crate::io::MAX_IOV`] of those.
 const STAGE_MAX: usize = 512;
 
-/// Plans what follows `chunk`'s header: a ranges request's table, staged,
+/// Plans what follows `chunk`'s `header`: a ranges request's table, staged,
 /// then its payloads, small ones staged as well; any other request's
-/// payload in place.
-fn plan_payload(chunk: &Chunk, staged: &mut Vec<u8>, segments: &mut Vec<Segment>) {
+/// payload in place. Sealed (`seal`), the frame's tag is staged after the
+/// header and table, before any payload; a notification's covers its body
+/// too, and follows it.
+fn plan_payload(
+    chunk: &Chunk,
+    header: &[u8; REQUEST_LEN],
+    seal: Option<&mut FrameMac>,
+    staged: &mut Vec<u8>,
+    segments: &mut Vec<Segment>,
+) {
     let ClientFrame::Ranges(ranges) = chunk.frame else {
         // Payloads are at most MAX_CHUNK bytes, far below usize::MAX.
         let len = chunk.frame.payload_len() as usize;
         let ptr = chunk.local_ptr() as usize;
+        let notification = matches!(chunk.frame, ClientFrame::Notify(_));
+        if let Some(mac) = seal {
+            let tag = if notification {
+                // SAFETY: a notification's body is its chunk's own bytes,
+                // `len` long, alive as long as the chunk.
+                let body = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+                segments.push(Segment::Payload { ptr, len });
+                mac.seal(&[header, body])
+            } else {
+                mac.seal(&[header])
+            };
+            let start = staged.len();
+            staged.extend_from_slice(&tag);
+            note_staged(segments, start, staged.len());
+            if notification {
+                return;
+            }
+        }
         segments.push(Segment::Payload { ptr, len });
         return;
     };
@@ -364,6 +440,10 @@ fn plan_payload(chunk: &Chunk, staged: &mut Vec<u8>, segments: &mut Vec<Segment>
             len: range.len as u64,
         };
         staged.extend_from_slice(&entry.encode());
+    }
+    if let Some(mac) = seal {
+        let tag = mac.seal(&[header, &staged[start..]]);
+        staged.extend_from_slice(&tag);
     }
     note_staged(segments, start, staged.len());
     if ranges.kind != RequestKind::Write {
@@ -400,9 +480,11 @@ fn note_staged(segments: &mut Vec<Segment>, start: usize, end: usize) {
 }
 
 /// Applies responses; each answered chunk gives its bytes back to the window.
+#[expect(clippy::too_many_arguments, reason = "one connection's whole context")]
 async fn read_loop(
     stream: &TcpStream,
     reader: &mut FrameReader,
+    mut check: Option<&mut FrameMac>,
     busy_poll: Duration,
     pending: &Mutex<Pending>,
     unanswered: &AtomicBool,
@@ -429,6 +511,9 @@ async fn read_loop(
                 "peer closed the connection",
             ));
         };
+        if let Some(mac) = check.as_deref_mut() {
+            reader.check_tag(stream, mac, &[&header]).await?;
+        }
         let response = Response::decode(&header).map_err(|e| protocol(&e.to_string()))?;
         let chunk = {
             let mut pending = pending.lock().unwrap_or_else(|e| e.into_inner());

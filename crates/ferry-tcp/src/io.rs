@@ -12,6 +12,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+use ferry_control::auth::{FRAME_TAG_LEN, FrameMac};
 use ferry_control::{ConnectionPermit, IdleClose};
 use tokio::io::Interest;
 use tokio::net::TcpStream;
@@ -83,6 +84,26 @@ async fn recv_raw(
             done => return done,
         }
     }
+}
+
+/// A sealed frame whose tag failed its check: altered, injected, replayed
+/// or reordered on the way. The connection ends; nothing after it can be
+/// trusted. Carried inside an `InvalidData` I/O error ([`forged`],
+/// [`is_forged`]).
+#[derive(Debug, thiserror::Error)]
+#[error("a frame's authentication tag is wrong: altered or injected on the way")]
+pub struct ForgedFrame;
+
+/// The I/O error of a [`ForgedFrame`].
+pub fn forged() -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, ForgedFrame)
+}
+
+/// Whether `error` is a [`ForgedFrame`]'s.
+pub fn is_forged(error: &io::Error) -> bool {
+    error
+        .get_ref()
+        .is_some_and(|inner| inner.is::<ForgedFrame>())
 }
 
 /// A connection closed for its peer's silence (or evicted) mid-frame, as
@@ -463,6 +484,27 @@ impl FrameReader {
         }
         self.end = n;
         Ok(())
+    }
+
+    /// Reads the [`FRAME_TAG_LEN`]-byte tag that follows a sealed frame's
+    /// `parts` and checks it with `mac` (the connection's receiving
+    /// direction): a tag that fails is an `InvalidData` error ([`forged`]),
+    /// which ends the connection.
+    pub async fn check_tag(
+        &mut self,
+        stream: &TcpStream,
+        mac: &mut FrameMac,
+        parts: &[&[u8]],
+    ) -> io::Result<()> {
+        let mut tag = [0u8; FRAME_TAG_LEN];
+        // SAFETY: `tag` is FRAME_TAG_LEN bytes on this frame, alive across
+        // the call.
+        unsafe { self.exact(stream, tag.as_mut_ptr(), FRAME_TAG_LEN).await? };
+        if mac.open(parts, &tag) {
+            Ok(())
+        } else {
+            Err(forged())
+        }
     }
 
     /// Skips the next `len` stream bytes (the payload of a refused write).

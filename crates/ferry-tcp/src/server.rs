@@ -18,6 +18,7 @@ use crate::frame::{
 };
 use crate::io::{FrameReader, IoVecs, MAX_IOV};
 use crate::table::RegionTable;
+use ferry_control::auth::{FRAME_TAG_LEN, FrameMac};
 
 /// Acknowledgements are coalesced up to this many before they are sent.
 const MAX_PENDING_ACKS: usize = 64;
@@ -47,9 +48,23 @@ pub(crate) async fn serve_connection(
     let Connection {
         stream,
         node,
+        auth,
         remote,
         permit,
+        ..
     } = connection;
+    // Sealed where the hello proved a cluster secret: every request's tag
+    // is checked before it acts, every response carries one, and the
+    // connection ends when that secret is revoked.
+    let (check, seal, revoked, tracked) = match auth {
+        Some(a) => (
+            Some(a.keys.recv),
+            Some(a.keys.send),
+            Some(a.revoked),
+            Some(a.tracked),
+        ),
+        None => (None, None, None, None),
+    };
     debug!(%remote, client = ?node, "data connection open");
     // Chunks this connection serves hold their region's memory in the
     // peer's name (see `table::Grant`).
@@ -58,17 +73,42 @@ pub(crate) async fn serve_connection(
     // `ConnectionLimits::frame_timeout`), reads and response writes alike.
     let permit = Arc::new(permit);
     let reader = FrameReader::new(busy_poll).mid_frame_bound(permit.clone());
-    match serve(&stream, reader, &table, &inbox, &permit, &peer, node).await {
-        Ok(None) => {}
-        Ok(Some(idle)) => debug!(%remote, "data connection closed: {idle}"),
-        Err(e) => debug!(%remote, error = %e, "data connection closed with an error"),
+    let out = Outgoing {
+        acks: Vec::new(),
+        seal,
+    };
+    let serving = serve(
+        &stream, reader, check, out, &table, &inbox, &permit, &peer, node,
+    );
+    let revoked = async {
+        match &revoked {
+            Some(revoked) => revoked.cancelled().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        served = serving => match served {
+            Ok(None) => {}
+            Ok(Some(idle)) => debug!(%remote, "data connection closed: {idle}"),
+            Err(e) if crate::io::is_forged(&e) => {
+                if let Some(tracked) = &tracked {
+                    tracked.forged("tcp-data", &remote);
+                }
+            }
+            Err(e) => debug!(%remote, error = %e, "data connection closed with an error"),
+        },
+        () = revoked => debug!(%remote, "data connection closed: the cluster secret it proved was revoked"),
     }
 }
 
-/// `Some` when the connection was closed for being idle.
+/// `Some` when the connection was closed for being idle. `check`: the
+/// receiving direction's keys of a sealed connection.
+#[expect(clippy::too_many_arguments, reason = "one connection's whole context")]
 async fn serve(
     stream: &TcpStream,
     mut reader: FrameReader,
+    mut check: Option<FrameMac>,
+    mut out: Outgoing,
     table: &RegionTable,
     inbox: &Weak<Messages>,
     permit: &ConnectionPermit,
@@ -76,7 +116,6 @@ async fn serve(
     node: NodeId,
 ) -> io::Result<Option<IdleClose>> {
     let mut failed_tags = HashSet::new();
-    let mut out = Outgoing::default();
     let mut scratch = Scratch::default();
     loop {
         // About to block on the socket: first send the acks we owe, so a
@@ -92,7 +131,7 @@ async fn serve(
                 Err(idle) => return Ok(Some(idle)),
             }
         } else {
-            if out.acks.len() >= MAX_PENDING_ACKS {
+            if out.staged() >= MAX_PENDING_ACKS {
                 out.flush(stream, permit).await?;
             }
             reader.header::<REQUEST_LEN>(stream).await?
@@ -104,6 +143,9 @@ async fn serve(
         // one per range; `answer` moves or refuses either.
         let (asked, checked) = match ClientFrame::decode(&bytes) {
             Ok(ClientFrame::Op(req)) => {
+                if let Some(mac) = &mut check {
+                    reader.check_tag(stream, mac, &[&bytes]).await?;
+                }
                 let spans = &mut scratch.spans;
                 spans.clear();
                 let checked = table.authorize(&req, || peer.clone()).map(|grant| {
@@ -124,6 +166,7 @@ async fn serve(
                     stream,
                     permit,
                     &mut reader,
+                    (&bytes, check.as_mut()),
                     &ranges,
                     table,
                     peer,
@@ -151,9 +194,17 @@ async fn serve(
                 return Err(invalid("a notification naming another node"));
             }
             Ok(ClientFrame::Notify(notify)) => {
-                let outcome =
-                    notified(stream, &mut reader, &notify, &mut failed_tags, inbox).await?;
-                out.acks.push(
+                let sealed = (&bytes, check.as_mut());
+                let outcome = notified(
+                    stream,
+                    &mut reader,
+                    sealed,
+                    &notify,
+                    &mut failed_tags,
+                    inbox,
+                )
+                .await?;
+                out.push(
                     Response::Notified {
                         id: notify.id,
                         outcome,
@@ -161,6 +212,12 @@ async fn serve(
                     .encode(),
                 );
                 continue;
+            }
+            Err((_, e)) if check.is_some() => {
+                // Nothing of a sealed frame that does not parse can be
+                // trusted, its id included: hang up.
+                out.flush(stream, permit).await?;
+                return Err(invalid(e));
             }
             Err((id, e)) => {
                 // The payload length cannot be trusted: refuse and hang up.
@@ -231,21 +288,23 @@ async fn answer(
                 unsafe { reader.payload(stream, base().add(offset), len).await? };
             }
             served("write", asked.len);
-            out.acks.push(Response::WriteAck { id: asked.id }.encode());
+            out.push(Response::WriteAck { id: asked.id }.encode());
         }
         RequestKind::Read => {
-            let header = Response::ReadData {
-                id: asked.id,
-                len: asked.len,
-            }
-            .encode();
+            let (header, header_len) = out.sealed(
+                Response::ReadData {
+                    id: asked.id,
+                    len: asked.len,
+                }
+                .encode(),
+            );
             let mut iov = IoVecs::default();
             // SAFETY: `out`'s staged bytes and `header` live on this frame
             // until `send_all` returns; the spans were bounds-checked and
             // `memory` pins them until then too.
             unsafe {
                 out.push_into(&mut iov);
-                iov.push(header.as_ptr(), header.len());
+                iov.push(header.as_ptr(), header_len);
                 for &(offset, len) in spans {
                     iov.push(base().add(offset), len);
                 }
@@ -286,14 +345,16 @@ struct Scratch {
     spans: Vec<(usize, usize)>,
 }
 
-/// Checks one [`Ranges`] request: reads its table, authorizes the region
-/// once and checks every range's bounds, filling `scratch.spans`, before
-/// any byte moves. Refused: the first range that failed, and why.
+/// Checks one [`Ranges`] request: reads its table (and, sealed, the tag
+/// over its `header` and table, checked with `check`), authorizes the
+/// region once and checks every range's bounds, filling `scratch.spans`,
+/// before any byte moves. Refused: the first range that failed, and why.
 #[expect(clippy::too_many_arguments, reason = "one request's whole context")]
 async fn check_ranges(
     stream: &TcpStream,
     permit: &ConnectionPermit,
     reader: &mut FrameReader,
+    (header, check): (&[u8; REQUEST_LEN], Option<&mut FrameMac>),
     req: &Ranges,
     table: &RegionTable,
     peer: &MemoryHolder,
@@ -314,6 +375,9 @@ async fn check_ranges(
             .exact(stream, bytes.as_mut_ptr(), bytes.len())
             .await?
     };
+    if let Some(mac) = check {
+        reader.check_tag(stream, mac, &[header, bytes]).await?;
+    }
     if let Err(e) = req.decode_table(bytes, ranges) {
         // The payload can no longer be delimited: refuse and hang up.
         out.refuse(req.id, 0, Refusal::Malformed, 0);
@@ -338,10 +402,13 @@ async fn check_ranges(
 
 /// Reads a notification's body and hands it to the inbox, unless a chunk of
 /// its batch was refused on this connection. Every chunk the client sent
-/// before it has been served by now: frames are served in order.
+/// before it has been served by now: frames are served in order. Sealed,
+/// the tag that follows the body covers its `header` and body, and is
+/// checked (with `check`) before anything is delivered.
 async fn notified(
     stream: &TcpStream,
     reader: &mut FrameReader,
+    (header, check): (&[u8; REQUEST_LEN], Option<&mut FrameMac>),
     notify: &Notify,
     failed_tags: &mut HashSet<u64>,
     inbox: &Weak<Messages>,
@@ -363,13 +430,20 @@ async fn notified(
     } else {
         NotifyOutcome::Delivered
     };
-    let (NotifyOutcome::Delivered, Some(inbox)) = (outcome, inbox) else {
+    let delivered = matches!((outcome, &inbox), (NotifyOutcome::Delivered, Some(_)));
+    if !delivered && check.is_none() {
         reader.discard(stream, len).await?;
         return Ok(outcome);
-    };
+    }
     let mut body = vec![0u8; len];
     // SAFETY: `body` is `len` bytes long and lives across the call.
     unsafe { reader.payload(stream, body.as_mut_ptr(), len).await? };
+    if let Some(mac) = check {
+        reader.check_tag(stream, mac, &[header, &body]).await?;
+    }
+    let (NotifyOutcome::Delivered, Some(inbox)) = (outcome, inbox) else {
+        return Ok(outcome);
+    };
     metrics::counter!("ferry_served_notifications_total", "transport" => "tcp").increment(1);
     Ok(match inbox.offer_notification(notify.from, body.into()) {
         Ok(()) => NotifyOutcome::Delivered,
@@ -386,13 +460,42 @@ fn served(op: &'static str, bytes: u64) {
     metrics::counter!("ferry_served_requests_total", "transport" => "tcp", "op" => op).increment(1);
 }
 
-/// Small responses waiting to be sent in one system call.
-#[derive(Default)]
+/// Small responses waiting to be sent in one system call, each sealed as
+/// it is staged on a sealed connection (so tags go out in the order they
+/// were made, which is the order the client checks them in).
 struct Outgoing {
-    acks: Vec<[u8; RESPONSE_LEN]>,
+    /// Encoded responses (and their tags), back to back.
+    acks: Vec<u8>,
+    /// The sending direction's keys of a sealed connection.
+    seal: Option<FrameMac>,
 }
 
 impl Outgoing {
+    /// Stages `response`, and its tag on a sealed connection.
+    fn push(&mut self, response: [u8; RESPONSE_LEN]) {
+        self.acks.extend_from_slice(&response);
+        if let Some(mac) = &mut self.seal {
+            self.acks.extend_from_slice(&mac.seal(&[&response]));
+        }
+    }
+
+    /// `header` and its tag (on a sealed connection), for a response sent
+    /// apart from the staged ones (read data): the bytes and their length.
+    fn sealed(
+        &mut self,
+        header: [u8; RESPONSE_LEN],
+    ) -> ([u8; RESPONSE_LEN + FRAME_TAG_LEN], usize) {
+        let mut out = [0u8; RESPONSE_LEN + FRAME_TAG_LEN];
+        out[..RESPONSE_LEN].copy_from_slice(&header);
+        match &mut self.seal {
+            Some(mac) => {
+                out[RESPONSE_LEN..].copy_from_slice(&mac.seal(&[&header]));
+                (out, out.len())
+            }
+            None => (out, RESPONSE_LEN),
+        }
+    }
+
     fn refuse(&mut self, id: u64, range: u16, refusal: Refusal, len: u64) {
         metrics::counter!("ferry_served_refusals_total", "transport" => "tcp").increment(1);
         let refused = Response::Refused {
@@ -401,16 +504,27 @@ impl Outgoing {
             refusal,
             len,
         };
-        self.acks.push(refused.encode());
+        self.push(refused.encode());
+    }
+
+    /// How many responses are staged.
+    fn staged(&self) -> usize {
+        let each = RESPONSE_LEN
+            + if self.seal.is_some() {
+                FRAME_TAG_LEN
+            } else {
+                0
+            };
+        self.acks.len() / each
     }
 
     /// # Safety
     ///
     /// `self` must not be modified until `iov` has been sent or cleared.
     unsafe fn push_into(&self, iov: &mut IoVecs) {
-        for ack in &self.acks {
+        if !self.acks.is_empty() {
             // SAFETY: forwarded to the caller.
-            unsafe { iov.push(ack.as_ptr(), ack.len()) };
+            unsafe { iov.push(self.acks.as_ptr(), self.acks.len()) };
         }
     }
 

@@ -18,16 +18,9 @@ use super::{Sent, WAIT, bytes, connect, junk, open, rest};
 /// channel, or an identify. Each gets its answer (or none) and a hang-up.
 pub(super) async fn hello_round(rng: &mut fastrand::Rng, owner: NodeAddr, sent: &mut Sent) {
     let mut s = connect(owner.endpoint).await;
-    let mut hello = Hello {
-        version: VERSION,
-        channel: Channel::IDENTIFY,
-        node: NodeId(rng.u128(..)),
-        proves: false,
-        nonce: [7; 32],
-    }
-    .encode();
+    let mut hello = Hello::new(Channel::IDENTIFY, NodeId(rng.u128(..)), NodeId(0)).encode();
     let mut len = hello.len();
-    let expected = match rng.u8(..6) {
+    let expected = match rng.u8(..8) {
         0 => {
             rng.fill(&mut hello);
             if hello[..4] == MAGIC.to_le_bytes() {
@@ -59,8 +52,22 @@ pub(super) async fn hello_round(rng: &mut fastrand::Rng, owner: NodeAddr, sent: 
         // has none, and says so.
         4 => {
             hello[7] = 1;
-            rng.fill(&mut hello[HELLO_LEN..]);
+            rng.fill(&mut hello[HELLO_LEN + 16..]);
             Some(HelloStatus::NoSecret)
+        }
+        // Meant for another node (a relayed hello), or claiming to be this
+        // one (a reflected one).
+        5 => {
+            hello[6] = Channel::CONTROL.0;
+            let other = NodeId(owner.id.0 ^ rng.u128(1..));
+            hello[HELLO_LEN..HELLO_LEN + 16].copy_from_slice(&other.0.to_le_bytes());
+            Some(HelloStatus::WrongNode)
+        }
+        6 => {
+            hello[6] = Channel::CONTROL.0;
+            hello[8..24].copy_from_slice(&owner.id.0.to_le_bytes());
+            hello[HELLO_LEN..HELLO_LEN + 16].copy_from_slice(&owner.id.0.to_le_bytes());
+            Some(HelloStatus::Reflected)
         }
         _ => Some(HelloStatus::Ok),
     };
@@ -72,7 +79,13 @@ pub(super) async fn hello_round(rng: &mut fastrand::Rng, owner: NodeAddr, sent: 
         expected => {
             let reply = HelloReply::decode(answer[..HELLO_LEN].try_into().unwrap()).unwrap();
             assert_eq!(reply.status, expected.unwrap_or(HelloStatus::Ok));
-            assert_eq!(reply.node, owner.id);
+            // A refusal names no node.
+            let named = if reply.status == HelloStatus::Ok {
+                owner.id
+            } else {
+                NodeId(0)
+            };
+            assert_eq!(reply.node, named);
         }
     }
     sent.hellos += 1;

@@ -9,10 +9,10 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ferry::control::hello::{HELLO_LEN, Hello, HelloReply, VERSION};
+use ferry::control::hello::{HELLO_LEN, Hello, HelloReply};
 use ferry::control::{Channel, EVICTABLE_AFTER, HelloStatus};
 use ferry::prelude::*;
-use ferry::{NodeId, RdmaBackend};
+use ferry::{NodeAddr, NodeId, RdmaBackend};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::runtime::Runtime;
@@ -223,21 +223,14 @@ const PROMPT: Duration = Duration::from_secs(3);
 /// and then idles: `Some(stream)` if the server took it, `None` if it
 /// refused it (`Busy`) or hung up. Panics if the server does neither within
 /// `PROMPT`.
-async fn hello_only(server: SocketAddr, from: IpAddr) -> Option<TcpStream> {
+async fn hello_only(server: NodeAddr, from: IpAddr) -> Option<TcpStream> {
     let socket = TcpSocket::new_v4().unwrap();
     socket.bind(SocketAddr::new(from, 0)).unwrap();
-    let mut stream = tokio::time::timeout(PROMPT, socket.connect(server))
+    let mut stream = tokio::time::timeout(PROMPT, socket.connect(server.endpoint))
         .await
         .unwrap_or_else(|_| panic!("connect from {from} did not complete within {PROMPT:?}"))
         .unwrap_or_else(|e| panic!("connect from {from}: {e}"));
-    let hello = Hello {
-        version: VERSION,
-        channel: Channel::TCP_DATA,
-        node: NodeId::random(),
-        proves: false,
-        nonce: [1; 32],
-    }
-    .encode();
+    let hello = Hello::new(Channel::TCP_DATA, NodeId::random(), server.id).encode();
     let exchange = async {
         stream.write_all(&hello).await?;
         let mut reply = [0; HELLO_LEN];
@@ -269,7 +262,7 @@ async fn hello_only(server: SocketAddr, from: IpAddr) -> Option<TcpStream> {
 
 /// `per_address` hello-only clients from each of `from`, the addresses
 /// concurrently, each address's clients one after another.
-async fn flood(server: SocketAddr, from: &[IpAddr], per_address: usize) -> Flood {
+async fn flood(server: NodeAddr, from: &[IpAddr], per_address: usize) -> Flood {
     let mut tasks = tokio::task::JoinSet::new();
     for &address in from {
         tasks.spawn(async move {
@@ -338,8 +331,8 @@ fn endpoint_bounds_hold_under_a_descriptor_limit() {
         "limits derived from 128 descriptors: 96 in all, 24 per address:\n{}",
         serve.stderr()
     );
-    let server = remote.owner().endpoint;
-    assert_eq!(server.ip(), loopback(1));
+    let server = remote.owner();
+    assert_eq!(server.endpoint.ip(), loopback(1));
 
     // A well-behaved peer (from 127.0.0.1) is served before the flood.
     let peer = rt.block_on(tcp_node());
