@@ -2,10 +2,22 @@
 //! as the endpoint's hello ([`ferry_control::auth`]), in packets.
 //!
 //! ```text
-//! peer  -> AuthHello (56 B: its node id, its nonce)
-//! owner -> AuthReply (88 B: its node id, its nonce, its tag)
+//! peer  -> AuthHello (76 B: its node id, the owner's, its pid, its nonce)
+//! owner -> AuthReply (92 B: its node id, its pid, its nonce, its tag)
 //! peer  -> AuthProof (40 B: its tag), then its requests as before
 //! ```
+//!
+//! The tags bind the exchange to the socket it runs on: each side says its
+//! process id, covered by the tags, and the other compares it with the
+//! process the kernel says is at the other end of the socket
+//! (`SO_PEERCRED`, translated into the peer's own pid namespace). A relay
+//! (a local process that got a member to dial its socket with a forged
+//! handle, and passes the exchange on to the real owner) is the process at
+//! the other end of both sockets, so neither side takes it: the owner would
+//! otherwise hand it the region's memory (`SCM_RIGHTS` descriptors go to
+//! whoever holds the socket), whatever any later packet proved. A peer whose
+//! process the owner cannot see (another pid namespace that is not nested
+//! in its own) is refused, and goes over TCP.
 //!
 //! A peer with a secret opens every socket (region requests, notification
 //! lanes) with a hello; one without sends its first request at once. An
@@ -24,15 +36,16 @@ use ferry_core::{NodeAddr, NodeId, OpError};
 use crate::socket::Packets;
 
 const MAGIC: [u8; 4] = *b"FMAU";
-const VERSION: u16 = 1;
+/// 2: the owner's id and both processes' ids in the exchange.
+const VERSION: u16 = 2;
 const HELLO: u8 = 1;
 const REPLY: u8 = 2;
 const PROOF: u8 = 3;
 /// An [`REPLY`]'s status: the owner has no secret.
 const NO_SECRET: u8 = 1;
 
-const HELLO_LEN: usize = 24 + TAG_LEN;
-const REPLY_LEN: usize = 24 + 2 * TAG_LEN;
+pub(crate) const HELLO_LEN: usize = 24 + 16 + 4 + TAG_LEN;
+const REPLY_LEN: usize = 24 + 4 + 2 * TAG_LEN;
 const PROOF_LEN: usize = 8 + TAG_LEN;
 
 /// How long either side waits for the other's next packet of the exchange.
@@ -104,7 +117,9 @@ pub(crate) async fn prove(
     let exchange = async {
         let mut hello = [0; HELLO_LEN];
         hello[..24].copy_from_slice(&header(HELLO, 1, me));
-        hello[24..].copy_from_slice(&nonce());
+        hello[24..40].copy_from_slice(&owner.id.0.to_le_bytes());
+        hello[40..44].copy_from_slice(&std::process::id().to_le_bytes());
+        hello[44..].copy_from_slice(&nonce());
         socket.send(&hello, None).await.map_err(lost)?;
         let mut reply = [0; REPLY_LEN];
         let (n, _) = socket.recv(&mut reply).await.map_err(lost)?;
@@ -124,13 +139,23 @@ pub(crate) async fn prove(
         }
         let key = secret
             .check_server(
-                &[&hello, &reply[..24], &reply[24..24 + TAG_LEN]],
-                &tag_at(reply, 24 + TAG_LEN),
+                &[&hello, &reply[..28], &reply[28..28 + TAG_LEN]],
+                &tag_at(reply, 28 + TAG_LEN),
             )
             .ok_or(failed(AuthFailure::WrongSecret))?;
+        // Proved by a holder of the secret, but is it the process at the
+        // other end of this socket, or one that a relay passed it on to?
+        let said = u32::from_le_bytes(reply[24..28].try_into().expect("4 bytes"));
+        if !is_the_peer(socket, said) {
+            return Err(OpError::Protocol(
+                "the process at the other end of the same-host socket is not the owner that \
+                 proved the cluster secret (a relay?)"
+                    .into(),
+            ));
+        }
         let mut proof = [0; PROOF_LEN];
         proof[..8].copy_from_slice(&header(PROOF, 0, me)[..8]);
-        proof[8..].copy_from_slice(&secret.client_tag(key, &[&hello, &reply[..24], &reply[24..]]));
+        proof[8..].copy_from_slice(&secret.client_tag(key, &[&hello, &reply[..28], &reply[28..]]));
         socket.send(&proof, None).await.map_err(lost)
     };
     tokio::time::timeout(AUTH_TIMEOUT, exchange)
@@ -150,6 +175,11 @@ pub(crate) enum Declined {
     /// The peer's proof was wrong (another secret, or replayed).
     #[error("the peer's proof of the cluster secret was wrong")]
     BadProof,
+    /// The hello was meant for another node, or the process that proved
+    /// the secret is not the one at the other end of the socket (a relay),
+    /// or cannot be seen from here.
+    #[error("the same-host hello was meant for another node, or came through a relay")]
+    Misdirected,
     /// The socket failed or the peer broke the exchange.
     #[error("{0}")]
     Io(#[from] std::io::Error),
@@ -168,18 +198,29 @@ pub(crate) async fn check(
         socket.send(&reply, None).await?;
         return Err(Declined::NoSecret);
     };
+    // Meant for this node, from the process at the other end of the
+    // socket: checked before anything is proved (the pid is covered by the
+    // peer's proof below).
+    let target = NodeId(u128::from_le_bytes(
+        hello[24..40].try_into().expect("16 bytes"),
+    ));
+    let said = u32::from_le_bytes(hello[40..44].try_into().expect("4 bytes"));
+    if target != auth.me || !is_the_peer(socket, said) {
+        return Err(Declined::Misdirected);
+    }
     let exchange = async {
         let mut reply = [0; REPLY_LEN];
         reply[..24].copy_from_slice(&header(REPLY, 0, auth.me));
-        reply[24..24 + TAG_LEN].copy_from_slice(&nonce());
-        let tag = secret.server_tag(&[hello, &reply[..24], &reply[24..24 + TAG_LEN]]);
-        reply[24 + TAG_LEN..].copy_from_slice(&tag);
+        reply[24..28].copy_from_slice(&std::process::id().to_le_bytes());
+        reply[28..28 + TAG_LEN].copy_from_slice(&nonce());
+        let tag = secret.server_tag(&[hello, &reply[..28], &reply[28..28 + TAG_LEN]]);
+        reply[28 + TAG_LEN..].copy_from_slice(&tag);
         socket.send(&reply, None).await?;
         let mut proof = [0; PROOF_LEN];
         let (n, _) = socket.recv(&mut proof).await?;
         let proved = n == PROOF_LEN
             && kind(&proof) == Some(PROOF)
-            && secret.check_client(&[hello, &reply[..24], &reply[24..]], &tag_at(&proof, 8));
+            && secret.check_client(&[hello, &reply[..28], &reply[28..]], &tag_at(&proof, 8));
         if proved {
             Ok(node_at(hello))
         } else {
@@ -189,6 +230,27 @@ pub(crate) async fn check(
     tokio::time::timeout(AUTH_TIMEOUT, exchange)
         .await
         .unwrap_or_else(|_| Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into()))
+}
+
+/// Whether the process at the other end of `socket` (the kernel's word,
+/// `SO_PEERCRED`) is the one that says its pid is `said` (in its own pid
+/// namespace: the innermost `NSpid` of its `/proc` status). A peer outside
+/// this process's pid namespace (pid 0) cannot be checked, and is not taken.
+fn is_the_peer(socket: &Packets, said: u32) -> bool {
+    let Some(pid) = socket.peer_pid().filter(|&pid| pid > 0) else {
+        return false;
+    };
+    innermost_pid(pid).is_some_and(|own| own == said)
+}
+
+/// Process `pid`'s id in its own pid namespace: the last field of its
+/// `NSpid` line (the id itself where the kernel predates that line).
+fn innermost_pid(pid: i32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    match status.lines().find_map(|l| l.strip_prefix("NSpid:")) {
+        Some(ids) => ids.split_whitespace().last()?.parse().ok(),
+        None => u32::try_from(pid).ok(),
+    }
 }
 
 #[cfg(test)]
@@ -207,11 +269,25 @@ mod tests {
         peer_secret: &str,
         owner_secret: Option<&str>,
     ) -> (Result<(), OpError>, Result<NodeId, Declined>) {
+        run_to(peer_secret, owner_secret, false).await
+    }
+
+    /// `misdirected`: the peer means another node than the owner (a handle
+    /// naming another node at this socket).
+    async fn run_to(
+        peer_secret: &str,
+        owner_secret: Option<&str>,
+        misdirected: bool,
+    ) -> (Result<(), OpError>, Result<NodeId, Declined>) {
         let (peer, owner) = pair().await;
         let me = NodeId::random();
         let owner_id = NodeId::random();
         let owner_addr = NodeAddr {
-            id: owner_id,
+            id: if misdirected {
+                NodeId(owner_id.0 ^ 1)
+            } else {
+                owner_id
+            },
             endpoint: "127.0.0.1:9".parse().unwrap(),
         };
         let auth = SocketAuth {
@@ -220,7 +296,7 @@ mod tests {
         };
         let secret = ClusterSecret::new(peer_secret).unwrap();
         let owner_side = async {
-            let mut first = [0; 64];
+            let mut first = [0; 128];
             let (n, _) = owner.recv(&mut first).await.unwrap();
             assert!(is_hello(&first[..n]));
             let checked = check(&owner, &first[..n], &auth).await;
@@ -258,5 +334,22 @@ mod tests {
             "{proved:?}"
         );
         assert!(matches!(checked, Err(Declined::NoSecret)));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_hello_meant_for_another_node_is_refused_before_any_proof() {
+        let good = "one cluster secret, 16+ bytes";
+        let (proved, checked) = run_to(good, Some(good), true).await;
+        assert!(matches!(checked, Err(Declined::Misdirected)), "{checked:?}");
+        assert!(proved.is_err(), "{proved:?}");
+    }
+
+    #[test]
+    fn a_process_is_its_own_innermost_pid() {
+        assert_eq!(
+            innermost_pid(std::process::id() as i32),
+            Some(std::process::id())
+        );
+        assert_eq!(innermost_pid(-1), None);
     }
 }

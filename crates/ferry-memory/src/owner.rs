@@ -387,8 +387,8 @@ async fn answer_peer(
     auth: Arc<SocketAuth>,
     refusals: Arc<Refusals>,
 ) {
-    let mut buf = [0u8; 64];
-    const _: () = assert!(LaneOpen::LEN <= 64 && Request::LEN <= 64);
+    let mut buf = [0u8; 128];
+    const _: () = assert!(LaneOpen::LEN <= 128 && Request::LEN <= 128 && auth::HELLO_LEN <= 128);
     let mut asker = Asker {
         socket: &peer,
         lane: None,
