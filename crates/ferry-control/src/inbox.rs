@@ -53,6 +53,13 @@ pub enum DeliveryKind {
 #[non_exhaustive]
 pub struct Delivery {
     /// The sender, as its control session names it.
+    /// Its `id` is the one the connection's hello named: proved, where the
+    /// nodes hold a cluster secret (a member cannot name another node), a
+    /// claim otherwise. Its `endpoint` is the address the sender
+    /// advertises, as it says: not checked against the connection's source
+    /// address, which differs behind NAT or for a node listening on every
+    /// interface. Reply to `from` as to any node; decide whom to trust by
+    /// `id`, under a secret.
     pub from: NodeAddr,
     /// A message, or a notification.
     pub kind: DeliveryKind,

@@ -40,6 +40,11 @@ use crate::place::{Place, conn_info, on_loopback_elsewhere, parse_conn_info};
 pub use crate::request::Request;
 use crate::request::{Preparing, Standing, failed, prepare};
 
+/// Agents whose connection info was never loaded whose node a notification
+/// bound (see [`Engine::notifs`]); past this many, such notifications are
+/// dropped.
+pub const MAX_UNLOADED_SENDERS: usize = 4096;
+
 /// Notifications queued to one agent (`genNotif`) while earlier ones are on
 /// their way: past this many the call fails, as NIXL's own queues do.
 pub const NOTIFS_QUEUED: usize = 1024;
@@ -94,6 +99,12 @@ struct Tables {
     /// Each peer's queue of notifications sent on their own (`genNotif`),
     /// in order, by a task of its own.
     notifiers: HashMap<NodeAddr, mpsc::Sender<Bytes>>,
+    /// The node each agent named in a notification came from, for agents
+    /// whose connection info was never loaded here: the first one binds
+    /// the name (see [`Engine::notifs`]).
+    senders: HashMap<String, ferry::NodeId>,
+    /// Notifications dropped because they named an agent of another node.
+    misnamed: u64,
 }
 
 impl Tables {
@@ -567,6 +578,14 @@ impl Engine {
     }
 
     /// `getNotifs`: every notification that came, with its sender agent.
+    ///
+    /// NIXL reports a notification with the agent that sent it, and FERRY
+    /// carries the name in the body (the receiver may not have loaded the
+    /// sender), so the name is the sender's claim; the node it came from is
+    /// not (it is the one its connection's hello named, proved under a
+    /// cluster secret). A notification naming an agent whose connection
+    /// info names another node, or an agent first heard of from another
+    /// node, is dropped, counted ([`Engine::misnamed`]) and logged.
     pub fn notifs(&self, mut each: impl FnMut(&[u8], &[u8])) {
         // Callers poll this in a loop, as they poll checkXfer: the bytes
         // sent to this agent move here too.
@@ -579,7 +598,12 @@ impl Engine {
                 continue;
             }
             match unframe_notif(&delivery.body) {
-                Some((agent, msg)) => each(agent, msg),
+                Some((agent, msg)) if self.sent_by(agent, delivery.from.id) => each(agent, msg),
+                Some((agent, _)) => {
+                    self.tables().misnamed += 1;
+                    warn!(from = %delivery.from, agent = %String::from_utf8_lossy(agent),
+                        "FERRY: a notification naming an agent of another node, dropped")
+                }
                 None => {
                     warn!(from = %delivery.from, "FERRY: a notification not framed by FERRY, dropped")
                 }
@@ -589,6 +613,37 @@ impl Engine {
             // The thread that drives now moves them: give it the core.
             std::thread::yield_now();
         }
+    }
+
+    /// Whether node `node` may speak as agent `agent`: this agent's own
+    /// node for its own name; the node an agent's loaded connection info
+    /// names; else the first node heard from under that name.
+    fn sent_by(&self, agent: &[u8], node: ferry::NodeId) -> bool {
+        let Ok(agent) = std::str::from_utf8(agent) else {
+            return false;
+        };
+        if agent == self.agent {
+            return node == self.node.addr().id;
+        }
+        let mut tables = self.tables();
+        if let Some(addr) = tables.agents.get(agent) {
+            return addr.id == node;
+        }
+        if let Some(first) = tables.senders.get(agent) {
+            return *first == node;
+        }
+        // Bounded: a flood of made-up names is dropped, not remembered.
+        if tables.senders.len() >= MAX_UNLOADED_SENDERS {
+            return false;
+        }
+        tables.senders.insert(agent.to_string(), node);
+        true
+    }
+
+    /// Notifications dropped so far because they named an agent of
+    /// another node than the one they came from.
+    pub fn misnamed(&self) -> u64 {
+        self.tables().misnamed
     }
 
     /// `genNotif`: `msg` to agent `agent` on its own, queued behind the
