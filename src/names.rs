@@ -28,6 +28,9 @@ pub(crate) struct Names {
     transports: Vec<RdmaTransportLevel>,
     /// Published regions stay registered while published.
     published: Mutex<BTreeMap<String, Region>>,
+    /// Whether the node said that, without a cluster secret, what it
+    /// publishes is open to whoever reaches its port.
+    said_open: std::sync::atomic::AtomicBool,
     peers: Arc<Peers>,
     #[cfg(feature = "etcd")]
     etcd: std::sync::OnceLock<EtcdNames>,
@@ -48,6 +51,7 @@ impl Names {
             addr,
             transports,
             published: Mutex::default(),
+            said_open: std::sync::atomic::AtomicBool::new(false),
             peers: Arc::default(),
             #[cfg(feature = "etcd")]
             etcd: std::sync::OnceLock::new(),
@@ -134,8 +138,25 @@ impl Node {
     /// `weights/layer-3`): peers that load this node's metadata find its
     /// handle, with the region's access, by that name. The region stays
     /// registered while published.
+    ///
+    /// What that grants: the handle, its tokens included, goes to whoever
+    /// loads the metadata (over a control session, or from etcd), and a
+    /// handle is what moves bytes. Under a cluster secret only members open
+    /// a session, and nobody else can use a handle (every channel's hello
+    /// refuses them). Without one, whoever reaches this node's port can
+    /// read (and, for a read-write region, write) what it publishes; the
+    /// node logs that once.
     pub fn publish(&self, name: impl Into<String>, region: &Region) -> Result<(), NameTaken> {
+        use std::sync::atomic::Ordering;
         let name = name.into();
+        let names = &self.0.router.names;
+        if !self.has_cluster_secret() && !names.said_open.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                endpoint = %self.addr().endpoint,
+                "this node has no cluster secret: the regions it publishes are open to whoever \
+                 reaches its port (set a cluster secret to keep them to members)"
+            );
+        }
         let mut published = self.0.router.names.published();
         if published.contains_key(&name) {
             return Err(NameTaken(name));

@@ -3,6 +3,7 @@
 
 mod messages;
 mod notifications;
+mod publish;
 mod relay;
 mod rpc;
 mod secret;
