@@ -69,9 +69,10 @@ pub struct Session(Arc<Inner>);
 struct Inner {
     /// Unique in this process.
     id: u64,
-    /// The peer as its `Open` frame describes it. For a session this node
-    /// opened, the hello proved the id; for one the peer opened, it is the
-    /// peer's unauthenticated claim.
+    /// The peer as its `Open` frame describes it, whose id must be the one
+    /// its hello named (see `handshake`): proved where both ends hold a
+    /// cluster secret, the peer's claim otherwise. The endpoint is the
+    /// address it advertises, as it says.
     peer: NodeAddr,
     version: u16,
     outgoing: mpsc::Sender<Frame>,
