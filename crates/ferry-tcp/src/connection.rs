@@ -346,10 +346,15 @@ enum Segment {
 /// and one `sendmsg` takes at most [`crate::io::MAX_IOV`] of those.
 const STAGE_MAX: usize = 512;
 
-/// Plans what follows `chunk`'s header: a ranges request's table, staged,
-/// then its payloads, small ones staged as well; any other request's
-/// payload in place.
+/// Plans what follows `chunk`'s header: its scopes, if any, staged; then a
+/// ranges request's table, staged, then its payloads, small ones staged as
+/// well; any other request's payload in place.
 fn plan_payload(chunk: &Chunk, staged: &mut Vec<u8>, segments: &mut Vec<Segment>) {
+    if let Some(scopes) = chunk.frame.scopes().filter(|s| !s.is_empty()) {
+        let start = staged.len();
+        scopes.encode_into(staged);
+        note_staged(segments, start, staged.len());
+    }
     let ClientFrame::Ranges(ranges) = chunk.frame else {
         // Payloads are at most MAX_CHUNK bytes, far below usize::MAX.
         let len = chunk.frame.payload_len() as usize;

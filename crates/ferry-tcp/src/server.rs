@@ -14,10 +14,10 @@ use tracing::{debug, warn};
 
 use crate::frame::{
     ClientFrame, Notify, NotifyOutcome, REQUEST_LEN, RESPONSE_LEN, Range, Ranges, Refusal,
-    RequestKind, Response,
+    RequestKind, Response, SCOPE_LEN,
 };
 use crate::io::{FrameReader, IoVecs, MAX_IOV};
-use crate::table::RegionTable;
+use crate::table::{Credentials, RegionTable, ScopeCache};
 
 /// Acknowledgements are coalesced up to this many before they are sent.
 const MAX_PENDING_ACKS: usize = 64;
@@ -100,13 +100,20 @@ async fn serve(
         let Some(bytes) = header else {
             return out.flush(stream, permit).await.map(|()| None);
         };
+        let frame = match ClientFrame::decode(&bytes) {
+            Ok(frame) if frame.scopes_len() > 0 => {
+                read_scopes(stream, &mut reader, frame, &mut scratch.scopes).await?
+            }
+            other => other,
+        };
         // A plain request is checked into one span, a ranges request into
         // one per range; `answer` moves or refuses either.
-        let (asked, checked) = match ClientFrame::decode(&bytes) {
+        let (asked, checked) = match frame {
             Ok(ClientFrame::Op(req)) => {
                 let spans = &mut scratch.spans;
                 spans.clear();
-                let checked = table.authorize(&req, || peer.clone()).map(|grant| {
+                let cache = &mut scratch.cache;
+                let checked = table.authorize(&req, cache, || peer.clone()).map(|grant| {
                     // Below MAX_CHUNK, far below usize::MAX.
                     spans.push((grant.offset, req.len as usize));
                     grant.memory
@@ -284,6 +291,32 @@ struct Scratch {
     ranges: Vec<Range>,
     /// The granted request's (offset, length) spans in its region.
     spans: Vec<(usize, usize)>,
+    /// A scoped request's scopes, as read.
+    scopes: Vec<u8>,
+    /// The narrowed credentials checked last.
+    cache: ScopeCache,
+}
+
+/// Reads the scopes that follow a scoped request's header into `frame`.
+/// Scopes that do not parse leave the rest of the frame undelimited: the
+/// caller refuses it and hangs up, as for a malformed header.
+async fn read_scopes(
+    stream: &TcpStream,
+    reader: &mut FrameReader,
+    mut frame: ClientFrame,
+    bytes: &mut Vec<u8>,
+) -> io::Result<Result<ClientFrame, (u64, crate::frame::FrameError)>> {
+    let len = frame.scopes_len();
+    debug_assert!(len <= ferry_core::MAX_SCOPES * SCOPE_LEN);
+    bytes.resize(len, 0);
+    // Exactly the scopes: a large payload behind them goes straight to its
+    // place.
+    // SAFETY: `bytes` is `len` bytes long and lives across the call.
+    unsafe { reader.exact(stream, bytes.as_mut_ptr(), len).await? };
+    Ok(match frame.read_scopes(bytes) {
+        Ok(()) => Ok(frame),
+        Err(e) => Err((frame.id(), e)),
+    })
 }
 
 /// Checks one [`Ranges`] request: reads its table, authorizes the region
@@ -304,6 +337,8 @@ async fn check_ranges(
         table: bytes,
         ranges,
         spans,
+        cache,
+        ..
     } = scratch;
     bytes.resize(req.table_len(), 0);
     // Exactly the table: the ranges' payloads behind it, if large, go
@@ -320,8 +355,14 @@ async fn check_ranges(
         out.flush(stream, permit).await?;
         return Err(invalid(e));
     }
+    let credentials = Credentials {
+        region: req.region,
+        generation: req.generation,
+        token: req.token,
+        scopes: &req.scopes,
+    };
     Ok(table
-        .authorize_region(req.region, req.generation, req.token, req.kind)
+        .authorize_region(credentials, req.kind, cache)
         .map_err(|refusal| (0, refusal))
         .and_then(|region| {
             spans.clear();
