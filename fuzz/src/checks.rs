@@ -56,13 +56,18 @@ pub fn tcp_client_stream(data: &[u8]) -> usize {
                 assert_eq!(ClientFrame::decode(&frame.encode()), Ok(frame));
                 assert_eq!(frame.id(), id);
                 assert!(frame.bytes() <= MAX_CHUNK, "{frame:?} over MAX_CHUNK");
-                // A scoped request's scopes come first; ones that do not
-                // parse end the stream.
-                let (scopes, tail) = tail.split_at(frame.scopes_len().min(tail.len()));
-                if !scopes.is_empty() && frame.read_scopes(scopes).is_err() {
-                    break;
+                // A scoped request's scopes come first; ones cut short or
+                // that do not parse end the stream.
+                let mut tail = tail;
+                if frame.scopes_len() > 0 {
+                    let Some((scopes, more)) = tail.split_at_checked(frame.scopes_len()) else {
+                        break;
+                    };
+                    if frame.read_scopes(scopes).is_err() {
+                        break;
+                    }
+                    tail = more;
                 }
-                assert_eq!(scopes.len(), frame.scopes_len());
                 if let ClientFrame::Ranges(request) = frame {
                     let table = &tail[..request.table_len().min(tail.len())];
                     if request.decode_table(table, &mut ranges).is_err() {
