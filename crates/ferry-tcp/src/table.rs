@@ -126,16 +126,14 @@ impl RegionTable {
     pub fn remove(&self, id: RegionId, generation: Generation) -> bool {
         let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
         let Slots { live, departed } = &mut *entries;
-        match live.remove(&id) {
-            Some(entry) if entry.generation == generation => {
-                departed.remember(id, generation, entry.token);
+        match live.entry(id) {
+            std::collections::hash_map::Entry::Occupied(entry)
+                if entry.get().generation == generation =>
+            {
+                departed.remember(id, generation, entry.remove().token);
                 true
             }
-            Some(other) => {
-                live.insert(id, other);
-                false
-            }
-            None => false,
+            _ => false,
         }
     }
 
