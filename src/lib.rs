@@ -70,6 +70,8 @@ pub use ferry_core::{
     Desc, DescError, DescIndices, Descs, Indices, LocalDescList, RemoteDescList, check_pairs,
     op_at, ops_between,
 };
+/// Narrowed credentials: what a serialized slice or read-only handle opens.
+pub use ferry_core::{MAX_SCOPES, Scope, Scopes, scope_token};
 pub use ferry_discovery as discovery;
 #[cfg(feature = "etcd")]
 pub use ferry_discovery::etcd::{EtcdConfig, EtcdError};

@@ -52,10 +52,22 @@ pub fn tcp_client_stream(data: &[u8]) -> usize {
     while let Some((header, tail)) = rest.split_first_chunk::<REQUEST_LEN>() {
         let id = u64::from_le_bytes(header[8..16].try_into().unwrap());
         match ClientFrame::decode(header) {
-            Ok(frame) => {
+            Ok(mut frame) => {
                 assert_eq!(ClientFrame::decode(&frame.encode()), Ok(frame));
                 assert_eq!(frame.id(), id);
                 assert!(frame.bytes() <= MAX_CHUNK, "{frame:?} over MAX_CHUNK");
+                // A scoped request's scopes come first; ones cut short or
+                // that do not parse end the stream.
+                let mut tail = tail;
+                if frame.scopes_len() > 0 {
+                    let Some((scopes, more)) = tail.split_at_checked(frame.scopes_len()) else {
+                        break;
+                    };
+                    if frame.read_scopes(scopes).is_err() {
+                        break;
+                    }
+                    tail = more;
+                }
                 if let ClientFrame::Ranges(request) = frame {
                     let table = &tail[..request.table_len().min(tail.len())];
                     if request.decode_table(table, &mut ranges).is_err() {
@@ -270,11 +282,20 @@ pub fn handle_json(data: &[u8]) -> usize {
     let Ok(handle) = serde_json::from_slice::<RemoteBuffer>(data) else {
         return 0;
     };
-    let json = serde_json::to_vec(&handle).unwrap();
-    assert_eq!(
-        serde_json::from_slice::<RemoteBuffer>(&json).unwrap(),
-        handle
-    );
+    // Handed on, a handle keeps its view, its credentials narrowed to it
+    // if they opened more; handed on again, it stays as it is. Only a
+    // chain of scopes already full cannot narrow again.
+    match serde_json::to_vec(&handle) {
+        Ok(json) => {
+            let back = serde_json::from_slice::<RemoteBuffer>(&json).unwrap();
+            let view =
+                |h: &RemoteBuffer| (h.owner(), h.region(), h.generation(), h.addr(), h.len());
+            assert_eq!(view(&back), view(&handle));
+            assert_eq!(back.access(), handle.access());
+            assert_eq!(serde_json::to_vec(&back).unwrap(), json);
+        }
+        Err(_) => assert_eq!(handle.scopes().len(), ferry_core::MAX_SCOPES),
+    }
     let whole = handle.slice(0..handle.len());
     match handle.check_address_range() {
         Ok(()) => {

@@ -22,7 +22,7 @@ use ferry_control::{Channel, HelloStatus};
 use ferry_core::{
     Access, Descs, Generation, IbvRemote, MemRemote, MemoryBlock, NodeAddr, NodeId, RailKeys,
     RdmaTransportLevel, RegionId, RegionIds, RegionParts, RemoteBuffer, RemoteDescList,
-    RemoteTransports, TcpRemote,
+    RemoteTransports, Scope, Scopes, TcpRemote,
 };
 use ferry_discovery::NodeMetadata;
 use ferry_tcp::frame::{
@@ -103,6 +103,7 @@ pub fn seeds() -> Vec<Seed> {
         addr: handle.addr(),
         len: 8,
         token: 0x1111,
+        scopes: Scopes::default(),
         tag: 5,
     };
     let read = Request {
@@ -137,6 +138,7 @@ pub fn seeds() -> Vec<Seed> {
             count: 2,
             len: 12,
             token: 0x1111,
+            scopes: Scopes::default(),
             tag: 0,
         };
         stream.extend_from_slice(&ClientFrame::Ranges(ranges).encode());
@@ -152,6 +154,46 @@ pub fn seeds() -> Vec<Seed> {
         }
     }
     out.push(seed("tcp_client_stream", "ranges", stream));
+    // Through a narrowed handle: scopes behind each header.
+    let scopes = Scopes::new(&[
+        Scope {
+            addr: handle.addr(),
+            len: 256,
+            access: Access::ReadWrite,
+        },
+        Scope {
+            addr: handle.addr(),
+            len: 128,
+            access: Access::ReadOnly,
+        },
+    ])
+    .unwrap();
+    let scoped = Request {
+        scopes,
+        token: scopes.token(0x1111),
+        ..read
+    };
+    let mut stream = ClientFrame::Op(scoped).encode().to_vec();
+    scopes.encode_into(&mut stream);
+    let ranges = Ranges {
+        kind: RequestKind::Read,
+        id: 6,
+        region: RegionId(0),
+        generation: Generation(1),
+        count: 1,
+        len: 8,
+        token: scopes.token(0x1111),
+        scopes,
+        tag: 0,
+    };
+    stream.extend_from_slice(&ClientFrame::Ranges(ranges).encode());
+    scopes.encode_into(&mut stream);
+    let range = Range {
+        addr: handle.addr(),
+        len: 8,
+    };
+    stream.extend_from_slice(&range.encode());
+    out.push(seed("tcp_client_stream", "scoped", stream));
     let mut v6 = ClientFrame::Notify(notify(me_v6)).encode().to_vec();
     v6.extend_from_slice(b"done");
     out.push(seed("tcp_client_stream", "notify-ipv6", v6));
@@ -313,9 +355,20 @@ pub fn seeds() -> Vec<Seed> {
             generation: Generation(1),
             write: true,
             token: 0x4444,
+            scopes: Scopes::default(),
             process_vm: true,
         };
         out.push(seed("memory_wire", "request", request.encode()));
+        let scoped = Request {
+            scopes: Scopes::new(&[Scope {
+                addr: handle.addr(),
+                len: 64,
+                access: Access::ReadOnly,
+            }])
+            .unwrap(),
+            ..request
+        };
+        out.push(seed("memory_wire", "request-scoped", scoped.encode()));
         let granted = Reply::Granted {
             base: handle.addr(),
             len: 4096,

@@ -16,6 +16,7 @@ mod notify;
 mod raw_handles;
 mod registrations;
 mod shutdown;
+mod slices;
 mod slots;
 #[path = "../shared/workers.rs"]
 mod workers;

@@ -283,6 +283,7 @@ async fn a_relay_that_writes_with_a_handles_token_changes_no_byte() {
         addr: handle.addr(),
         len: 4096,
         token: handle.transports().tcp.unwrap().token,
+        scopes: Default::default(),
         tag: 0,
     };
     let mut bytes = request.encode().to_vec();

@@ -213,8 +213,18 @@ async fn writes_through_read_only_handles_are_refused() {
         .await;
     assert_op_error(write, 0, |e| *e == OpError::ReadOnly);
     assert_untouched(&mut peer, &rw, &local).await;
-    // Nor does upgrading a narrowed one: its token opens reads only.
-    let upgraded = forge(&rw.handle.read_only(), |j| j["access"] = "ReadWrite".into());
+    // Nor does upgrading a narrowed one: its token opens reads only, and
+    // editing the scope it was narrowed to breaks the token.
+    let narrowed = rw.handle.read_only();
+    let upgraded = forge(&narrowed, |j| j["access"] = "ReadWrite".into());
+    let write = node
+        .submit(vec![RdmaOp::write(local.whole(), upgraded)], DEADLINE)
+        .await;
+    assert_op_error(write, 0, |e| *e == OpError::ReadOnly);
+    let upgraded = forge(&narrowed, |j| {
+        j["access"] = "ReadWrite".into();
+        j["scopes"][0]["access"] = "ReadWrite".into();
+    });
     let write = node
         .submit(vec![RdmaOp::write(local.whole(), upgraded)], DEADLINE)
         .await;
@@ -381,6 +391,7 @@ async fn garbage_on_the_wire_does_not_disturb_the_listener() {
         addr: target.handle.addr(),
         len,
         token,
+        scopes: Default::default(),
         tag: 0,
     };
     // A silent client holds its connection open through all of this.

@@ -279,6 +279,7 @@ async fn stalled_client(server: NodeAddr, stall: Stall) -> Option<TcpStream> {
                 count: 4,
                 len: 4 * 1024,
                 token: 1,
+                scopes: Default::default(),
                 tag: 0,
             };
             assert_eq!(ranges.table_len(), 64);
@@ -295,6 +296,7 @@ async fn stalled_client(server: NodeAddr, stall: Stall) -> Option<TcpStream> {
                 addr: 1 << 20,
                 len: 4096,
                 token: 1,
+                scopes: Default::default(),
                 tag: 0,
             };
             let mut bytes = ClientFrame::Op(write).encode().to_vec();

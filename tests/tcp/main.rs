@@ -11,6 +11,7 @@ mod names;
 mod notified;
 mod peer_death;
 mod raw_drop;
+mod slices;
 mod timeout;
 mod transfers;
 mod two_hosts;

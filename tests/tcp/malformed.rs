@@ -227,10 +227,14 @@ async fn data_round(
             addr: handle.addr() + at,
             len,
             token,
+            scopes: Default::default(),
             tag: 0,
         };
-        // The owner checks region, generation, token, access, bounds: in
-        // that order, so a bad credential hides a later problem.
+        // The owner checks credentials (for the slot and generation
+        // named), access, bounds: in that order, so a bad credential hides
+        // a later problem. A slot or generation the token was not issued
+        // for is a bad credential: a stranger learns nothing of which
+        // exist.
         let mut refusal = match rng.u8(..8) {
             0 => {
                 request.token ^= 1 << rng.u32(0..128);
@@ -238,12 +242,11 @@ async fn data_round(
             }
             1 => {
                 request.generation.0 = request.generation.0.wrapping_add(rng.u32(1..));
-                let current = handle.generation();
-                Some(Refusal::StaleGeneration { current })
+                Some(Refusal::AccessDenied)
             }
             2 => {
                 request.region.0 = rng.u32(1000..);
-                Some(Refusal::UnknownRegion)
+                Some(Refusal::AccessDenied)
             }
             3 => {
                 // Past the end, or below the start (the offset wraps).
@@ -351,6 +354,7 @@ fn fatal_data_frame(
         addr: handle.addr(),
         len: rng.u64(2..=4096),
         token: rw.token,
+        scopes: Default::default(),
         tag: 0,
     };
     match rng.u8(..8) {
@@ -366,6 +370,7 @@ fn fatal_data_frame(
                 count,
                 len: 0,
                 token: rw.token,
+                scopes: Default::default(),
                 tag: 0,
             };
             wire.extend_from_slice(&ClientFrame::Ranges(ranges).encode());
@@ -389,6 +394,7 @@ fn fatal_data_frame(
                 count: 2,
                 len: claimed,
                 token: rw.token,
+                scopes: Default::default(),
                 tag: 0,
             };
             wire.extend_from_slice(&ClientFrame::Ranges(ranges).encode());

@@ -58,6 +58,7 @@ async fn a_tcp_chunk_still_arriving_holds_a_dropped_region_in_its_peers_name() {
         addr: remote.addr(),
         len: len as u64,
         token: remote.transports().tcp.unwrap().token,
+        scopes: Default::default(),
         tag: 0,
     };
     // Half a chunk: the owner writes what came and waits for the rest.

@@ -46,8 +46,9 @@ pub const MAGIC: u32 = u32::from_le_bytes(*b"FRY1");
 /// hello with `BadVersion` instead. An endpoint at its bound sends `Busy`
 /// before it reads the hello, so an older client still sees it there.
 /// 5: nonces, tags and the cluster secret's statuses. 6: the node the
-/// client means to reach, refusals that name no node, and sealed frames
-/// after a hello that proved a secret.
+/// client means to reach, refusals that name no node, sealed frames after a
+/// hello that proved a secret, and the TCP data channel's scoped requests
+/// (narrowed handles).
 pub const VERSION: u16 = 6;
 /// Length of a hello's and a reply's header, the part every version
 /// shares (so that a node of another version reads the refusal).

@@ -3,7 +3,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Generation, NodeAddr, OpError, RegionId};
+use crate::{Generation, NodeAddr, OpError, RegionId, Scope, Scopes, scope_token};
 
 /// What a remote handle allows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -171,11 +171,26 @@ pub struct RemoteTransports {
 /// Serializable handle through which another node reads or writes (part of) a
 /// region. It is also the remote half of an op: slice it to the bytes you want.
 ///
+/// **A handle's view and its credentials.** A handle is a view (`addr`,
+/// `len`, [`access`](Self::access)) and the credentials it was made or
+/// received with: the region's own tokens, or tokens narrowed to a
+/// [`Scope`] (see [`crate::scope_token`]). [`slice`](Self::slice) and
+/// [`read_only`](Self::read_only) narrow the view only, which costs
+/// nothing: an op through a view presents the credentials it came with,
+/// and the owner checks the op against what they open. Serializing a
+/// handle, the only way it leaves the process, narrows its credentials to
+/// its view: the JSON of a slice carries TCP and same-host tokens that
+/// open that slice and no more (and, for reads only, reads only), so
+/// whoever receives it cannot widen it by editing the JSON. Over RDMA it
+/// still carries the region's rkey, which the NIC checks against the
+/// whole registration: there a slice is no boundary (see
+/// `docs/security.md`).
+///
 /// The fields are private so that code holding a handle can only narrow it
 /// (sub-slice, drop write access). A handle forged or altered on the wire is
 /// still checked by the owner against the region's real bounds and access.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(from = "HandleFields", into = "HandleFields")]
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(from = "HandleFields")]
 pub struct RemoteBuffer {
     /// What every view of one registration shares, counted rather than
     /// copied: a prepared request slices a handle per descriptor, and the
@@ -184,15 +199,26 @@ pub struct RemoteBuffer {
     shared: Arc<Registration>,
     addr: u64,
     len: u64,
+    /// What this view allows: the credentials' access, or read-only.
+    access: Access,
 }
 
-/// The part of a handle that slicing does not change.
+/// The part of a handle that slicing does not change: the credentials.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Registration {
     owner: NodeAddr,
     region: RegionId,
     generation: Generation,
+    /// What the credentials allow, as far as the handle knows (the owner
+    /// checks the region's own access too).
     access: Access,
+    /// The range the credentials open: the innermost scope's, or for the
+    /// region's own tokens the range the handle covered when it was made
+    /// or received. A view that differs is narrowed when serialized.
+    extent: (u64, u64),
+    /// The scopes the credentials were narrowed through; empty for the
+    /// region's own tokens.
+    scopes: Scopes,
     transports: RemoteTransports,
 }
 
@@ -206,40 +232,41 @@ struct HandleFields {
     len: u64,
     access: Access,
     transports: RemoteTransports,
+    /// Absent for the region's own tokens: such handles read as before
+    /// scopes existed.
+    #[serde(default, skip_serializing_if = "Scopes::is_empty")]
+    scopes: Scopes,
 }
 
 impl From<HandleFields> for RemoteBuffer {
     fn from(f: HandleFields) -> Self {
-        RemoteBuffer::new(
-            f.owner,
-            f.region,
-            f.generation,
-            f.addr,
-            f.len,
-            f.access,
-            f.transports,
-        )
+        let extent = f.scopes.last().map_or((f.addr, f.len), |s| (s.addr, s.len));
+        let narrowest = f.scopes.as_slice().iter().map(|s| s.access).min();
+        let shared = Registration {
+            owner: f.owner,
+            region: f.region,
+            generation: f.generation,
+            access: narrowest.map_or(f.access, |a| a.min(f.access)),
+            extent,
+            scopes: f.scopes,
+            transports: f.transports,
+        };
+        RemoteBuffer {
+            shared: Arc::new(shared),
+            addr: f.addr,
+            len: f.len,
+            // As the JSON says, even if more than its scopes allow: the
+            // owner refuses what they do not.
+            access: f.access,
+        }
     }
 }
 
-impl From<RemoteBuffer> for HandleFields {
-    fn from(h: RemoteBuffer) -> Self {
-        let Registration {
-            owner,
-            region,
-            generation,
-            access,
-            ref transports,
-        } = *h.shared;
-        HandleFields {
-            owner,
-            region,
-            generation,
-            addr: h.addr,
-            len: h.len,
-            access,
-            transports: transports.clone(),
-        }
+impl Serialize for RemoteBuffer {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.fields()
+            .map_err(serde::ser::Error::custom)?
+            .serialize(serializer)
     }
 }
 
@@ -251,7 +278,8 @@ impl std::fmt::Debug for RemoteBuffer {
             .field("generation", &self.shared.generation)
             .field("addr", &self.addr)
             .field("len", &self.len)
-            .field("access", &self.shared.access)
+            .field("access", &self.access)
+            .field("scopes", &self.shared.scopes)
             .field("transports", &self.shared.transports)
             .finish()
     }
@@ -272,12 +300,15 @@ impl RemoteBuffer {
             region,
             generation,
             access,
+            extent: (addr, len),
+            scopes: Scopes::default(),
             transports,
         };
         RemoteBuffer {
             shared: Arc::new(shared),
             addr,
             len,
+            access,
         }
     }
 
@@ -306,15 +337,23 @@ impl RemoteBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// What the handle allows. The owner checks it against the region's own
-    /// access, so a forged handle gains nothing.
+    /// What the view allows. The owner checks writes against the region's
+    /// own access and the credentials' scopes, so a forged handle gains
+    /// nothing.
     pub fn access(&self) -> Access {
-        self.shared.access
+        self.access
     }
     /// The credentials per transport; one that is `None` cannot reach the
-    /// region.
+    /// region. The TCP and same-host tokens open what [`scopes`](Self::scopes)
+    /// says, which requests present beside them.
     pub fn transports(&self) -> &RemoteTransports {
         &self.shared.transports
+    }
+    /// The scopes the TCP and same-host credentials were narrowed through,
+    /// outermost first: empty when they are the region's own. Not this
+    /// view's range, which may be narrower (until serialized).
+    pub fn scopes(&self) -> &Scopes {
+        &self.shared.scopes
     }
 
     /// Fails if the view's address range wraps around the end of the address
@@ -332,7 +371,8 @@ impl RemoteBuffer {
 
     /// A narrower view: `range` (byte offsets, `u64`, `usize` or a literal:
     /// see [`crate::ByteOffset`]) is relative to this view and must lie
-    /// inside it.
+    /// inside it. Cheap (no hashing): the credentials narrow to the view
+    /// when the handle is serialized.
     pub fn slice<T: crate::ByteOffset>(&self, range: Range<T>) -> Result<RemoteBuffer, OpError> {
         self.check_address_range()?;
         let range = crate::offset::byte_range(range)?;
@@ -347,189 +387,70 @@ impl RemoteBuffer {
             shared: self.shared.clone(),
             addr: self.addr + range.start,
             len: range.end - range.start,
+            access: self.access,
         })
     }
 
-    /// The same view without write access: its TCP and same-host tokens
-    /// are replaced by read-only ones ([`crate::read_only_token`]), which
-    /// their owner accepts for reads only, so that editing the handle's
-    /// access back does not let it write. Over ibverbs the handle still
-    /// carries the region's rkey, which the NIC accepts for writes too.
-    /// A handle already without write access is returned as it is.
+    /// The same view without write access: writes through it fail here
+    /// with [`OpError::ReadOnly`], and serialized, its TCP and same-host
+    /// credentials open the view for reads only, so that editing the
+    /// handle's access back does not let it write. Over ibverbs the handle
+    /// still carries the region's rkey, which the NIC accepts for writes
+    /// too.
     pub fn read_only(&self) -> RemoteBuffer {
-        if !self.access().allows_write() {
-            return self.clone();
-        }
-        let mut transports = self.transports().clone();
-        if let Some(tcp) = &mut transports.tcp {
-            tcp.token = crate::read_only_token(tcp.token);
-        }
-        if let Some(memory) = &mut transports.memory {
-            memory.token = crate::read_only_token(memory.token);
-        }
-        let shared = Registration {
-            access: Access::ReadOnly,
-            transports,
-            ..(*self.shared).clone()
-        };
         RemoteBuffer {
-            shared: Arc::new(shared),
+            access: Access::ReadOnly,
+            ..self.clone()
+        }
+    }
+
+    /// The handle as serialized: credentials narrowed to the view when it
+    /// covers less than they open (a range inside, or reads only). The
+    /// narrowed tokens are derived from the ones held ([`scope_token`]);
+    /// a memfd region's same-host credentials are left out of a handle
+    /// narrowed to part of its range, since what they open is the region's
+    /// whole memfd: such a slice goes over another transport. Fails when
+    /// the chain of scopes is full ([`crate::MAX_SCOPES`]).
+    fn fields(&self) -> Result<HandleFields, String> {
+        let r = &*self.shared;
+        let range = (self.addr, self.len);
+        let access = self.access.min(r.access);
+        let mut fields = HandleFields {
+            owner: r.owner,
+            region: r.region,
+            generation: r.generation,
             addr: self.addr,
             len: self.len,
+            access: self.access,
+            transports: r.transports.clone(),
+            scopes: r.scopes,
+        };
+        if range == r.extent && access == r.access {
+            return Ok(fields);
         }
+        let scope = Scope {
+            addr: self.addr,
+            len: self.len,
+            access,
+        };
+        fields.scopes = r.scopes.with(scope).ok_or_else(|| {
+            format!(
+                "a handle narrowed {} times cannot be narrowed again",
+                crate::MAX_SCOPES
+            )
+        })?;
+        let transports = &mut fields.transports;
+        if let Some(tcp) = &mut transports.tcp {
+            tcp.token = scope_token(tcp.token, &scope);
+        }
+        match &mut transports.memory {
+            Some(memory) if !memory.process_vm && range != r.extent => transports.memory = None,
+            Some(memory) => memory.token = scope_token(memory.token, &scope),
+            None => {}
+        }
+        Ok(fields)
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::NodeId;
-
-    fn handle() -> RemoteBuffer {
-        RemoteBuffer::new(
-            NodeAddr {
-                id: NodeId(1),
-                endpoint: "127.0.0.1:1".parse().unwrap(),
-            },
-            RegionId(3),
-            Generation(1),
-            0x1000,
-            100,
-            Access::ReadWrite,
-            RemoteTransports {
-                tcp: Some(TcpRemote { token: 42 }),
-                ibverbs: None,
-                memory: None,
-            },
-        )
-    }
-
-    #[test]
-    fn slicing_narrows_and_never_widens() {
-        let h = handle();
-        let s = h.slice(10..30).unwrap();
-        assert_eq!((s.addr(), s.len()), (0x1000 + 10, 20));
-        let t = s.slice(5..20).unwrap();
-        assert_eq!((t.addr(), t.len()), (0x1000 + 15, 15));
-        assert!(matches!(
-            s.slice(0..21),
-            Err(OpError::OutOfBounds { bound: 20, .. })
-        ));
-        #[allow(clippy::reversed_empty_ranges)]
-        let reversed = s.slice(5..4);
-        assert_eq!(reversed, Err(OpError::InvertedRange { start: 5, end: 4 }));
-        assert_eq!(h.read_only().access(), Access::ReadOnly);
-    }
-
-    #[test]
-    fn a_read_only_handle_carries_read_only_tokens_once() {
-        let mut h = handle();
-        Arc::make_mut(&mut h.shared).transports.memory = Some(MemRemote {
-            boot_id: 7,
-            token: 43,
-            process_vm: false,
-        });
-        let ro = h.read_only();
-        let tcp = ro.transports().tcp.unwrap().token;
-        let memory = ro.transports().memory.unwrap();
-        assert_eq!(tcp, crate::read_only_token(42));
-        assert_eq!(memory.token, crate::read_only_token(43));
-        assert_eq!(memory.boot_id, 7);
-        // Narrowing again changes nothing: the owner still accepts it.
-        assert_eq!(ro.read_only(), ro);
-        assert_eq!(ro.slice(0..10).unwrap().transports(), ro.transports());
-    }
-
-    #[test]
-    fn bad_ranges_get_errors_that_say_what_is_wrong() {
-        #[allow(clippy::reversed_empty_ranges)]
-        let inverted = handle().slice(10..5).unwrap_err();
-        assert_eq!(inverted, OpError::InvertedRange { start: 10, end: 5 });
-        assert_eq!(
-            inverted.to_string(),
-            "range 10..5 is inverted: its end comes before its start"
-        );
-        // A real out-of-bounds range keeps its own error.
-        assert_eq!(
-            handle().slice(90..110),
-            Err(OpError::OutOfBounds {
-                offset: 90,
-                len: 20,
-                bound: 100
-            })
-        );
-    }
-
-    #[test]
-    fn forged_handles_that_wrap_the_address_space_are_refused() {
-        let forged = |addr: u64, len: u64| {
-            let mut json = serde_json::to_value(handle()).unwrap();
-            json["addr"] = addr.into();
-            json["len"] = len.into();
-            serde_json::from_value::<RemoteBuffer>(json).unwrap()
-        };
-        let huge = forged(0x1000, u64::MAX);
-        let expected = OpError::AddressOverflow {
-            addr: 0x1000,
-            len: u64::MAX,
-        };
-        assert_eq!(huge.check_address_range(), Err(expected.clone()));
-        // Slicing it refuses before looking at the range, even one that
-        // lies inside the forged length.
-        assert_eq!(huge.slice(0..10), Err(expected.clone()));
-        // Errors a peer reports travel as serde; the forged values survive.
-        let json = serde_json::to_string(&expected).unwrap();
-        assert_eq!(serde_json::from_str::<OpError>(&json).unwrap(), expected);
-        assert_eq!(
-            expected.to_string(),
-            "handle range 0x1000+18446744073709551615 wraps around the address space: \
-             forged or corrupt handle"
-        );
-
-        let near_end = forged(u64::MAX - 10, 100);
-        assert_eq!(
-            near_end.slice(20..30),
-            Err(OpError::AddressOverflow {
-                addr: u64::MAX - 10,
-                len: 100
-            })
-        );
-        // Ending exactly at the top of the address space does not wrap.
-        let at_end = forged(u64::MAX - 100, 100);
-        assert_eq!(at_end.check_address_range(), Ok(()));
-        assert_eq!(at_end.slice(90..100).unwrap().addr(), u64::MAX - 10);
-    }
-
-    #[test]
-    fn rail_keys_travel_as_a_short_list_and_refuse_too_many() {
-        let keys = RailKeys::new(&[0x11, 0x22]).unwrap();
-        assert_eq!(
-            (keys.get(1), keys.get(2), keys.len()),
-            (Some(0x22), None, 2)
-        );
-        let json = serde_json::to_value(IbvRemote { rkeys: keys }).unwrap();
-        assert_eq!(json, serde_json::json!({"rkeys": [0x11, 0x22]}));
-        assert_eq!(
-            serde_json::from_value::<IbvRemote>(json).unwrap().rkeys,
-            keys
-        );
-        assert!(RailKeys::new(&[0; MAX_RAILS + 1]).is_none());
-        let too_many = serde_json::json!({"rkeys": vec![1; MAX_RAILS + 1]});
-        let error = serde_json::from_value::<IbvRemote>(too_many).unwrap_err();
-        assert!(error.to_string().contains("at most 8 rails"), "{error}");
-    }
-
-    #[test]
-    fn handle_round_trips_through_serde() {
-        let h = handle();
-        let json = serde_json::to_value(&h).unwrap();
-        // 128-bit values travel as hex strings, which every JSON reader keeps exact.
-        assert_eq!(
-            json["transports"]["tcp"]["token"],
-            "0000000000000000000000000000002a"
-        );
-        assert_eq!(serde_json::from_value::<RemoteBuffer>(json).unwrap(), h);
-        let bad = serde_json::json!({"token": "not hex"});
-        assert!(serde_json::from_value::<TcpRemote>(bad).is_err());
-    }
-}
+mod tests;

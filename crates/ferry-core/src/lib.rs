@@ -18,6 +18,7 @@
 mod backend;
 mod descs;
 mod error;
+mod gone;
 mod handle;
 mod ids;
 pub mod inline;
@@ -37,6 +38,7 @@ pub use descs::{
     op_at, ops_between,
 };
 pub use error::{OpError, RegisterError, SubmitError};
+pub use gone::{DEPARTED, Departed, SlotRefusal};
 pub use handle::{
     Access, IbvRemote, MAX_RAILS, MemRemote, RailKeys, RemoteBuffer, RemoteTransports, TcpRemote,
 };
@@ -49,4 +51,4 @@ pub use op::{LocalSlice, OpKind, RdmaOp};
 pub use progress::{Answer, BatchProgress};
 pub use region::{Region, RegionIds, RegionParts, RegionSlot};
 pub use release::{CloseError, Closing, MemoryHold, MemoryHolder};
-pub use token::{read_only_token, token_grants};
+pub use token::{MAX_SCOPES, SCOPE_LEN, Scope, Scopes, scope_token};

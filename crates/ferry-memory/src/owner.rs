@@ -1,18 +1,24 @@
 //! The owner's side: the regions it shares, and the socket on which
 //! same-host peers ask for them.
 //!
-//! A peer presents a handle's credentials (slot, generation, token) and the
-//! access it wants; the owner checks them against the region as registered
-//! and answers with the memfd, opened read-only unless the region allows
-//! writes and the peer asked to write. The kernel then enforces the access:
+//! A peer presents a handle's credentials (slot, generation, token, and the
+//! scopes a narrowed token was derived for) and the access it wants; the
+//! owner checks them first (so that a stranger learns nothing of which
+//! slots exist: `ferry_core::Departed`), then against the region as
+//! registered, and answers with the memfd, opened read-only unless the
+//! region and the credentials allow writes and the peer asked to write.
+//! Credentials narrowed to part of a memfd region get no memfd, which would
+//! open all of it: they are refused (`AccessDenied`), and an honest peer
+//! never asks (such handles carry no same-host credentials; they go over
+//! another transport, which checks their range). The kernel then enforces the access:
 //! a read-only descriptor cannot be mapped writable. (A process of the same
 //! user could still reopen it through `/proc`, or ptrace the owner: the
 //! memory transport protects against mistakes and forged handles, not
 //! against a hostile process of the same user, which no transport can.)
 //!
 //! Memory that is not a memfd (`MemoryBlock::from_raw`) is granted over
-//! `process_vm` instead: the answer is the region's address and length in
-//! this process, its gate and the peer's lane in the gate table (whose
+//! `process_vm` instead: the answer is the address and length the
+//! credentials open in this process (the region's, or a scope's), its gate and the peer's lane in the gate table (whose
 //! memfd comes with it), and writes only if the region allows them and the
 //! peer asked. The kernel checks whether the peer may reach this process at
 //! all (ptrace rules), not the region's access: a peer granted read-only is
@@ -26,7 +32,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ferry_core::{Access, Generation, MemoryBlock, RegionId, token_grants};
+use ferry_core::{Access, Departed, Generation, MemoryBlock, RegionId, Scope, SlotRefusal};
 use tracing::{debug, warn};
 
 use crate::auth::{self, SocketAuth};
@@ -59,11 +65,33 @@ enum Shared {
     },
 }
 
+impl Export {
+    /// The region's range in this process, and its access.
+    fn range(&self) -> Scope {
+        let (addr, len) = match &self.how {
+            Shared::Memfd(memory) => (memory.addr(), memory.len()),
+            &Shared::ProcessVm { base, len, .. } => (base, len),
+        };
+        Scope {
+            addr,
+            len,
+            access: self.access,
+        }
+    }
+}
+
 /// The regions this node shares, by slot, and its gate table (none where
 /// the kernel cannot give one: then only memfd regions are shared).
 pub(crate) struct Exports {
-    regions: Mutex<HashMap<RegionId, Export>>,
+    regions: Mutex<Slots>,
     gates: Option<Arc<Gates>>,
+}
+
+/// The regions shared now, and the tokens of those that left lately.
+#[derive(Default)]
+struct Slots {
+    live: HashMap<RegionId, Export>,
+    departed: Departed,
 }
 
 impl Exports {
@@ -79,7 +107,7 @@ impl Exports {
         self.gates.is_some()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RegionId, Export>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slots> {
         self.regions.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -114,7 +142,7 @@ impl Exports {
             }
         };
         let process_vm = matches!(held, Held::Gate(_));
-        self.lock().insert(
+        self.lock().live.insert(
             id,
             Export {
                 generation,
@@ -137,7 +165,7 @@ impl Exports {
     /// registration's drop does, without waiting for steps in flight
     /// (that wait stays with each registration's drop, which still comes).
     pub fn revoke_all(&self) {
-        let revoked: Vec<Export> = self.lock().drain().map(|(_, e)| e).collect();
+        let revoked: Vec<Export> = self.lock().live.drain().map(|(_, e)| e).collect();
         for export in revoked {
             match export.how {
                 // SeqCst, as in the registration's drop.
@@ -164,31 +192,33 @@ impl Exports {
     /// The answer to `request` from `asker`, with the descriptor to attach.
     fn answer(&self, request: &Request, asker: &mut Asker) -> (Reply, Option<OwnedFd>) {
         let exports = self.lock();
-        let Some(export) = exports.get(&request.region) else {
-            return (Reply::Refused(Refusal::UnknownRegion), None);
+        let export = exports.live.get(&request.region);
+        let live = export.map(|e| (e.generation, e.token, e.range()));
+        let checked = exports.departed.check(
+            live,
+            request.region,
+            request.generation,
+            request.token,
+            &request.scopes,
+        );
+        let (export, opened) = match (export, checked) {
+            (Some(export), Ok(opened)) => (export, opened),
+            (_, Err(refusal)) => {
+                let refusal = match refusal {
+                    SlotRefusal::UnknownRegion => Refusal::UnknownRegion,
+                    SlotRefusal::StaleGeneration { current } => {
+                        Refusal::StaleGeneration { current }
+                    }
+                    _ => Refusal::AccessDenied,
+                };
+                return (Reply::Refused(refusal), None);
+            }
+            (None, Ok(_)) => return (Reply::Refused(Refusal::UnknownRegion), None),
         };
-        if export.generation != request.generation {
-            let refusal = if request.generation < export.generation {
-                Refusal::StaleGeneration {
-                    current: export.generation,
-                }
-            } else {
-                Refusal::UnknownRegion
-            };
-            return (Reply::Refused(refusal), None);
-        }
-        // The region's token, or (for reads) its read-only one.
-        if !token_grants(export.token, request.token, request.write) {
-            return (Reply::Refused(Refusal::AccessDenied), None);
-        }
+        let read_only = !(export.access.allows_write() && opened.access.allows_write());
         let memory = match &export.how {
             Shared::Memfd(memory) => memory,
-            &Shared::ProcessVm {
-                base,
-                len,
-                gate,
-                stamp,
-            } => {
+            &Shared::ProcessVm { gate, stamp, .. } => {
                 let Some(gates) = &self.gates else {
                     return (Reply::Refused(Refusal::UnknownRegion), None);
                 };
@@ -197,7 +227,7 @@ impl Exports {
                 if !request.process_vm || gates.table().live(gate).load(Ordering::SeqCst) != stamp {
                     return (Reply::Refused(Refusal::UnknownRegion), None);
                 }
-                if request.write && !export.access.allows_write() {
+                if request.write && read_only {
                     return (Reply::Refused(Refusal::ReadOnly), None);
                 }
                 let Some(lane) = asker.lane(gates) else {
@@ -206,9 +236,11 @@ impl Exports {
                 let Ok(fd) = gates.fd().try_clone_to_owned() else {
                     return (Reply::Refused(Refusal::UnknownRegion), None);
                 };
+                // The range the credentials open: the peer's copies stay
+                // inside it (`pvm::Grant::locate`).
                 let reply = Reply::ProcessVm {
-                    base,
-                    len,
+                    base: opened.addr,
+                    len: opened.len,
                     gate,
                     lane,
                     stamp,
@@ -216,6 +248,11 @@ impl Exports {
                 return (reply, Some(fd));
             }
         };
+        // Its memfd would open the whole region: only for credentials
+        // that do.
+        if (opened.addr, opened.len) != (memory.addr(), memory.len()) {
+            return (Reply::Refused(Refusal::AccessDenied), None);
+        }
         let Some(mapping) = mapping_of(memory) else {
             return (Reply::Refused(Refusal::UnknownRegion), None);
         };
@@ -224,7 +261,7 @@ impl Exports {
         if mapping.liveness().load(Ordering::SeqCst) != alive(export.generation) {
             return (Reply::Refused(Refusal::UnknownRegion), None);
         }
-        if request.write && !export.access.allows_write() {
+        if request.write && read_only {
             return (Reply::Refused(Refusal::ReadOnly), None);
         }
         // A fresh open file description with just the access granted: a
@@ -313,11 +350,14 @@ impl Drop for MemRegistration {
             Held::Gate(gate) => gate.close(),
         }
         let mut exports = self.exports.lock();
-        if exports
+        let Slots { live, departed } = &mut *exports;
+        if live
             .get(&self.id)
             .is_some_and(|e| e.generation == self.generation)
+            && let Some(export) = live.remove(&self.id)
         {
-            exports.remove(&self.id);
+            // Its holders hear that it is gone; nobody else does.
+            departed.remember(self.id, self.generation, export.token);
         }
     }
 }
@@ -387,8 +427,9 @@ async fn answer_peer(
     auth: Arc<SocketAuth>,
     refusals: Arc<Refusals>,
 ) {
-    let mut buf = [0u8; 128];
-    const _: () = assert!(LaneOpen::LEN <= 128 && Request::LEN <= 128 && auth::HELLO_LEN <= 128);
+    let mut buf = [0u8; 160];
+    const _: () =
+        assert!(LaneOpen::LEN <= 160 && Request::MAX_LEN <= 160 && auth::HELLO_LEN <= 160);
     let mut asker = Asker {
         socket: &peer,
         lane: None,

@@ -22,10 +22,7 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry_core::{
-    Generation, NodeAddr, NodeId, OpError, OpKind, RdmaOp, RegionId, RemoteBuffer, read_only_token,
-    token_grants, tokens_equal,
-};
+use ferry_core::{Generation, NodeAddr, NodeId, OpError, OpKind, RdmaOp, RegionId, RemoteBuffer};
 
 use crate::DataPathNotification;
 use crate::auth::SocketAuth;
@@ -70,18 +67,27 @@ impl Target {
     }
 }
 
-/// A region the owner granted, and the token the grant was made for.
+/// A region the owner granted, cached under its slot and the token the
+/// grant was made for.
 ///
 /// **Invariant (credentials).** Every op is checked against its handle's
 /// token, not only the one that first asked: an op through a cached grant
-/// goes only if its token equals (compared in constant time) the token the
-/// owner accepted for that grant, so holding a grant for a region never
-/// lets a forged handle to it through. A mismatch is `AccessDenied`, as
-/// the owner (and the TCP owner) would answer.
+/// goes only if its token is the one the owner accepted for that grant,
+/// so holding a grant for a region never lets a forged handle to it
+/// through: another token is asked of the owner, which refuses it (or
+/// grants it, cached beside the first: a region reached through its own
+/// handle and a narrowed one holds two grants). A handle with a granted
+/// token but other scopes than it was granted for is a forgery of one
+/// granted, and gets no more than that grant: the owner made it for the
+/// range and access those credentials open (a narrowed `process_vm`
+/// grant covers its scope alone; a memfd is granted only to credentials
+/// that open the whole region), and every op is checked against it.
 struct Granted {
     target: Target,
-    token: u128,
 }
+
+/// A grant's key: the region's slot and the token it was granted for.
+type GrantKey = (RegionId, u128);
 
 /// Whether the kernel lets this process reach an owner over `process_vm`:
 /// not probed yet, permitted, refused.
@@ -104,7 +110,7 @@ pub(crate) struct Link {
     table: Mutex<Option<Arc<Table>>>,
     /// One request in flight at a time: the replies come in order.
     asking: tokio::sync::Mutex<()>,
-    mapped: Mutex<HashMap<RegionId, Granted>>,
+    mapped: Mutex<HashMap<GrantKey, Granted>>,
     /// The notification lane to the owner, once opened (`None`: the owner
     /// refused one).
     lane: tokio::sync::OnceCell<Option<Arc<LaneSender>>>,
@@ -246,10 +252,11 @@ impl Link {
     /// and the owner asked again, whose refusal (stale generation, unknown
     /// region) is the error.
     pub async fn why_dead(&self, op: &RdmaOp) -> OpError {
+        let token = op.remote.transports().memory.map_or(0, |m| m.token);
         self.mapped
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&op.remote.region());
+            .remove(&(op.remote.region(), token));
         match self.mapping(op).await {
             Err(e) => e,
             Ok(_) => {
@@ -265,8 +272,9 @@ impl Link {
 
     /// [`mapping_for`](Self::mapping_for)'s answer when the owner need not
     /// be asked: the mapping or grant already held for `remote`'s region
-    /// and generation, or `AccessDenied` when its token is not the one it
-    /// was granted for; `None` when the owner must be asked.
+    /// and token (and generation, and writes if `write`); `None` when the
+    /// owner must be asked. Never an error: the owner's answer is the one
+    /// that refuses.
     pub fn cached_mapping(
         &self,
         remote: &RemoteBuffer,
@@ -274,19 +282,10 @@ impl Link {
     ) -> Option<Result<Target, OpError>> {
         let token = remote.transports().memory.map_or(0, |m| m.token);
         let mapped = self.mapped.lock().unwrap_or_else(|e| e.into_inner());
-        let granted = mapped.get(&remote.region())?;
-        if granted.target.generation() != remote.generation() {
-            return None;
-        }
-        // Granted for the token presented; or for the full token, which
-        // covers a read with its read-only one; or for the read-only one,
-        // which the full token covers.
-        let covered = token_grants(granted.token, token, write)
-            || tokens_equal(read_only_token(token), granted.token);
-        if !covered {
-            return Some(Err(OpError::AccessDenied));
-        }
-        (granted.target.writable() || !write).then(|| Ok(granted.target.clone()))
+        let granted = mapped.get(&(remote.region(), token))?;
+        let usable = granted.target.generation() == remote.generation()
+            && (granted.target.writable() || !write);
+        usable.then(|| Ok(granted.target.clone()))
     }
 
     /// The mapping or grant ops on `remote` need (writes when `write`):
@@ -319,6 +318,7 @@ impl Link {
             generation: remote.generation(),
             write,
             token,
+            scopes: *remote.scopes(),
             process_vm: true,
         };
         self.packets
@@ -393,10 +393,9 @@ impl Link {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(
-                remote.region(),
+                (remote.region(), token),
                 Granted {
                     target: mapping.clone(),
-                    token,
                 },
             );
         // Unmapped (if this was its last reference) outside the lock.

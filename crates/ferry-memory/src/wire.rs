@@ -10,11 +10,15 @@
 //! never get a `process_vm` grant (they could not read one): the owner
 //! refuses them such a region as unknown.
 //!
+//! A request through a narrowed handle carries its chain of scopes (see
+//! `ferry_core::Scopes`) behind the 32 bytes, [`SCOPE_LEN`] each; one
+//! through the region's own token is 32 bytes, as it always was.
+//!
 //! Public (and hidden from the docs) only so that the fuzz targets in
 //! `fuzz/` reach these decoders: they are not part of ferry's API.
 
 use ferry_control::wire::{NODE_ADDR_LEN, encode_node_addr, node_addr_at};
-use ferry_core::{Generation, NodeAddr, OpError, RegionId};
+use ferry_core::{Generation, MAX_SCOPES, NodeAddr, OpError, RegionId, SCOPE_LEN, Scopes};
 
 const MAGIC: [u8; 4] = *b"FMEM";
 const VERSION: u16 = 1;
@@ -32,17 +36,22 @@ pub struct Request {
     pub write: bool,
     /// The handle's memory token.
     pub token: u128,
+    /// The scopes the token was narrowed through; empty for the region's
+    /// own token.
+    pub scopes: Scopes,
     /// Whether the peer takes a [`Reply::ProcessVm`] grant.
     pub process_vm: bool,
 }
 
 impl Request {
-    /// Encoded length.
+    /// Encoded length without scopes.
     pub const LEN: usize = 32;
+    /// Encoded length with the most scopes.
+    pub const MAX_LEN: usize = Self::LEN + MAX_SCOPES * SCOPE_LEN;
 
-    /// The packet.
-    pub fn encode(&self) -> [u8; Self::LEN] {
-        let mut out = [0; Self::LEN];
+    /// The packet: the fixed part, then the scopes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = vec![0; Self::LEN];
         out[0..4].copy_from_slice(&MAGIC);
         out[4..6].copy_from_slice(&VERSION.to_le_bytes());
         out[6] = u8::from(self.write);
@@ -50,11 +59,17 @@ impl Request {
         out[8..12].copy_from_slice(&self.region.0.to_le_bytes());
         out[12..16].copy_from_slice(&self.generation.0.to_le_bytes());
         out[16..32].copy_from_slice(&self.token.to_le_bytes());
+        self.scopes.encode_into(&mut out);
         out
     }
 
     /// Reads a packet; `None` if it is not one.
     pub fn decode(packet: &[u8]) -> Option<Self> {
+        let (packet, scopes) = packet.split_at_checked(Self::LEN)?;
+        let scopes = match scopes {
+            [] => Scopes::default(),
+            scopes => Scopes::decode(scopes)?,
+        };
         let packet: &[u8; Self::LEN] = packet.try_into().ok()?;
         if packet[0..4] != MAGIC
             || packet[4..6] != VERSION.to_le_bytes()
@@ -70,6 +85,7 @@ impl Request {
             region: RegionId(u32_at(8)),
             generation: Generation(u32_at(12)),
             token: u128::from_le_bytes(packet[16..32].try_into().unwrap()),
+            scopes,
         })
     }
 }
@@ -392,13 +408,32 @@ mod tests {
             generation: Generation(3),
             write: true,
             token: u128::MAX - 5,
+            scopes: Scopes::default(),
             process_vm: true,
         };
+        assert_eq!(request.encode().len(), Request::LEN);
         assert_eq!(Request::decode(&request.encode()), Some(request));
         let mut bad = request.encode();
         bad[0] = b'X';
         assert_eq!(Request::decode(&bad), None);
         assert_eq!(Request::decode(&request.encode()[..31]), None);
+        // Narrowed: its scopes follow, whole.
+        let scope = ferry_core::Scope {
+            addr: 0x1000,
+            len: 10,
+            access: ferry_core::Access::ReadOnly,
+        };
+        let scoped = Request {
+            scopes: Scopes::new(&[scope; MAX_SCOPES]).unwrap(),
+            ..request
+        };
+        let packet = scoped.encode();
+        assert_eq!(packet.len(), Request::MAX_LEN);
+        assert_eq!(Request::decode(&packet), Some(scoped));
+        assert_eq!(Request::decode(&packet[..Request::MAX_LEN - 1]), None);
+        let mut five = packet.clone();
+        five.extend_from_slice(&scope.encode());
+        assert_eq!(Request::decode(&five), None);
         for reply in [
             Reply::Granted {
                 base: 0x7000_0000,

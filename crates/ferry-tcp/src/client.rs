@@ -293,6 +293,7 @@ impl Peers {
                         addr: op.remote.addr() + queued,
                         len,
                         token: tcp.token,
+                        scopes: *op.remote.scopes(),
                         tag,
                     };
                     let local = Local::Region {

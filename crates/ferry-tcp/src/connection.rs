@@ -396,11 +396,11 @@ enum Segment {
 /// and one `sendmsg` takes at most [`crate::io::MAX_IOV`] of those.
 const STAGE_MAX: usize = 512;
 
-/// Plans what follows `chunk`'s `header`: a ranges request's table, staged,
-/// then its payloads, small ones staged as well; any other request's
-/// payload in place. Sealed (`seal`), the frame's tag is staged after the
-/// header and table, before any payload; a notification's covers its body
-/// too, and follows it.
+/// Plans what follows `chunk`'s `header`: its scopes, if any, staged; then
+/// a ranges request's table, staged, then its payloads, small ones staged
+/// as well; any other request's payload in place. Sealed (`seal`), the
+/// frame's tag is staged after the header, scopes and table, before any
+/// payload; a notification's covers its body too, and follows it.
 fn plan_payload(
     chunk: &Chunk,
     header: &[u8; REQUEST_LEN],
@@ -408,6 +408,12 @@ fn plan_payload(
     staged: &mut Vec<u8>,
     segments: &mut Vec<Segment>,
 ) {
+    let scopes_start = staged.len();
+    if let Some(scopes) = chunk.frame.scopes().filter(|s| !s.is_empty()) {
+        scopes.encode_into(staged);
+        note_staged(segments, scopes_start, staged.len());
+    }
+    let scopes = scopes_start..staged.len();
     let ClientFrame::Ranges(ranges) = chunk.frame else {
         // Payloads are at most MAX_CHUNK bytes, far below usize::MAX.
         let len = chunk.frame.payload_len() as usize;
@@ -421,7 +427,7 @@ fn plan_payload(
                 segments.push(Segment::Payload { ptr, len });
                 mac.seal(&[header, body])
             } else {
-                mac.seal(&[header])
+                mac.seal(&[header, &staged[scopes.clone()]])
             };
             let start = staged.len();
             staged.extend_from_slice(&tag);
@@ -442,7 +448,7 @@ fn plan_payload(
         staged.extend_from_slice(&entry.encode());
     }
     if let Some(mac) = seal {
-        let tag = mac.seal(&[header, &staged[start..]]);
+        let tag = mac.seal(&[header, &staged[scopes], &staged[start..]]);
         staged.extend_from_slice(&tag);
     }
     note_staged(segments, start, staged.len());

@@ -3,8 +3,8 @@
 //!
 //! ```text
 //! connect:  the endpoint's hello for `Channel::TCP_DATA` (see ferry-control)
-//! request:  client -> Request (64 B) [+ len payload bytes for a write]
-//!           client -> Ranges (64 B) + count × Range (16 B)
+//! request:  client -> Request (64 B) [+ scopes] [+ len payload bytes for a write]
+//!           client -> Ranges (64 B) [+ scopes] + count × Range (16 B)
 //!                     [+ len payload bytes, the ranges' in order, for a write]
 //!           client -> Notify (64 B) + len notification bytes
 //! response: server -> Response (40 B) [+ len payload bytes for read data]
@@ -24,13 +24,21 @@
 //! `tag`; the owner remembers the tags of refused chunks and does not
 //! deliver their notification, so a failed batch notifies nobody without
 //! the initiator waiting for its acks first.
+//!
+//! A request through a narrowed handle (see `ferry_core::Scopes`) carries
+//! its chain of scopes right behind the header: the header's kind byte has
+//! [`SCOPED`] set and its byte 1 counts the scopes, 1 to
+//! [`MAX_SCOPES`], each [`SCOPE_LEN`] bytes. A
+//! request through the region's own token is as it always was, byte for
+//! byte; an owner that predates scopes refuses a scoped one as a bad kind.
 //! Versioned by the hello exchange; any frame that does not parse ends the
 //! connection after an error response, since framing can no longer be trusted.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use ferry_control::wire::{u16_at, u32_at, u64_at, u128_at};
-use ferry_core::{Generation, NodeAddr, NodeId, RegionId};
+pub use ferry_core::SCOPE_LEN;
+use ferry_core::{Access, Generation, MAX_SCOPES, NodeAddr, NodeId, RegionId, Scope, Scopes};
 
 mod ranges;
 mod response;
@@ -68,6 +76,13 @@ pub enum FrameError {
     /// that holds an empty range.
     #[error("range table does not match its request: {0}")]
     RangeTable(&'static str),
+    /// A scoped request announcing no scopes, or more than
+    /// [`MAX_SCOPES`].
+    #[error("{0} scopes behind a request; 1 to {MAX_SCOPES} may be")]
+    ScopeCount(u8),
+    /// Scopes behind a request that do not parse.
+    #[error("malformed scopes behind a request")]
+    BadScopes,
 }
 
 /// What a request asks of the owner; the value is the header's kind byte.
@@ -78,6 +93,10 @@ pub enum RequestKind {
     /// Store the `len` payload bytes that follow at `addr`.
     Write = 2,
 }
+
+/// Set in a [`Request`]'s or [`Ranges`]' kind byte when its scopes
+/// follow the header (byte 1 counts them).
+pub const SCOPED: u8 = 0x80;
 
 /// Kind byte of a [`Notify`] frame.
 const NOTIFY_KIND: u8 = 3;
@@ -103,16 +122,23 @@ pub struct Request {
     pub len: u64,
     /// The handle's TCP token.
     pub token: u128,
+    /// The scopes the token was narrowed through (empty: the region's own
+    /// token); sent behind the header. Decoded from a header, they are
+    /// placeholders to replace with the trailer's (see
+    /// [`ClientFrame::scopes_len`]).
+    pub scopes: Scopes,
     /// The notified batch this chunk belongs to, or 0: the owner remembers
     /// a refused chunk's tag until that batch's [`Notify`] comes.
     pub tag: u64,
 }
 
 impl Request {
-    /// The header as sent; a write's payload follows it separately.
+    /// The header as sent; its scopes and a write's payload follow it
+    /// separately.
     pub fn encode(&self) -> [u8; REQUEST_LEN] {
         let mut b = [0; REQUEST_LEN];
         b[0] = self.kind as u8;
+        mark_scoped(&mut b, &self.scopes);
         b[4..8].copy_from_slice(&self.generation.0.to_le_bytes());
         b[8..16].copy_from_slice(&self.id.to_le_bytes());
         b[16..20].copy_from_slice(&self.region.0.to_le_bytes());
@@ -127,7 +153,8 @@ impl Request {
     /// response can name it.
     pub fn decode(b: &[u8; REQUEST_LEN]) -> Result<Self, (u64, FrameError)> {
         let id = u64_at(b, 8);
-        let kind = match b[0] {
+        let scopes = scoped(b).map_err(|e| (id, e))?;
+        let kind = match b[0] & !SCOPED {
             1 => RequestKind::Read,
             2 => RequestKind::Write,
             other => return Err((id, FrameError::BadKind(other))),
@@ -144,9 +171,38 @@ impl Request {
             addr: u64_at(b, 24),
             len,
             token: u128_at(b, 40),
+            scopes,
             tag: u64_at(b, 56),
         })
     }
+}
+
+/// Marks header `b` as followed by `scopes`, if there are any.
+fn mark_scoped(b: &mut [u8; REQUEST_LEN], scopes: &Scopes) {
+    if !scopes.is_empty() {
+        b[0] |= SCOPED;
+        // At most MAX_SCOPES, which fits a byte.
+        b[1] = scopes.len() as u8;
+    }
+}
+
+/// The scopes header `b` announces, as placeholders: none unless its kind
+/// byte says so, and then 1 to [`MAX_SCOPES`].
+fn scoped(b: &[u8; REQUEST_LEN]) -> Result<Scopes, FrameError> {
+    if b[0] & SCOPED == 0 {
+        return Ok(Scopes::default());
+    }
+    const PLACEHOLDER: Scope = Scope {
+        addr: 0,
+        len: 0,
+        access: Access::ReadOnly,
+    };
+    let count = usize::from(b[1]);
+    (1..=MAX_SCOPES)
+        .contains(&count)
+        .then(|| Scopes::new(&[PLACEHOLDER; MAX_SCOPES][..count]))
+        .flatten()
+        .ok_or(FrameError::ScopeCount(b[1]))
 }
 
 /// A notification for the owner's inbox, sent after every chunk of batch
@@ -235,8 +291,9 @@ impl ClientFrame {
     /// Parses a header by its kind byte; the request id is returned even
     /// for a bad frame so that the error response can name it.
     pub fn decode(b: &[u8; REQUEST_LEN]) -> Result<Self, (u64, FrameError)> {
-        match b[0] {
-            NOTIFY_KIND => Notify::decode(b).map(ClientFrame::Notify),
+        match b[0] & !SCOPED {
+            NOTIFY_KIND if b[0] == NOTIFY_KIND => Notify::decode(b).map(ClientFrame::Notify),
+            NOTIFY_KIND => Err((u64_at(b, 8), FrameError::BadKind(b[0]))),
             RANGES_KIND | 5 => Ranges::decode(b).map(ClientFrame::Ranges),
             _ => Request::decode(b).map(ClientFrame::Op),
         }
@@ -269,6 +326,34 @@ impl ClientFrame {
         }
     }
 
+    /// Bytes of the scopes that follow the header, before anything else.
+    pub fn scopes_len(&self) -> usize {
+        self.scopes().map_or(0, |s| s.len() * SCOPE_LEN)
+    }
+
+    /// The scopes of an op's request; `None` for a notification.
+    pub fn scopes(&self) -> Option<&Scopes> {
+        match self {
+            ClientFrame::Op(request) => Some(&request.scopes),
+            ClientFrame::Ranges(ranges) => Some(&ranges.scopes),
+            ClientFrame::Notify(_) => None,
+        }
+    }
+
+    /// Replaces the placeholder scopes of a decoded header by those that
+    /// followed it, `bytes` ([`scopes_len`](Self::scopes_len) of them).
+    pub fn read_scopes(&mut self, bytes: &[u8]) -> Result<(), FrameError> {
+        let scopes = match self {
+            ClientFrame::Op(request) => &mut request.scopes,
+            ClientFrame::Ranges(ranges) => &mut ranges.scopes,
+            ClientFrame::Notify(_) => return Err(FrameError::BadScopes),
+        };
+        *scopes = Scopes::decode(bytes)
+            .filter(|s| s.len() == scopes.len())
+            .ok_or(FrameError::BadScopes)?;
+        Ok(())
+    }
+
     /// The length field: bytes an op moves, or a notification's body.
     pub fn bytes(&self) -> u64 {
         match self {
@@ -278,8 +363,8 @@ impl ClientFrame {
         }
     }
 
-    /// Bytes that follow the header on the wire (a [`Ranges`] table
-    /// included).
+    /// Bytes that follow the header and its scopes on the wire (a
+    /// [`Ranges`] table included).
     pub fn payload_len(&self) -> u64 {
         match self {
             ClientFrame::Ranges(ranges) => {
@@ -301,145 +386,4 @@ impl ClientFrame {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn frames_round_trip() {
-        let req = Request {
-            kind: RequestKind::Write,
-            id: 7,
-            region: RegionId(3),
-            generation: Generation(9),
-            addr: 0x0dea_dbee_f000,
-            len: 4096,
-            token: u128::MAX - 5,
-            tag: 11,
-        };
-        assert_eq!(Request::decode(&req.encode()), Ok(req));
-        for kind in [RequestKind::Read, RequestKind::Write] {
-            let ranges = ClientFrame::Ranges(Ranges {
-                kind,
-                id: 8,
-                region: RegionId(3),
-                generation: Generation(9),
-                count: MAX_RANGES,
-                len: 64 << 10,
-                token: 77,
-                tag: 12,
-            });
-            assert_eq!(ClientFrame::decode(&ranges.encode()), Ok(ranges));
-        }
-        for endpoint in ["10.1.2.3:7000", "[fd00::5]:1"] {
-            let notify = Notify {
-                id: 12,
-                tag: 11,
-                len: 64,
-                discard: true,
-                from: NodeAddr {
-                    id: NodeId(u128::MAX - 1),
-                    endpoint: endpoint.parse().unwrap(),
-                },
-            };
-            let frame = ClientFrame::Notify(notify);
-            assert_eq!(ClientFrame::decode(&frame.encode()), Ok(frame));
-        }
-        for resp in [
-            Response::ReadData { id: 1, len: 10 },
-            Response::WriteAck { id: 2 },
-            Response::Refused {
-                id: 3,
-                range: 0,
-                refusal: Refusal::StaleGeneration {
-                    current: Generation(4),
-                },
-                len: 5,
-            },
-            Response::Refused {
-                id: 4,
-                range: 1023,
-                refusal: Refusal::OutOfBounds {
-                    offset: 9,
-                    bound: 100,
-                },
-                len: 5,
-            },
-            Response::Notified {
-                id: 5,
-                outcome: NotifyOutcome::TooLarge { limit: 1024 },
-            },
-            Response::Notified {
-                id: 6,
-                outcome: NotifyOutcome::InboxFull,
-            },
-        ] {
-            assert_eq!(Response::decode(&resp.encode()), Ok(resp));
-        }
-    }
-
-    #[test]
-    fn bad_frames_are_typed_errors() {
-        let mut b = [0u8; REQUEST_LEN];
-        b[0] = 9;
-        b[8] = 42;
-        assert_eq!(Request::decode(&b), Err((42, FrameError::BadKind(9))));
-        b[0] = 1;
-        b[32..40].copy_from_slice(&(MAX_CHUNK + 1).to_le_bytes());
-        assert_eq!(
-            Request::decode(&b),
-            Err((42, FrameError::TooLong(MAX_CHUNK + 1)))
-        );
-        for count in [0, MAX_RANGES + 1] {
-            b[0] = RANGES_KIND;
-            b[20..24].copy_from_slice(&count.to_le_bytes());
-            assert_eq!(
-                ClientFrame::decode(&b),
-                Err((42, FrameError::RangeCount(count)))
-            );
-        }
-    }
-
-    #[test]
-    fn range_tables_must_add_up() {
-        let header = Ranges {
-            kind: RequestKind::Write,
-            id: 1,
-            region: RegionId(0),
-            generation: Generation(1),
-            count: 2,
-            len: 12,
-            token: 0,
-            tag: 0,
-        };
-        let table = |lens: &[u64]| -> Vec<u8> {
-            let ranges = lens.iter().enumerate();
-            ranges
-                .flat_map(|(k, &len)| {
-                    Range {
-                        addr: k as u64 * 100,
-                        len,
-                    }
-                    .encode()
-                })
-                .collect()
-        };
-        let mut out = Vec::new();
-        header.decode_table(&table(&[4, 8]), &mut out).unwrap();
-        assert_eq!(
-            out,
-            [Range { addr: 0, len: 4 }, Range { addr: 100, len: 8 }]
-        );
-        for (lens, why) in [
-            (&[4, 9][..], "lengths do not add up"),
-            (&[12, 0], "an empty range"),
-            (&[12], "wrong table length"),
-            (&[u64::MAX, 13], "lengths do not add up"),
-        ] {
-            assert_eq!(
-                header.decode_table(&table(lens), &mut out),
-                Err(FrameError::RangeTable(why)),
-                "{lens:?}"
-            );
-        }
-    }
-}
+mod tests;

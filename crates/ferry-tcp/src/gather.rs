@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use ferry_core::{BatchProgress, Generation, NodeAddr, OpKind, RdmaOp, Region, RegionId};
+use ferry_core::{BatchProgress, Generation, NodeAddr, OpKind, RdmaOp, Region, RegionId, Scopes};
 
 use crate::chunk::{Chunk, Local, LocalRange};
 use crate::frame::{ClientFrame, MAX_RANGES, Ranges, Request, RequestKind};
@@ -20,6 +20,10 @@ pub(crate) struct Gather {
     region: RegionId,
     generation: Generation,
     token: u128,
+    /// The scopes `token` was narrowed through: an op with the same token
+    /// has the same ones, unless one of them was forged, and then the
+    /// owner checks both against the first's.
+    scopes: Scopes,
     local: Region,
     ranges: Vec<LocalRange>,
     bytes: u64,
@@ -35,6 +39,7 @@ impl Gather {
             region: op.remote.region(),
             generation: op.remote.generation(),
             token,
+            scopes: *op.remote.scopes(),
             local: op.local.region().clone(),
             ranges: Vec::new(),
             bytes: 0,
@@ -94,6 +99,7 @@ impl Gather {
                     addr: one.remote,
                     len: self.bytes,
                     token: self.token,
+                    scopes: self.scopes,
                     tag,
                 };
                 let local = Local::Region {
@@ -112,6 +118,7 @@ impl Gather {
                     count: self.ranges.len() as u32,
                     len: self.bytes,
                     token: self.token,
+                    scopes: self.scopes,
                     tag,
                 };
                 let local = Local::Ranges {

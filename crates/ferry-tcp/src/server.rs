@@ -14,10 +14,10 @@ use tracing::{debug, warn};
 
 use crate::frame::{
     ClientFrame, Notify, NotifyOutcome, REQUEST_LEN, RESPONSE_LEN, Range, Ranges, Refusal,
-    RequestKind, Response,
+    RequestKind, Response, SCOPE_LEN,
 };
 use crate::io::{FrameReader, IoVecs, MAX_IOV};
-use crate::table::RegionTable;
+use crate::table::{Credentials, RegionTable, ScopeCache};
 use ferry_control::auth::{FRAME_TAG_LEN, FrameMac};
 
 /// Acknowledgements are coalesced up to this many before they are sent.
@@ -139,16 +139,30 @@ async fn serve(
         let Some(bytes) = header else {
             return out.flush(stream, permit).await.map(|()| None);
         };
+        let frame = match ClientFrame::decode(&bytes) {
+            Ok(frame) if frame.scopes_len() > 0 => {
+                read_scopes(stream, &mut reader, frame, &mut scratch.scopes).await?
+            }
+            other => other,
+        };
+        // The scopes' bytes, as read (none for an unscoped frame): sealed,
+        // the frame's tag covers them.
+        let scoped = match &frame {
+            Ok(frame) => frame.scopes_len(),
+            Err(_) => 0,
+        };
         // A plain request is checked into one span, a ranges request into
         // one per range; `answer` moves or refuses either.
-        let (asked, checked) = match ClientFrame::decode(&bytes) {
+        let (asked, checked) = match frame {
             Ok(ClientFrame::Op(req)) => {
                 if let Some(mac) = &mut check {
-                    reader.check_tag(stream, mac, &[&bytes]).await?;
+                    let scopes = &scratch.scopes[..scoped];
+                    reader.check_tag(stream, mac, &[&bytes, scopes]).await?;
                 }
                 let spans = &mut scratch.spans;
                 spans.clear();
-                let checked = table.authorize(&req, || peer.clone()).map(|grant| {
+                let cache = &mut scratch.cache;
+                let checked = table.authorize(&req, cache, || peer.clone()).map(|grant| {
                     // Below MAX_CHUNK, far below usize::MAX.
                     spans.push((grant.offset, req.len as usize));
                     grant.memory
@@ -166,7 +180,7 @@ async fn serve(
                     stream,
                     permit,
                     &mut reader,
-                    (&bytes, check.as_mut()),
+                    (&bytes, scoped, check.as_mut()),
                     &ranges,
                     table,
                     peer,
@@ -343,6 +357,32 @@ struct Scratch {
     ranges: Vec<Range>,
     /// The granted request's (offset, length) spans in its region.
     spans: Vec<(usize, usize)>,
+    /// A scoped request's scopes, as read.
+    scopes: Vec<u8>,
+    /// The narrowed credentials checked last.
+    cache: ScopeCache,
+}
+
+/// Reads the scopes that follow a scoped request's header into `frame`.
+/// Scopes that do not parse leave the rest of the frame undelimited: the
+/// caller refuses it and hangs up, as for a malformed header.
+async fn read_scopes(
+    stream: &TcpStream,
+    reader: &mut FrameReader,
+    mut frame: ClientFrame,
+    bytes: &mut Vec<u8>,
+) -> io::Result<Result<ClientFrame, (u64, crate::frame::FrameError)>> {
+    let len = frame.scopes_len();
+    debug_assert!(len <= ferry_core::MAX_SCOPES * SCOPE_LEN);
+    bytes.resize(len, 0);
+    // Exactly the scopes: a large payload behind them goes straight to its
+    // place.
+    // SAFETY: `bytes` is `len` bytes long and lives across the call.
+    unsafe { reader.exact(stream, bytes.as_mut_ptr(), len).await? };
+    Ok(match frame.read_scopes(bytes) {
+        Ok(()) => Ok(frame),
+        Err(e) => Err((frame.id(), e)),
+    })
 }
 
 /// Checks one [`Ranges`] request: reads its table (and, sealed, the tag
@@ -354,7 +394,7 @@ async fn check_ranges(
     stream: &TcpStream,
     permit: &ConnectionPermit,
     reader: &mut FrameReader,
-    (header, check): (&[u8; REQUEST_LEN], Option<&mut FrameMac>),
+    (header, scoped, check): (&[u8; REQUEST_LEN], usize, Option<&mut FrameMac>),
     req: &Ranges,
     table: &RegionTable,
     peer: &MemoryHolder,
@@ -365,6 +405,8 @@ async fn check_ranges(
         table: bytes,
         ranges,
         spans,
+        cache,
+        scopes,
     } = scratch;
     bytes.resize(req.table_len(), 0);
     // Exactly the table: the ranges' payloads behind it, if large, go
@@ -376,7 +418,9 @@ async fn check_ranges(
             .await?
     };
     if let Some(mac) = check {
-        reader.check_tag(stream, mac, &[header, bytes]).await?;
+        reader
+            .check_tag(stream, mac, &[header, &scopes[..scoped], bytes])
+            .await?;
     }
     if let Err(e) = req.decode_table(bytes, ranges) {
         // The payload can no longer be delimited: refuse and hang up.
@@ -384,8 +428,14 @@ async fn check_ranges(
         out.flush(stream, permit).await?;
         return Err(invalid(e));
     }
+    let credentials = Credentials {
+        region: req.region,
+        generation: req.generation,
+        token: req.token,
+        scopes: &req.scopes,
+    };
     Ok(table
-        .authorize_region(req.region, req.generation, req.token, req.kind)
+        .authorize_region(credentials, req.kind, cache)
         .map_err(|refusal| (0, refusal))
         .and_then(|region| {
             spans.clear();

@@ -1,11 +1,18 @@
 //! The owner side's view of registered regions: what a remote request must
 //! match before a single byte moves.
+//!
+//! A request's credentials are checked first (`ferry_core::Departed`
+//! states the order): a token the slot and generation did not issue is
+//! `AccessDenied` whether or not they exist. Then its access, then its
+//! bounds, against what the credentials open: the region for its own
+//! token, the innermost scope for a narrowed one.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock, Weak};
 
 use ferry_core::{
-    Access, Generation, MemoryBlock, MemoryHold, MemoryHolder, RegionId, token_grants,
+    Access, Departed, Generation, MemoryBlock, MemoryHold, MemoryHolder, RegionId, Scope, Scopes,
+    SlotRefusal, tokens_equal,
 };
 
 use crate::frame::{Refusal, Request, RequestKind};
@@ -21,10 +28,55 @@ struct Entry {
     len: u64,
 }
 
-/// Regions this node serves over TCP, keyed by slot id.
+/// Regions this node serves over TCP, keyed by slot id, and the tokens
+/// of those that left lately.
 #[derive(Default)]
 pub struct RegionTable {
-    entries: RwLock<HashMap<RegionId, Entry>>,
+    entries: RwLock<Slots>,
+}
+
+#[derive(Default)]
+struct Slots {
+    live: HashMap<RegionId, Entry>,
+    departed: Departed,
+}
+
+/// The narrowed credentials a connection presented last, and what they
+/// open: a connection's requests through one narrowed handle then cost one
+/// comparison each, as through the region's own token, instead of one
+/// HMAC per scope. Keyed by slot and generation, whose token never
+/// changes, so it cannot go stale; a request for another slot, or with
+/// other credentials, checks afresh and takes its place.
+#[derive(Default)]
+pub struct ScopeCache {
+    last: Option<Verified>,
+}
+
+struct Verified {
+    region: RegionId,
+    generation: Generation,
+    token: u128,
+    scopes: Scopes,
+    opened: Scope,
+}
+
+impl ScopeCache {
+    /// What `token` with `scopes` opened when last checked for `region`
+    /// at `generation`, if it is what this connection presented last.
+    fn get(
+        &self,
+        region: RegionId,
+        generation: Generation,
+        token: u128,
+        scopes: &Scopes,
+    ) -> Option<Scope> {
+        let last = self.last.as_ref()?;
+        let same = last.region == region
+            && last.generation == generation
+            && tokens_equal(last.token, token)
+            && last.scopes == *scopes;
+        same.then_some(last.opened)
+    }
 }
 
 /// A request that passed every check: the memory it may touch, held in
@@ -59,7 +111,7 @@ impl RegionTable {
             len: memory.len(),
         };
         let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        match entries.entry(id) {
+        match entries.live.entry(id) {
             std::collections::hash_map::Entry::Occupied(_) => false,
             std::collections::hash_map::Entry::Vacant(slot) => {
                 slot.insert(entry);
@@ -68,33 +120,48 @@ impl RegionTable {
         }
     }
 
-    /// Removes the entry if it still belongs to `generation`. Returns whether
+    /// Removes the entry if it still belongs to `generation`, remembering
+    /// its token so that its holders hear it is gone. Returns whether
     /// something was removed.
     pub fn remove(&self, id: RegionId, generation: Generation) -> bool {
         let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        if entries.get(&id).is_some_and(|e| e.generation == generation) {
-            entries.remove(&id);
-            true
-        } else {
-            false
+        let Slots { live, departed } = &mut *entries;
+        match live.entry(id) {
+            std::collections::hash_map::Entry::Occupied(entry)
+                if entry.get().generation == generation =>
+            {
+                departed.remember(id, generation, entry.remove().token);
+                true
+            }
+            _ => false,
         }
     }
 
     pub fn registered(&self) -> Vec<(RegionId, Generation)> {
         let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
-        let mut out: Vec<_> = entries.iter().map(|(id, e)| (*id, e.generation)).collect();
+        let mut out: Vec<_> = (entries.live.iter())
+            .map(|(id, e)| (*id, e.generation))
+            .collect();
         out.sort();
         out
     }
 
-    /// Checks region, generation, token, access and bounds, in that order, and
-    /// holds the memory for the access in `peer`'s name.
+    /// Checks the credentials against the slot and generation, then access
+    /// and bounds, in that order, and holds the memory for the access in
+    /// `peer`'s name.
     pub fn authorize(
         &self,
         req: &Request,
+        cache: &mut ScopeCache,
         peer: impl FnOnce() -> MemoryHolder,
     ) -> Result<Grant, Refusal> {
-        let region = self.authorize_region(req.region, req.generation, req.token, req.kind)?;
+        let credentials = Credentials {
+            region: req.region,
+            generation: req.generation,
+            token: req.token,
+            scopes: &req.scopes,
+        };
+        let region = self.authorize_region(credentials, req.kind, cache)?;
         let offset = region.offset(req.addr, req.len)?;
         Ok(Grant {
             memory: region.hold(peer)?,
@@ -102,36 +169,87 @@ impl RegionTable {
         })
     }
 
-    /// Checks region, generation, token and access for a request of `kind`,
-    /// once for all the ranges of a [`crate::frame::Ranges`] request; each
-    /// range's bounds are then [`RegionCheck::offset`]'s.
+    /// Checks credentials and access for a request of `kind`, once for
+    /// all the ranges of a [`crate::frame::Ranges`] request; each range's
+    /// bounds are then [`RegionCheck::offset`]'s. `cache` is the
+    /// connection's: narrowed credentials it checked last are not hashed
+    /// again.
     pub fn authorize_region(
         &self,
-        region: RegionId,
-        generation: Generation,
-        token: u128,
+        credentials: Credentials<'_>,
         kind: RequestKind,
+        cache: &mut ScopeCache,
     ) -> Result<RegionCheck, Refusal> {
+        let Credentials {
+            region,
+            generation,
+            token,
+            scopes,
+        } = credentials;
         let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
-        let entry = entries.get(&region).ok_or(Refusal::UnknownRegion)?;
-        if entry.generation != generation {
-            return Err(Refusal::StaleGeneration {
-                current: entry.generation,
-            });
-        }
-        // The region's token, or (for a read) its read-only one.
-        if !token_grants(entry.token, token, kind == RequestKind::Write) {
-            return Err(Refusal::AccessDenied);
-        }
-        if kind == RequestKind::Write && !entry.access.allows_write() {
+        let entry = entries.live.get(&region);
+        let cached = entry
+            .filter(|_| !scopes.is_empty())
+            .and_then(|_| cache.get(region, generation, token, scopes));
+        let opened = match (entry, cached) {
+            (Some(entry), Some(opened)) if entry.generation == generation => opened,
+            _ => {
+                let live = entry.map(|e| {
+                    let range = Scope {
+                        addr: e.base,
+                        len: e.len,
+                        access: e.access,
+                    };
+                    (e.generation, e.token, range)
+                });
+                let opened = (entries.departed)
+                    .check(live, region, generation, token, scopes)
+                    .map_err(|refusal| match refusal {
+                        SlotRefusal::UnknownRegion => Refusal::UnknownRegion,
+                        SlotRefusal::StaleGeneration { current } => {
+                            Refusal::StaleGeneration { current }
+                        }
+                        _ => Refusal::AccessDenied,
+                    })?;
+                if !scopes.is_empty() {
+                    cache.last = Some(Verified {
+                        region,
+                        generation,
+                        token,
+                        scopes: *scopes,
+                        opened,
+                    });
+                }
+                opened
+            }
+        };
+        // Checked above: the slot holds this generation.
+        let entry = entry.ok_or(Refusal::UnknownRegion)?;
+        if kind == RequestKind::Write
+            && !(opened.access.allows_write() && entry.access.allows_write())
+        {
             return Err(Refusal::ReadOnly);
         }
         Ok(RegionCheck {
             memory: entry.memory.clone(),
             base: entry.base,
-            len: entry.len,
+            bounds: opened,
         })
     }
+}
+
+/// What a request presents: the slot and generation it names, and its
+/// handle's token with the scopes that token was narrowed through.
+#[derive(Clone, Copy)]
+pub struct Credentials<'a> {
+    /// The slot named.
+    pub region: RegionId,
+    /// The generation named.
+    pub generation: Generation,
+    /// The handle's TCP token.
+    pub token: u128,
+    /// The scopes `token` was narrowed through; empty for the region's own.
+    pub scopes: &'a Scopes,
 }
 
 /// A region whose generation, token and access a request passed; what is
@@ -139,24 +257,23 @@ impl RegionTable {
 pub struct RegionCheck {
     memory: Weak<MemoryBlock>,
     base: u64,
-    len: u64,
+    /// What the credentials opened: the region, or a scope inside it.
+    bounds: Scope,
 }
 
 impl RegionCheck {
     /// The offset of `addr..addr + len` in the region, or why it does not
-    /// lie inside.
+    /// lie inside what the credentials opened (the offset and bound then
+    /// relative to that: the region, or the handle's scope).
     pub fn offset(&self, addr: u64, len: u64) -> Result<usize, Refusal> {
-        let offset = addr.wrapping_sub(self.base);
-        let in_bounds =
-            addr >= self.base && offset.checked_add(len).is_some_and(|end| end <= self.len);
-        if !in_bounds {
+        if !self.bounds.covers(addr, len) {
             return Err(Refusal::OutOfBounds {
-                offset,
-                bound: self.len,
+                offset: addr.wrapping_sub(self.bounds.addr),
+                bound: self.bounds.len,
             });
         }
-        // Below the region's length, which fits usize.
-        Ok(offset as usize)
+        // Inside the region, whose length fits usize.
+        Ok(addr.wrapping_sub(self.base) as usize)
     }
 
     /// Holds the memory in `peer`'s name for as long as the access lasts.
@@ -183,79 +300,4 @@ impl Drop for TcpRegistration {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn request(kind: RequestKind, generation: u32, token: u128, addr: u64, len: u64) -> Request {
-        Request {
-            kind,
-            id: 1,
-            region: RegionId(0),
-            generation: Generation(generation),
-            addr,
-            len,
-            token,
-            tag: 0,
-        }
-    }
-
-    fn peer() -> MemoryHolder {
-        MemoryHolder::TcpPeer {
-            node: ferry_core::NodeId(7),
-            remote: "127.0.0.1:9".parse().unwrap(),
-        }
-    }
-
-    #[test]
-    fn every_check_refuses_with_its_own_reason() {
-        let table = RegionTable::default();
-        let mem = Arc::new(MemoryBlock::alloc(100).unwrap());
-        let base = mem.addr();
-        assert!(table.insert(RegionId(0), Generation(2), 55, Access::ReadOnly, &mem));
-        assert!(
-            !table.insert(RegionId(0), Generation(3), 56, Access::ReadWrite, &mem),
-            "id taken"
-        );
-        let ok = table
-            .authorize(&request(RequestKind::Read, 2, 55, base + 10, 90), peer)
-            .unwrap();
-        assert_eq!(ok.offset, 10);
-        drop(ok);
-        let refuse = |r: Request| table.authorize(&r, peer).err().unwrap();
-        assert_eq!(
-            refuse(request(RequestKind::Read, 1, 55, base, 1)),
-            Refusal::StaleGeneration {
-                current: Generation(2)
-            }
-        );
-        assert_eq!(
-            refuse(request(RequestKind::Read, 2, 56, base, 1)),
-            Refusal::AccessDenied
-        );
-        assert_eq!(
-            refuse(request(RequestKind::Write, 2, 55, base, 1)),
-            Refusal::ReadOnly
-        );
-        assert_eq!(
-            refuse(request(RequestKind::Read, 2, 55, base + 10, 91)),
-            Refusal::OutOfBounds {
-                offset: 10,
-                bound: 100
-            }
-        );
-        assert!(matches!(
-            refuse(request(RequestKind::Read, 2, 55, base - 1, 1)),
-            Refusal::OutOfBounds { .. }
-        ));
-        assert!(matches!(
-            refuse(request(RequestKind::Read, 2, 55, u64::MAX, 2)),
-            Refusal::OutOfBounds { .. }
-        ));
-        assert!(!table.remove(RegionId(0), Generation(1)));
-        assert!(table.remove(RegionId(0), Generation(2)));
-        assert_eq!(
-            refuse(request(RequestKind::Read, 2, 55, base, 1)),
-            Refusal::UnknownRegion
-        );
-    }
-}
+mod tests;

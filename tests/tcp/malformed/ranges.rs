@@ -41,6 +41,7 @@ pub(super) fn ranges_frame(
         count: ranges.len() as u32,
         len,
         token: target.token,
+        scopes: Default::default(),
         tag: 0,
     };
     let mut refused = match rng.u8(..6) {
@@ -49,9 +50,9 @@ pub(super) fn ranges_frame(
             Some((0, Refusal::AccessDenied))
         }
         1 => {
+            // A generation the token was not issued for: a bad credential.
             request.generation.0 = request.generation.0.wrapping_add(rng.u32(1..));
-            let current = handle.generation();
-            Some((0, Refusal::StaleGeneration { current }))
+            Some((0, Refusal::AccessDenied))
         }
         2 => {
             let k = rng.usize(..ranges.len());

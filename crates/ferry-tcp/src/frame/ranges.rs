@@ -1,9 +1,12 @@
 //! [`Ranges`]: many small ranges of one region in one request.
 
 use ferry_control::wire::{u32_at, u64_at, u128_at};
-use ferry_core::{Generation, RegionId};
+use ferry_core::{Generation, RegionId, Scopes};
 
-use super::{FrameError, MAX_CHUNK, MAX_RANGES, RANGE_LEN, RANGES_KIND, REQUEST_LEN, RequestKind};
+use super::{
+    FrameError, MAX_CHUNK, MAX_RANGES, RANGE_LEN, RANGES_KIND, REQUEST_LEN, RequestKind, SCOPED,
+    mark_scoped, scoped,
+};
 
 /// Many ranges of one region, read or written with one header and one
 /// response: a table of `count` [`Range`]s follows the header, then, for a
@@ -25,6 +28,8 @@ pub struct Ranges {
     pub len: u64,
     /// The handle's TCP token.
     pub token: u128,
+    /// As a [`super::Request`]'s; they follow the header, before the table.
+    pub scopes: Scopes,
     /// As a [`super::Request`]'s.
     pub tag: u64,
 }
@@ -34,6 +39,7 @@ impl Ranges {
     pub fn encode(&self) -> [u8; REQUEST_LEN] {
         let mut b = [0; REQUEST_LEN];
         b[0] = RANGES_KIND + (self.kind == RequestKind::Write) as u8;
+        mark_scoped(&mut b, &self.scopes);
         b[4..8].copy_from_slice(&self.generation.0.to_le_bytes());
         b[8..16].copy_from_slice(&self.id.to_le_bytes());
         b[16..20].copy_from_slice(&self.region.0.to_le_bytes());
@@ -46,7 +52,8 @@ impl Ranges {
 
     pub(super) fn decode(b: &[u8; REQUEST_LEN]) -> Result<Self, (u64, FrameError)> {
         let id = u64_at(b, 8);
-        let kind = match b[0] {
+        let scopes = scoped(b).map_err(|e| (id, e))?;
+        let kind = match b[0] & !SCOPED {
             RANGES_KIND => RequestKind::Read,
             _ => RequestKind::Write,
         };
@@ -66,6 +73,7 @@ impl Ranges {
             count,
             len,
             token: u128_at(b, 40),
+            scopes,
             tag: u64_at(b, 56),
         })
     }
