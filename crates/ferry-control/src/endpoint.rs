@@ -530,9 +530,9 @@ async fn serve_connection(
         Err(e) => return debug!(%remote, "before its hello: {e}"),
     };
     if hello.channel == Channel::CONTROL {
-        // The connection and its permit last as long as the session, idle
-        // only while the peer stalls inside a frame: between frames the
-        // session has its own liveness.
+        // The connection and its permit last as long as the session: idle
+        // while the peer stalls inside a frame, and between frames (then
+        // only evictable: the session has its own liveness).
         let permit = Arc::new(permit);
         let opened = tokio::time::timeout(
             shared.config.limits.hello_timeout,

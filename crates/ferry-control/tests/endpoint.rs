@@ -219,7 +219,12 @@ async fn raw_session(to: &Endpoint) -> TcpStream {
 
 /// [`raw_session`], speaking session versions up to `max_version`.
 async fn raw_session_up_to(to: &Endpoint, max_version: u16) -> TcpStream {
-    let mut raw = TcpStream::connect(to.local().endpoint).await.unwrap();
+    let raw = TcpStream::connect(to.local().endpoint).await.unwrap();
+    raw_session_on(raw, max_version).await
+}
+
+/// [`raw_session_up_to`] on a connection made already.
+async fn raw_session_on(mut raw: TcpStream, max_version: u16) -> TcpStream {
     let hello = Hello {
         version: VERSION,
         channel: Channel::CONTROL,
