@@ -536,34 +536,6 @@ impl ConnectionPermit {
     }
 }
 
-/// A hold on a connection ([`ConnectionPermit::hold`]); dropping it lets
-/// go. One that holds nothing (for a session this node opened, which no
-/// bound counts) may be had from `Session::hold` too.
-pub struct ConnectionHold(Option<(Arc<Admission>, u64)>);
-
-impl ConnectionHold {
-    /// A hold on nothing.
-    pub(crate) fn none() -> Self {
-        ConnectionHold(None)
-    }
-}
-
-impl std::fmt::Debug for ConnectionHold {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("ConnectionHold")
-            .field(&self.0.as_ref().map(|(_, id)| id))
-            .finish()
-    }
-}
-
-impl Drop for ConnectionHold {
-    fn drop(&mut self) {
-        if let Some((admission, id)) = &self.0 {
-            admission.hold(*id, false);
-        }
-    }
-}
-
 struct BusyOnDrop<'a>(&'a ConnectionPermit);
 
 impl Drop for BusyOnDrop<'_> {
@@ -608,5 +580,8 @@ impl Drop for ConnectionPermit {
     }
 }
 
+mod hold;
 #[cfg(test)]
 mod tests;
+
+pub use hold::ConnectionHold;
