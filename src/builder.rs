@@ -81,6 +81,7 @@ pub struct NodeBuilder {
     ibverbs: bool,
     ibverbs_config: IbvConfig,
     memory: bool,
+    memory_limits: ferry_memory::SameHostLimits,
     required: Vec<RdmaTransportLevel>,
     rpc_max_payload: usize,
     message_max_len: usize,
@@ -102,6 +103,7 @@ impl Default for NodeBuilder {
             ibverbs: true,
             ibverbs_config: IbvConfig::default(),
             memory: true,
+            memory_limits: ferry_memory::SameHostLimits::default(),
             required: Vec::new(),
             rpc_max_payload: DEFAULT_MAX_RPC_PAYLOAD,
             message_max_len: DEFAULT_MAX_MESSAGE,
@@ -270,6 +272,16 @@ impl NodeBuilder {
         self
     }
 
+    /// Bounds on the same-host sockets this node answers (default: derived
+    /// from the process's descriptor limit; see
+    /// [`SameHostLimits`](ferry_memory::SameHostLimits)). Any local process
+    /// can connect to a node's same-host socket: one that proves nothing
+    /// holds its place only briefly, and at the bound makes room first.
+    pub fn same_host_limits(mut self, limits: ferry_memory::SameHostLimits) -> Self {
+        self.memory_limits = limits;
+        self
+    }
+
     /// Whether to use an RDMA device when this host has one (default true;
     /// `FERRY_DISABLE_IBVERBS=1` overrides it to false).
     pub fn ibverbs(mut self, enabled: bool) -> Self {
@@ -367,7 +379,8 @@ impl NodeBuilder {
             (false, _) => Err("disabled by the node builder".to_string()),
             (true, true) => Err(format!("disabled by {DISABLE_MEMORY_ENV}=1")),
             (true, false) => {
-                MemoryBackend::start(id, dialer.secret_cell()).map_err(|e| e.to_string())
+                MemoryBackend::start_with_limits(id, dialer.secret_cell(), self.memory_limits)
+                    .map_err(|e| e.to_string())
             }
         };
         for &level in &self.required {

@@ -9,6 +9,7 @@ mod common;
 mod counters;
 #[path = "../shared/descs.rs"]
 mod descs;
+mod flood;
 mod node_actor;
 #[path = "../shared/notified_batches.rs"]
 mod notified_batches;

@@ -8,6 +8,7 @@
 
 #[path = "../tcp/common.rs"]
 mod common;
+mod flood;
 mod notified;
 mod process_vm;
 mod raw_drop;

@@ -40,6 +40,7 @@ fn limits(max_per_address: usize, idle_timeout: Duration) -> ConnectionLimits {
         hello_timeout: Duration::from_secs(10),
         idle_timeout,
         frame_timeout: idle_timeout,
+        session_evictable_after: ferry::control::DEFAULT_SESSION_EVICTABLE_AFTER,
     }
 }
 
@@ -170,7 +171,7 @@ async fn a_pool_that_cannot_grow_carries_on_over_the_connections_it_has() {
 }
 
 /// The owner takes one connection from 127.0.0.1, and another node's
-/// control session (never idle) holds it: a client with no connection gets
+/// control session (evictable only once idle for 10 s) holds it: a client with no connection gets
 /// one typed error saying the owner is at its limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_with_no_connection_to_an_owner_at_its_limit_gets_peer_busy() {

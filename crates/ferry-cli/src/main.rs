@@ -116,6 +116,9 @@ struct Limits {
     /// A connection whose peer went silent in the middle of a frame this
     /// long is closed; while it waits it is evictable like an idle one.
     frame_timeout_s: f64,
+    /// A control session that received nothing this long, with nothing in
+    /// flight, may make room at a bound (after idle data connections).
+    session_evictable_after_s: f64,
 }
 
 /// How a node tells a dead peer from a slow one (docs/operating.md, "Liveness").
@@ -176,6 +179,7 @@ async fn info() -> Result<Info, Failure> {
             hello_timeout_s: limits.hello_timeout.as_secs_f64(),
             idle_timeout_s: limits.idle_timeout.as_secs_f64(),
             frame_timeout_s: limits.frame_timeout.as_secs_f64(),
+            session_evictable_after_s: limits.session_evictable_after.as_secs_f64(),
         },
         liveness: Liveness {
             peer_timeout_s: ferry::DEFAULT_PEER_TIMEOUT.as_secs_f64(),
@@ -201,12 +205,14 @@ fn print_info(info: &Info) {
     println!(
         "endpoint: at most {} accepted connections, {} per remote address, hello within {} s; \
          data connections idle for {} s, and connections silent for {} s in the middle of \
-         a frame, are closed, and at a bound the least recently used idle one makes room",
+         a frame, are closed, and at a bound the least recently used idle one makes room \
+         (control sessions once idle for {} s)",
         limits.max_connections,
         limits.max_per_address,
         limits.hello_timeout_s,
         limits.idle_timeout_s,
-        limits.frame_timeout_s
+        limits.frame_timeout_s,
+        limits.session_evictable_after_s
     );
     let liveness = &info.liveness;
     println!(

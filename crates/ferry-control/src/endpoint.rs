@@ -544,9 +544,9 @@ async fn serve_connection(
     };
     let auth = keys.map(|keys| Authenticated::track(&shared.dialer.secret_cell(), keys));
     if hello.channel == Channel::CONTROL {
-        // The connection and its permit last as long as the session, idle
-        // only while the peer stalls inside a frame: between frames the
-        // session has its own liveness.
+        // The connection and its permit last as long as the session: idle
+        // while the peer stalls inside a frame, and between frames (then
+        // only evictable: the session has its own liveness).
         let permit = Arc::new(permit);
         let opened = tokio::time::timeout(
             shared.config.limits.hello_timeout,

@@ -39,8 +39,8 @@ pub use inbox::{
     Delivery, DeliveryKind, Inbox, MessageError, Messages, NotificationSink, OfferError,
 };
 pub use limits::{
-    ConnectionLimits, ConnectionPermit, DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
-    EVICTABLE_AFTER, IdleClose,
+    ConnectionHold, ConnectionLimits, ConnectionPermit, DEFAULT_FRAME_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_SESSION_EVICTABLE_AFTER, EVICTABLE_AFTER, IdleClose,
 };
 pub use rpc::{Rpc, RpcError, RpcRequest};
 pub use session::{Request, ServiceFuture, Session};

@@ -2,21 +2,28 @@
 //! address, so that idle or hostile clients cannot take every descriptor of
 //! the process and starve the peers it already serves.
 //!
-//! A connection is *idle* while it waits for its client: before its hello,
-//! and, on a data channel, whenever it has no request in flight (the data
-//! plane says so with [`ConnectionPermit::while_idle`]). A control session
-//! is never idle here: it has its own liveness (keepalive and the peer
-//! timeout) and its peer's requests may come at any time.
+//! A connection is *idle* while it waits for its client: before its hello
+//! (*unproven*); on a data channel, whenever it has no request in flight
+//! (the data plane says so with [`ConnectionPermit::while_idle`]); on a
+//! control session, between frames. A control session is never closed for
+//! idling (it has its own liveness: keepalive and the peer timeout, and its
+//! peer's requests may come at any time), but one that has received
+//! nothing for [`ConnectionLimits::session_evictable_after`], with no
+//! request in flight either way and nothing of a data plane's tied to it
+//! ([`ConnectionPermit::hold`], `Session::hold`), may make room.
 //!
 //! An idle data connection is closed after [`ConnectionLimits::idle_timeout`].
-//! Over a bound, the least recently used idle connection the bound counts
-//! is closed to make room for the new one, if it has been idle for at least
-//! [`EVICTABLE_AFTER`] (one idle only between a peer's requests is in use,
-//! and one that just connected is saying its hello); only when none is is the
-//! *new* connection refused, at once, before it costs a task or a buffer,
-//! and told so in a hello reply ([`crate::HelloStatus::Busy`]). Connections
-//! with work under way are untouched. Each stretch at a bound is logged once
-//! when it starts and once when it ends.
+//! Over a bound, an idle connection the bound counts is closed to make room
+//! for the new one: an unproven one first, then an idle data connection,
+//! then an idle control session, the least recently used of each kind,
+//! if it has been idle for long enough ([`EVICTABLE_AFTER`], one idle only
+//! between a peer's requests being in use, and one that just connected
+//! saying its hello; a session, [`ConnectionLimits::session_evictable_after`]).
+//! Only when none is is the *new* connection refused, at once, before it
+//! costs a task or a buffer, and told so in a hello reply
+//! ([`crate::HelloStatus::Busy`]). Connections with work under way are
+//! untouched. Each stretch at a bound is logged once when it starts and
+//! once when it ends.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::future::Future;
@@ -54,6 +61,13 @@ pub struct ConnectionLimits {
     /// Counted from the last byte that came, not the frame's first, so a
     /// large payload on a slow link is never cut while it moves.
     pub frame_timeout: Duration,
+    /// A control session that has received nothing for this long, with no
+    /// request in flight either way and no data plane holding it, may be
+    /// closed to make room at a bound (after unproven connections and idle
+    /// data connections), so that idle sessions cannot lock a new peer
+    /// out. It is never closed for idling otherwise; a peer whose session
+    /// was closed opens a new one at its next request.
+    pub session_evictable_after: Duration,
 }
 
 /// Upper bound of the default total: every accepted data connection costs
@@ -65,12 +79,23 @@ const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// clients give their descriptors back within a minute.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Connections one peer node opens to another: its control session and
+/// its TCP data connections (4 by default).
+const CONNECTIONS_PER_NODE: usize = 5;
+
+/// Peer nodes on one host (one address) the default per-address bound
+/// leaves room for, each with [`CONNECTIONS_PER_NODE`] connections: one
+/// per GPU of a large host, and then some.
+const NODES_PER_ADDRESS: usize = 16;
+
 impl Default for ConnectionLimits {
     /// Derived from the process's descriptor limit (`RLIMIT_NOFILE`): a
     /// quarter of it (at least 32) stays free for everything else the process
     /// opens (listeners, outbound connections, RDMA devices, files); the rest,
-    /// at most 4096, is for accepted connections, and a quarter of that (at
-    /// least 8) for any one address.
+    /// at most 4096, is for accepted connections. Any one address gets a
+    /// sixteenth of those, but room for 16 peer nodes (80 connections) at
+    /// least, and never more than a quarter (nor fewer than 8): one host's
+    /// flood holds a small share, and a host of several nodes still fits.
     fn default() -> Self {
         let fds = crate::socket::fd_limit().unwrap_or(u64::MAX);
         let fds = usize::try_from(fds).unwrap_or(usize::MAX);
@@ -78,15 +103,26 @@ impl Default for ConnectionLimits {
         let max_connections = fds
             .saturating_sub(reserve)
             .clamp(8, DEFAULT_MAX_CONNECTIONS);
+        let max_per_address = (max_connections / 16)
+            .max(NODES_PER_ADDRESS * CONNECTIONS_PER_NODE)
+            .min(max_connections / 4)
+            .max(8);
         ConnectionLimits {
             max_connections,
-            max_per_address: (max_connections / 4).max(8),
+            max_per_address,
             hello_timeout: Duration::from_secs(10),
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             frame_timeout: DEFAULT_FRAME_TIMEOUT,
+            session_evictable_after: DEFAULT_SESSION_EVICTABLE_AFTER,
         }
     }
 }
+
+/// Default [`ConnectionLimits::session_evictable_after`]: as long as a
+/// hello may take, and far longer than the gaps between a working peer's
+/// requests; a flood of idle sessions that has just filled a bound locks a
+/// new peer out no longer than this.
+pub const DEFAULT_SESSION_EVICTABLE_AFTER: Duration = Duration::from_secs(10);
 
 /// Default [`ConnectionLimits::frame_timeout`]: the default peer timeout
 /// ([`crate::socket::DEFAULT_PEER_TIMEOUT`]), after which a peer that
@@ -143,10 +179,30 @@ struct State {
 
 struct Open {
     address: IpAddr,
-    /// The tick and time it became idle at, while it is.
-    idle_since: Option<(u64, Instant)>,
+    /// While it is idle: what it waits for, and the tick and time it began.
+    idle: Option<Idle>,
+    /// Holds on it ([`ConnectionPermit::hold`]): never evicted while any.
+    holds: usize,
     /// Cancelled when it is evicted.
     evict: CancellationToken,
+}
+
+#[derive(Clone, Copy)]
+struct Idle {
+    waits: Waits,
+    tick: u64,
+    at: Instant,
+}
+
+/// What an idle connection waits for, in the order they make room.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Waits {
+    /// Its hello: it has proved nothing.
+    Hello,
+    /// A data channel's next request, or the rest of a frame.
+    Data,
+    /// A control session's next frame.
+    Session,
 }
 
 /// One accepted connection's place under the limits; dropping it frees it.
@@ -230,7 +286,12 @@ impl Admission {
             id,
             Open {
                 address,
-                idle_since: Some((id, Instant::now())),
+                idle: Some(Idle {
+                    waits: Waits::Hello,
+                    tick: id,
+                    at: Instant::now(),
+                }),
+                holds: 0,
                 evict: evict.clone(),
             },
         );
@@ -243,22 +304,30 @@ impl Admission {
         })
     }
 
-    /// Closes the least recently used idle connection (from `address`, if
-    /// given), if it has been idle long enough ([`EVICTABLE_AFTER`]), and
-    /// frees its place at once: its task closes the socket moments later.
-    /// Whether there was one.
+    /// Closes an idle connection (from `address`, if given) that has been
+    /// idle long enough, and frees its place at once: its task closes the
+    /// socket moments later. The least recently used unproven one, else
+    /// data connection, else control session (see the module docs); none
+    /// that is held. Whether there was one.
     fn evict_lru(&self, state: &mut State, address: Option<IpAddr>) -> bool {
-        let after = EVICTABLE_AFTER.min(self.limits.idle_timeout);
-        let victim = {
-            let State { idle, open, .. } = &*state;
-            // The first one found is the least recently used: if it is
-            // too fresh, so are the rest.
-            idle.iter()
-                .filter_map(|&(tick, id)| Some((tick, id, open.get(&id)?)))
-                .find(|(_, _, o)| address.is_none_or(|a| o.address == a))
-                .filter(|(_, _, o)| o.idle_since.is_some_and(|(_, at)| at.elapsed() >= after))
-                .map(|(tick, id, _)| (tick, id))
-        };
+        let limits = &self.limits;
+        let victim = [Waits::Hello, Waits::Data, Waits::Session]
+            .into_iter()
+            .find_map(|waits| {
+                let after = match waits {
+                    Waits::Hello | Waits::Data => EVICTABLE_AFTER.min(limits.idle_timeout),
+                    Waits::Session => limits.session_evictable_after,
+                };
+                let State { idle, open, .. } = &*state;
+                // The first one found is the least recently used of its
+                // kind: if it is too fresh, so are the rest.
+                idle.iter()
+                    .filter_map(|&(tick, id)| Some((tick, id, open.get(&id)?)))
+                    .filter(|(_, _, o)| o.holds == 0 && address.is_none_or(|a| o.address == a))
+                    .find(|(_, _, o)| o.idle.is_some_and(|i| i.waits == waits))
+                    .filter(|(_, _, o)| o.idle.is_some_and(|i| i.at.elapsed() >= after))
+                    .map(|(tick, id, _)| (tick, id))
+            });
         let Some((tick, id)) = victim else {
             return false;
         };
@@ -278,9 +347,10 @@ impl Admission {
         true
     }
 
-    /// Marks connection `id` idle (keeping the time it became so, if it
-    /// already was) or busy; `Evicted` if it no longer has a place.
-    fn set_idle(&self, id: u64, idle: bool) -> Result<(), IdleClose> {
+    /// Marks connection `id` idle, waiting for `waits` (keeping the time it
+    /// became so, if it already was), or busy (`None`); `Evicted` if it no
+    /// longer has a place.
+    fn set_idle(&self, id: u64, waits: Option<Waits>) -> Result<(), IdleClose> {
         let mut state = self.lock();
         let State {
             open,
@@ -291,19 +361,54 @@ impl Admission {
         let Some(entry) = open.get_mut(&id) else {
             return Err(IdleClose::Evicted);
         };
-        match (entry.idle_since, idle) {
-            (None, true) => {
+        match (&mut entry.idle, waits) {
+            (None, Some(waits)) => {
                 *tick += 1;
-                entry.idle_since = Some((*tick, Instant::now()));
+                entry.idle = Some(Idle {
+                    waits,
+                    tick: *tick,
+                    at: Instant::now(),
+                });
                 idle_set.insert((*tick, id));
             }
-            (Some((since, _)), false) => {
-                entry.idle_since = None;
-                idle_set.remove(&(since, id));
+            (Some(idle), Some(waits)) => idle.waits = waits,
+            (Some(idle), None) => {
+                idle_set.remove(&(idle.tick, id));
+                entry.idle = None;
             }
-            _ => {}
+            (None, None) => {}
         }
         Ok(())
+    }
+
+    /// Takes a hold on connection `id` (`true`) or lets one go; the last
+    /// one let go of an idle connection restarts its idle time: it was in
+    /// use until then.
+    fn hold(&self, id: u64, take: bool) {
+        let mut state = self.lock();
+        let State {
+            open,
+            idle: idle_set,
+            tick,
+            ..
+        } = &mut *state;
+        let Some(entry) = open.get_mut(&id) else {
+            return;
+        };
+        if take {
+            entry.holds += 1;
+            return;
+        }
+        entry.holds = entry.holds.saturating_sub(1);
+        if entry.holds == 0
+            && let Some(idle) = &mut entry.idle
+        {
+            idle_set.remove(&(idle.tick, id));
+            *tick += 1;
+            idle.tick = *tick;
+            idle.at = Instant::now();
+            idle_set.insert((*tick, id));
+        }
     }
 
     /// Connections open now, in total.
@@ -349,8 +454,8 @@ impl ConnectionPermit {
     /// client, and nowhere else; a connection never waited on this way is
     /// neither closed when idle nor evicted.
     pub async fn while_idle<F: Future>(&self, wait: F) -> Result<F::Output, IdleClose> {
-        self.idle_within(self.admission.limits.idle_timeout, wait)
-            .await
+        let limit = self.admission.limits.idle_timeout;
+        self.wait_idle(Waits::Data, Some(limit), wait).await
     }
 
     /// Runs `wait`, the connection waiting for more of a frame its client
@@ -362,10 +467,32 @@ impl ConnectionPermit {
     /// come, so the bound is on silence, never on a transfer's length.
     pub async fn while_mid_frame<F: Future>(&self, wait: F) -> Result<F::Output, IdleClose> {
         let limit = self.admission.limits.frame_timeout;
-        self.idle_within(limit, wait).await.map_err(|e| match e {
+        let waited = self.wait_idle(Waits::Data, Some(limit), wait).await;
+        waited.map_err(|e| match e {
             IdleClose::TimedOut(limit) => IdleClose::Stalled(limit),
             e => e,
         })
+    }
+
+    /// Runs `wait`, a control session waiting for its peer's next frame:
+    /// never closed for it, but evictable at a bound once it has waited
+    /// [`ConnectionLimits::session_evictable_after`] with no hold on it
+    /// (`Err(Evicted)`).
+    pub(crate) async fn while_session_idle<F: Future>(
+        &self,
+        wait: F,
+    ) -> Result<F::Output, IdleClose> {
+        self.wait_idle(Waits::Session, None, wait).await
+    }
+
+    /// Keeps the connection from being evicted while the returned hold
+    /// lives, idle or not: for what is in flight on it (a request, a
+    /// handler) and for state a data plane ties to it (queue pairs), which
+    /// its client cannot be seen to use. When the last hold goes, its idle
+    /// time starts again. Its timeouts still apply.
+    pub fn hold(&self) -> ConnectionHold {
+        self.admission.hold(self.id, true);
+        ConnectionHold(Some((self.admission.clone(), self.id)))
     }
 
     /// [`Self::while_idle`] with its own time limit (the hello's).
@@ -374,14 +501,31 @@ impl ConnectionPermit {
         limit: Duration,
         wait: F,
     ) -> Result<F::Output, IdleClose> {
-        self.admission.set_idle(self.id, true)?;
+        self.wait_idle(Waits::Hello, Some(limit), wait).await
+    }
+
+    /// Runs `wait` with the connection idle, waiting for `waits`, for
+    /// `limit` at most.
+    async fn wait_idle<F: Future>(
+        &self,
+        waits: Waits,
+        limit: Option<Duration>,
+        wait: F,
+    ) -> Result<F::Output, IdleClose> {
+        self.admission.set_idle(self.id, Some(waits))?;
         // Busy again however this ends, dropped by its caller included.
         let busy = BusyOnDrop(self);
+        let timeout = async {
+            match limit {
+                Some(limit) => tokio::time::sleep(limit).await,
+                None => std::future::pending().await,
+            }
+        };
         let waited = tokio::select! {
             biased;
             _ = self.evict.cancelled() => Err(IdleClose::Evicted),
             out = wait => Ok(out),
-            _ = tokio::time::sleep(limit) => Err(IdleClose::TimedOut(limit)),
+            _ = timeout => Err(IdleClose::TimedOut(limit.unwrap_or_default())),
         };
         drop(busy);
         // Evicted under the same lock that marks it busy: checked after.
@@ -397,7 +541,7 @@ struct BusyOnDrop<'a>(&'a ConnectionPermit);
 impl Drop for BusyOnDrop<'_> {
     fn drop(&mut self) {
         // An evicted connection has no entry left to mark.
-        _ = self.0.admission.set_idle(self.0.id, false);
+        _ = self.0.admission.set_idle(self.0.id, None);
     }
 }
 
@@ -410,8 +554,8 @@ impl Drop for ConnectionPermit {
         let Some(open) = state.open.remove(&self.id) else {
             return;
         };
-        if let Some((since, _)) = open.idle_since {
-            state.idle.remove(&(since, self.id));
+        if let Some(idle) = open.idle {
+            state.idle.remove(&(idle.tick, self.id));
         }
         let left = uncount(&mut state, self.address);
         // A stretch at a bound ends once there is room again; with some
@@ -436,119 +580,8 @@ impl Drop for ConnectionPermit {
     }
 }
 
+mod hold;
 #[cfg(test)]
-mod tests {
-    use super::*;
+mod tests;
 
-    fn limits(total: usize, per_address: usize) -> ConnectionLimits {
-        ConnectionLimits {
-            max_connections: total,
-            max_per_address: per_address,
-            hello_timeout: Duration::from_secs(1),
-            idle_timeout: Duration::from_secs(5),
-            frame_timeout: Duration::from_secs(5),
-        }
-    }
-
-    /// A permit whose connection said its hello and has work under way.
-    fn busy(admission: &Arc<Admission>, address: IpAddr) -> Option<ConnectionPermit> {
-        let permit = admission.admit(address)?;
-        admission.set_idle(permit.id, false).unwrap();
-        Some(permit)
-    }
-
-    #[test]
-    fn bounds_refuse_new_connections_and_free_on_drop() {
-        let admission = Admission::new(limits(5, 3), "127.0.0.1:1".parse().unwrap());
-        let a: IpAddr = "10.0.0.1".parse().unwrap();
-        let b: IpAddr = "10.0.0.2".parse().unwrap();
-        let from_a: Vec<_> = (0..3).map(|_| busy(&admission, a).unwrap()).collect();
-        assert!(admission.admit(a).is_none(), "per-address bound");
-        let from_b: Vec<_> = (0..2).map(|_| busy(&admission, b).unwrap()).collect();
-        assert!(admission.admit(b).is_none(), "total bound");
-        assert_eq!(admission.open(a), (5, 3, 0));
-        drop(from_a);
-        assert_eq!(admission.open(a), (2, 0, 0));
-        assert!(admission.admit(b).is_some(), "room again");
-        drop(from_b);
-        assert_eq!(admission.open(b), (0, 0, 0));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn at_a_bound_the_least_recently_idle_connection_makes_room() {
-        let admission = Admission::new(limits(4, 3), "127.0.0.1:1".parse().unwrap());
-        let a: IpAddr = "10.0.0.1".parse().unwrap();
-        let b: IpAddr = "10.0.0.2".parse().unwrap();
-        // From a: one busy, then two idle (the first of them idle longest).
-        let a_busy = busy(&admission, a).unwrap();
-        let a_old = admission.admit(a).unwrap();
-        let a_new = admission.admit(a).unwrap();
-        // Idle for less than EVICTABLE_AFTER: in use, nothing makes room.
-        assert!(admission.admit(a).is_none());
-        tokio::time::advance(EVICTABLE_AFTER).await;
-        // The per-address bound evicts a's oldest idle one, not its busy one.
-        let a_newest = admission.admit(a).unwrap();
-        assert!(a_old.evict.is_cancelled());
-        assert!(!a_busy.evict.is_cancelled() && !a_new.evict.is_cancelled());
-        assert_eq!(admission.open(a), (3, 3, 2));
-        // The total bound evicts the oldest idle one of any address.
-        let b_first = busy(&admission, b).unwrap();
-        assert_eq!(admission.open(b), (4, 1, 2));
-        tokio::time::advance(EVICTABLE_AFTER).await;
-        let b_second = busy(&admission, b).unwrap();
-        assert!(a_new.evict.is_cancelled() && !a_newest.evict.is_cancelled());
-        // An evicted permit gives nothing back twice.
-        drop((a_old, a_new));
-        assert_eq!(admission.open(a), (4, 2, 1));
-        // Nothing idle from b and the total full of busy ones: refused.
-        admission.set_idle(a_newest.id, false).unwrap();
-        assert!(admission.admit(b).is_none());
-        drop((a_busy, a_newest, b_first, b_second));
-        assert_eq!(admission.open(a), (0, 0, 0));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn an_idle_connection_is_closed_by_its_timeout_or_its_eviction() {
-        let admission = Admission::new(limits(1, 1), "127.0.0.1:1".parse().unwrap());
-        let a: IpAddr = "10.0.0.1".parse().unwrap();
-        let permit = busy(&admission, a).unwrap();
-        let limit = Duration::from_millis(20);
-        let never = std::future::pending::<()>();
-        assert_eq!(
-            permit.idle_within(limit, never).await,
-            Err(IdleClose::TimedOut(limit))
-        );
-        assert_eq!(permit.idle_within(limit, async { 7 }).await, Ok(7));
-        let waiting = permit.while_idle(std::future::pending::<()>());
-        let evicting = async {
-            tokio::time::sleep(EVICTABLE_AFTER / 2).await;
-            assert!(admission.admit(a).is_none(), "idle too briefly");
-            tokio::time::sleep(EVICTABLE_AFTER / 2).await;
-            admission.admit(a).unwrap()
-        };
-        let (waited, newcomer) = tokio::join!(waiting, evicting);
-        assert_eq!(waited, Err(IdleClose::Evicted));
-        assert_eq!(
-            permit.idle_within(limit, async { 7 }).await,
-            Err(IdleClose::Evicted)
-        );
-        drop(permit);
-        assert_eq!(admission.open(a), (1, 1, 1));
-        drop(newcomer);
-        assert_eq!(admission.open(a), (0, 0, 0));
-    }
-
-    #[test]
-    fn defaults_leave_room_for_the_process_and_several_peers() {
-        let limits = ConnectionLimits::default();
-        assert!(limits.max_connections >= 8);
-        assert!(limits.max_per_address >= 8);
-        assert!(limits.max_per_address <= limits.max_connections);
-        if let Some(fds) = crate::socket::fd_limit() {
-            assert!(
-                (limits.max_connections as u64) < fds,
-                "{limits:?} vs {fds} fds"
-            );
-        }
-    }
-}
+pub use hold::ConnectionHold;

@@ -97,6 +97,10 @@ struct Inner {
     /// The session's place among its secret's live connections, where the
     /// hello proved one: for revocation, and to count a forged frame.
     tracked: Option<crate::hello::Tracked>,
+    /// An accepted session's place under the endpoint's bounds, which what
+    /// is in flight on it holds (see [`Session::hold`]). Weak: a clone of
+    /// a session that ended must not keep its place counted.
+    permit: Option<std::sync::Weak<crate::ConnectionPermit>>,
 }
 
 impl std::fmt::Debug for Session {
@@ -159,6 +163,16 @@ impl Session {
         self.0.silent_grace
     }
 
+    /// Keeps the session from being closed to make room at the endpoint's
+    /// connection bound while the hold lives (see
+    /// [`crate::ConnectionLimits::session_evictable_after`]): for state a
+    /// data plane ties to the session and its peer uses without a word on
+    /// it (queue pairs). Requests and handlers in flight hold it already.
+    /// A session this node opened is under no bound: its hold is a no-op.
+    pub fn hold(&self) -> crate::ConnectionHold {
+        self.0.hold()
+    }
+
     /// Ends the session now; requests in flight fail with `SessionClosed`.
     pub fn close(&self) {
         self.0.closed.cancel();
@@ -184,6 +198,7 @@ impl Session {
             after: timeout,
         };
         let closed = ControlError::SessionClosed { endpoint };
+        let _held = inner.hold();
         let _turn = match tokio::time::timeout_at(deadline, inner.our_turns.acquire()).await {
             Ok(Ok(turn)) => turn,
             Ok(Err(_)) => return Err(closed),
@@ -288,6 +303,14 @@ impl Drop for PendingGuard<'_> {
 }
 
 impl Inner {
+    /// See [`Session::hold`].
+    fn hold(&self) -> crate::ConnectionHold {
+        match self.permit.as_ref().and_then(std::sync::Weak::upgrade) {
+            Some(permit) => permit.hold(),
+            None => crate::ConnectionHold::none(),
+        }
+    }
+
     /// Records why the connection failed, if the peer went silent.
     fn note_failure(&self, error: &std::io::Error) {
         if error.kind() == std::io::ErrorKind::TimedOut {
@@ -312,8 +335,8 @@ pub(crate) enum Side {
     Opened(NodeAddr),
     /// The peer opened it, as node `hello` (the id its hello named, and
     /// proved where the nodes hold a cluster secret), on an accepted
-    /// connection that holds `permit` (evictable while the peer stalls
-    /// mid-frame).
+    /// connection that holds `permit` (evictable at a bound while idle
+    /// enough, see [`crate::limits`]).
     Accepted {
         hello: ferry_core::NodeId,
         permit: Arc<crate::ConnectionPermit>,
@@ -452,6 +475,7 @@ pub(crate) async fn start(
         peer_timeout: shared.config.peer_timeout,
         silent_grace: shared.config.silent_grace,
         tracked,
+        permit: permit.as_ref().map(Arc::downgrade),
     });
     let session = Session(inner.clone());
     debug!(peer = %peer.endpoint, node = %peer.id, id = inner.id, version, "control session open");

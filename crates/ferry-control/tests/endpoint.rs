@@ -217,8 +217,13 @@ async fn raw_session(to: &Endpoint) -> TcpStream {
 
 /// [`raw_session`], speaking session versions up to `max_version`.
 async fn raw_session_up_to(to: &Endpoint, max_version: u16) -> TcpStream {
-    let mut raw = TcpStream::connect(to.local().endpoint).await.unwrap();
-    let hello = Hello::new(Channel::CONTROL, NodeId::random(), to.local().id);
+    let raw = TcpStream::connect(to.local().endpoint).await.unwrap();
+    raw_session_on(raw, to.local().id, max_version).await
+}
+
+/// [`raw_session_up_to`] on a connection made already, to node `to`.
+async fn raw_session_on(mut raw: TcpStream, to: NodeId, max_version: u16) -> TcpStream {
+    let hello = Hello::new(Channel::CONTROL, NodeId::random(), to);
     raw.write_all(&hello.encode()).await.unwrap();
     let mut reply = [0; HelloReply::LEN];
     raw.read_exact(&mut reply).await.unwrap();

@@ -296,7 +296,8 @@ impl IbvBackend {
         sink: NotificationSink,
     ) -> Result<Self, EndpointError> {
         let fabric = device.0;
-        let passive = Arc::new(PassiveQps::default());
+        let (per_session, total) = fabric.passive_caps;
+        let passive = Arc::new(PassiveQps::new(passive::Caps { per_session, total }));
         endpoint.serve(Service::IBVERBS_CONNECT, {
             let (fabric, passive) = (fabric.clone(), passive.clone());
             move |request| passive::accept(fabric.clone(), passive.clone(), sink.clone(), request)

@@ -175,6 +175,39 @@ pub struct IbvConfig {
     /// again (on by default; see the `mr_cache` module docs for what a peer
     /// holding the inner region's handle can then reach).
     pub share_registrations: bool,
+    /// Queue pairs this node keeps for any one initiator's control session:
+    /// ferry's own (one per rail pair it proposes) and its leases'. A pair
+    /// asked for beyond it is refused, and the asker gets
+    /// `OpError::PeerBusy`. Each costs a queue pair and a completion queue
+    /// on the device and a descriptor, and ferry's own a registered ring of
+    /// `notify_slots × notify_slot_len` bytes. Any peer with a session may
+    /// ask (with a cluster secret, only those that proved it).
+    /// [`DEFAULT_MAX_PASSIVE_QPS_PER_SESSION`] by default.
+    pub max_passive_qps_per_session: usize,
+    /// Queue pairs this node keeps for all initiators together; beyond it
+    /// every new one is refused as above, until sessions end and theirs
+    /// go. By default an eighth of the process's descriptor limit, at
+    /// least 64 and at most [`DEFAULT_MAX_PASSIVE_QPS`].
+    pub max_passive_qps: usize,
+}
+
+/// Default [`IbvConfig::max_passive_qps_per_session`]: 8 rails at each end
+/// pair up 64 ways at most, and leases take as many again.
+pub const DEFAULT_MAX_PASSIVE_QPS_PER_SESSION: usize = 128;
+
+/// Upper bound of the default [`IbvConfig::max_passive_qps`]: with
+/// ferry's own rings (128 KiB each by default), 128 MiB of registered
+/// memory at most, asked for by peers.
+pub const DEFAULT_MAX_PASSIVE_QPS: usize = 1024;
+
+/// The default [`IbvConfig::max_passive_qps`]: one descriptor each (their
+/// completion channels), in a process whose endpoint takes most of the
+/// rest for connections (`ferry_control::ConnectionLimits`).
+fn default_max_passive_qps() -> usize {
+    let fds = ferry_control::socket::fd_limit().unwrap_or(u64::MAX);
+    usize::try_from(fds / 8)
+        .unwrap_or(usize::MAX)
+        .clamp(64, DEFAULT_MAX_PASSIVE_QPS)
 }
 
 impl Default for IbvConfig {
@@ -192,6 +225,8 @@ impl Default for IbvConfig {
             notify_coalesce: None,
             share_registrations: true,
             qp_timing: QpTiming::default(),
+            max_passive_qps_per_session: DEFAULT_MAX_PASSIVE_QPS_PER_SESSION,
+            max_passive_qps: default_max_passive_qps(),
         }
     }
 }
@@ -292,6 +327,9 @@ pub(crate) struct Fabric {
     pub qp_timing: QpTiming,
     /// See [`IbvConfig::share_registrations`].
     pub share_registrations: bool,
+    /// [`IbvConfig::max_passive_qps_per_session`] and
+    /// [`IbvConfig::max_passive_qps`].
+    pub passive_caps: (usize, usize),
 }
 
 impl Fabric {
@@ -346,6 +384,7 @@ impl Fabric {
             placement: config.placement,
             qp_timing: config.qp_timing,
             share_registrations: config.share_registrations,
+            passive_caps: (config.max_passive_qps_per_session, config.max_passive_qps),
         };
         let mut skipped = Vec::new();
         for name in &wanted {

@@ -33,7 +33,7 @@ use crate::verbs::{
     WorkRequest,
 };
 use crate::wire::{
-    PairInfo, QpInfo, RAILS_QUERY, RailInfo, decode_pairs, decode_rails, encode_pairs,
+    PairInfo, QpInfo, RAILS_QUERY, RailInfo, STATUS_LIMIT, decode_pairs, decode_rails, encode_pairs,
 };
 
 /// How long a pair's probe may take before the pair counts as unable to
@@ -145,7 +145,12 @@ pub(crate) async fn connect(
         })
         .collect();
     if !cross.is_empty() {
-        let found = try_pairs(fabric, &session, peer, cross, deadline, &mut tried).await?;
+        let found = match try_pairs(fabric, &session, peer, cross, deadline, &mut tried).await {
+            Ok(found) => found,
+            // Refused at the owner's caps: the straight pairs it kept serve.
+            Err(OpError::PeerBusy { .. }) if !pairs.is_empty() => Vec::new(),
+            Err(e) => return Err(e.into()),
+        };
         // Each rail at most once at either end: a QP beyond that is
         // dropped (its probe passed, so nothing is outstanding on it).
         for qp in found {
@@ -274,6 +279,9 @@ pub(crate) struct Connected {
 /// owner, brings those it accepted to RTS, probes them together, and
 /// returns those whose probe completed by `deadline` (at most
 /// [`PROBE_TIMEOUT`] from now). Each tried pair's fate goes to `tried`.
+/// `PeerBusy` when none connected and the owner refused some at its caps
+/// on queue pairs for initiators ([`STATUS_LIMIT`]): it is up, and may
+/// have room later.
 pub(crate) async fn propose(
     fabric: &Arc<Fabric>,
     session: &Session,
@@ -356,8 +364,14 @@ pub(crate) async fn propose(
     // Bring every accepted pair to RTS and post its probe, then wait for
     // the probes together: an unreachable pair costs one timeout, not one each.
     let mut probing = Vec::new();
+    let mut at_limit = false;
     for (p, answer) in proposed.into_iter().zip(answers) {
         let name = format!("{} -> rail {}", p.rail.name(), p.owner_rail.index);
+        if answer.qp.status == STATUS_LIMIT {
+            at_limit = true;
+            tried.push(format!("{name}: {AT_LIMIT}"));
+            continue;
+        }
         if answer.qp.status != 0 {
             tried.push(format!(
                 "{name}: the peer could not set up its queue pair (its debug log says why)"
@@ -426,8 +440,18 @@ pub(crate) async fn propose(
             }
         }
     }
+    if connected.is_empty() && at_limit {
+        return Err(OpError::PeerBusy {
+            endpoint: session.peer().endpoint,
+            reason: AT_LIMIT.into(),
+        });
+    }
     Ok(connected)
 }
+
+/// What an initiator is told of a pair refused at the owner's caps.
+const AT_LIMIT: &str = "it keeps as many queue pairs for initiators as it may \
+    (IbvConfig::max_passive_qps_per_session, max_passive_qps)";
 
 /// Posts the zero-length, signaled RDMA WRITE that proves a pair works: it
 /// names no memory, so it needs no key and touches nothing at the owner.

@@ -43,8 +43,9 @@ pub use backend::{
     FOREIGN_WR_ID_BIT, IbvBackend, IbvDevice, IbvManagerActor, IbvRegistered, IbvRegistration,
 };
 pub use device::{
-    DEFAULT_MAX_WR_BYTES, DEFAULT_STALL_TIMEOUT, DEFAULT_STRIPE_MIN, IbvConfig, MAX_WR_BYTES_ENV,
-    RAILS_ENV, RailName, SOFTWARE_NOTIFY_COALESCE, SOFTWARE_STALL_TIMEOUT,
+    DEFAULT_MAX_PASSIVE_QPS, DEFAULT_MAX_PASSIVE_QPS_PER_SESSION, DEFAULT_MAX_WR_BYTES,
+    DEFAULT_STALL_TIMEOUT, DEFAULT_STRIPE_MIN, IbvConfig, MAX_WR_BYTES_ENV, RAILS_ENV, RailName,
+    SOFTWARE_NOTIFY_COALESCE, SOFTWARE_STALL_TIMEOUT,
 };
 /// What [`IbvBackend::submit_notified`] did with a notification.
 pub use ferry_core::DataPathNotification;

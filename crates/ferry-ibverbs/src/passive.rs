@@ -11,16 +11,17 @@
 //! owner, which is how a consumer that stops reading holds senders back.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use ferry_control::{NotificationSink, Request, Service, ServiceError, Session};
+use ferry_control::{ConnectionHold, NotificationSink, Request, Service, ServiceError, Session};
 use ferry_core::MemoryBlock;
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::connection::ChannelFd;
 use crate::device::{Fabric, Rail};
@@ -29,7 +30,8 @@ use crate::verbs::{
     Completion, CompletionChannel, CompletionQueue, MemoryRegion, PathConfig, QueuePair, VerbsError,
 };
 use crate::wire::{
-    PairInfo, QpInfo, RAILS_QUERY, decode_pairs, decode_release, encode_pairs, encode_rails,
+    PairInfo, QpInfo, RAILS_QUERY, STATUS_FAILED, STATUS_LIMIT, decode_pairs, decode_release,
+    encode_pairs, encode_rails,
 };
 
 /// How long returning credits may take before the owner gives up on it
@@ -56,17 +58,90 @@ type PairKey = (u64, u8, u8, u16);
 /// (the initiator's QP failed and it reconnects) replaces it; the
 /// session's end destroys them all: at once if the peer closed or reset
 /// it, after the session's silent grace if the peer went silent.
-#[derive(Default)]
-pub(crate) struct PassiveQps(Mutex<HashMap<PairKey, Arc<PassiveQp>>>);
+///
+/// Any peer with a session may ask, and each QP costs the device and the
+/// process (see `IbvConfig::max_passive_qps_per_session`): so many are
+/// kept per session and in all ([`Caps`]), and one asked for beyond is
+/// refused with [`STATUS_LIMIT`], which the asker sees as `PeerBusy`.
+/// None is taken back to make room: the owner cannot see whether a
+/// one-sided transfer uses it.
+pub(crate) struct PassiveQps {
+    qps: Mutex<HashMap<PairKey, Arc<PassiveQp>>>,
+    caps: Caps,
+    /// Whether a cap was reached (logged once per stretch).
+    full: AtomicBool,
+}
+
+/// How many queue pairs are kept per session, and in all.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Caps {
+    pub per_session: usize,
+    pub total: usize,
+}
+
+/// Which cap a queue pair asked for would pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cap {
+    Session,
+    Total,
+}
+
+/// Whether one more queue pair for `key` fits under `caps`, given those
+/// kept now: one that replaces a kept pair (a reconnect) always does.
+fn fits<V>(kept: &HashMap<PairKey, V>, key: &PairKey, caps: Caps) -> Result<(), Cap> {
+    if kept.contains_key(key) {
+        return Ok(());
+    }
+    if kept.len() >= caps.total {
+        return Err(Cap::Total);
+    }
+    let of_session = kept.keys().filter(|k| k.0 == key.0).count();
+    if of_session >= caps.per_session {
+        return Err(Cap::Session);
+    }
+    Ok(())
+}
 
 impl PassiveQps {
+    pub fn new(caps: Caps) -> Self {
+        PassiveQps {
+            qps: Mutex::default(),
+            caps,
+            full: AtomicBool::new(false),
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PairKey, Arc<PassiveQp>>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.qps.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// How many queue pairs are kept here for initiators.
     pub fn len(&self) -> usize {
         self.lock().len()
+    }
+
+    /// Whether a queue pair for `key` fits now (see [`fits`]); logs the
+    /// first refusal of a stretch at a cap, and the stretch's end.
+    fn room(&self, key: &PairKey, peer: ferry_core::NodeId) -> Result<(), Cap> {
+        let fits = fits(&self.lock(), key, self.caps);
+        match fits {
+            Err(cap) => {
+                metrics::counter!("ferry_ibverbs_passive_refused_total").increment(1);
+                if !self.full.swap(true, Ordering::Relaxed) {
+                    warn!(
+                        node = %peer, ?cap, caps = ?self.caps,
+                        "refusing queue pairs to initiators at a cap \
+                         (IbvConfig::max_passive_qps_per_session, max_passive_qps)"
+                    );
+                }
+            }
+            Ok(()) if self.full.load(Ordering::Relaxed) && self.len() < self.caps.total / 2 => {
+                self.full.store(false, Ordering::Relaxed);
+                info!("queue pairs for initiators: under the caps again");
+            }
+            Ok(()) => {}
+        }
+        fits
     }
 }
 
@@ -78,6 +153,10 @@ struct PassiveQp {
     ring: Option<RecvRing>,
     /// Cancelled when the QP is replaced or its session ends.
     retired: CancellationToken,
+    /// Keeps its session from being closed to make room at the endpoint's
+    /// bound while the QP lives: the initiator uses it without a word on
+    /// the session.
+    _session: ConnectionHold,
 }
 
 struct RecvRing {
@@ -126,7 +205,8 @@ impl PassiveQp {
 
 /// The owner's side of the exchange: the `IBVERBS_CONNECT` service. It
 /// answers a rails query with this node's rails, and a pairs proposal
-/// with a QP per pair (status 1 for a pair it could not set up).
+/// with a QP per pair (`STATUS_FAILED` for a pair it could not set up,
+/// `STATUS_LIMIT` for one over a cap).
 pub(crate) async fn accept(
     fabric: Arc<Fabric>,
     passive: Arc<PassiveQps>,
@@ -158,28 +238,43 @@ pub(crate) async fn accept(
     let mut answers = Vec::with_capacity(proposed.len());
     for pair in proposed {
         let Some(rail) = fabric.rail(pair.owner_rail) else {
-            answers.push(refused(pair));
+            answers.push(refused(pair, STATUS_FAILED));
             continue;
         };
         match accept_pair(&fabric, rail, &passive, &sink, &request.session, pair) {
             Ok(answer) => answers.push(answer),
-            Err(e) => {
+            Err(Refused::Cap(cap)) => {
+                debug!(node = %peer.id, ?cap, "a queue pair refused at a cap");
+                answers.push(refused(pair, STATUS_LIMIT));
+            }
+            Err(Refused::Setup(e)) => {
                 debug!(node = %peer.id, rail = %rail.name(), error = %e, "cannot set up a queue pair for a peer");
-                answers.push(refused(pair));
+                answers.push(refused(pair, STATUS_FAILED));
             }
         }
     }
     Ok(encode_pairs(&answers).into())
 }
 
-/// The answer for a pair this node cannot set up.
-fn refused(pair: PairInfo) -> PairInfo {
+/// The answer for a pair this node sets up no QP for, and why (`status`).
+fn refused(pair: PairInfo, status: u8) -> PairInfo {
     PairInfo {
-        qp: QpInfo {
-            status: 1,
-            ..pair.qp
-        },
+        qp: QpInfo { status, ..pair.qp },
         ..pair
+    }
+}
+
+/// Why a pair got no QP here.
+enum Refused {
+    /// At a cap: nothing was created.
+    Cap(Cap),
+    /// Creating or connecting it failed.
+    Setup(VerbsError),
+}
+
+impl From<VerbsError> for Refused {
+    fn from(e: VerbsError) -> Self {
+        Refused::Setup(e)
     }
 }
 
@@ -191,8 +286,18 @@ fn accept_pair(
     sink: &NotificationSink,
     session: &Session,
     pair: PairInfo,
-) -> Result<PairInfo, VerbsError> {
+) -> Result<PairInfo, Refused> {
     let theirs = pair.qp;
+    let key = (
+        session.id(),
+        pair.initiator_rail,
+        pair.owner_rail,
+        pair.slot,
+    );
+    // Before anything is created: a flood of asks costs a look each.
+    passive
+        .room(&key, session.peer().id)
+        .map_err(Refused::Cap)?;
     // A leased pair carries no notifications: no receive buffers for it.
     let slots = if pair.slot == 0 { rail.notify_slots } else { 0 };
     let slot_len = fabric
@@ -222,6 +327,7 @@ fn accept_pair(
         qp,
         ring,
         retired: CancellationToken::new(),
+        _session: session.hold(),
     };
     let psn = random_psn();
     let path = PathConfig {
@@ -250,26 +356,23 @@ fn accept_pair(
         ..pair
     };
     let qp = Arc::new(qp);
+    let (replaced, first_of_session) = {
+        let mut qps = passive.lock();
+        // Again under the lock: concurrent asks may have filled the caps
+        // while this one was created (it is destroyed, unused).
+        fits(&qps, &key, passive.caps).map_err(Refused::Cap)?;
+        let first = !qps.keys().any(|k| k.0 == session.id());
+        (qps.insert(key, qp.clone()), first)
+    };
     if has_ring {
         tokio::spawn(receive_notifications(
-            qp.clone(),
+            qp,
             session.clone(),
             sink.clone(),
             theirs.endpoint.qpn,
             rail.notify_coalesce,
         ));
     }
-    let key = (
-        session.id(),
-        pair.initiator_rail,
-        pair.owner_rail,
-        pair.slot,
-    );
-    let (replaced, first_of_session) = {
-        let mut qps = passive.lock();
-        let first = !qps.keys().any(|k| k.0 == session.id());
-        (qps.insert(key, qp), first)
-    };
     if let Some(old) = replaced {
         old.retired.cancel();
     }
@@ -454,5 +557,40 @@ async fn return_credits(session: Session, initiator_qpn: u32, count: u32) {
         && !session.is_closed()
     {
         warn!(node = %session.peer().id, "returning {count} notification credits failed: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_session_and_the_node_keep_at_most_their_caps_and_reconnects_always_fit() {
+        let caps = Caps {
+            per_session: 3,
+            total: 5,
+        };
+        let mut kept: HashMap<PairKey, ()> = HashMap::new();
+        // Session 1 asks for four leases' pairs: the fourth is over its cap.
+        for slot in 1..=3 {
+            let key = (1, 0, 0, slot);
+            assert_eq!(fits(&kept, &key, caps), Ok(()));
+            kept.insert(key, ());
+        }
+        assert_eq!(fits(&kept, &(1, 0, 0, 4), caps), Err(Cap::Session));
+        // A reconnect of a pair it has replaces it: always room.
+        assert_eq!(fits(&kept, &(1, 0, 0, 2), caps), Ok(()));
+        // Session 2 has room of its own, until the node is full.
+        for slot in 0..2 {
+            let key = (2, 0, 0, slot);
+            assert_eq!(fits(&kept, &key, caps), Ok(()));
+            kept.insert(key, ());
+        }
+        assert_eq!(fits(&kept, &(2, 0, 0, 2), caps), Err(Cap::Total));
+        assert_eq!(fits(&kept, &(3, 0, 0, 0), caps), Err(Cap::Total));
+        assert_eq!(fits(&kept, &(2, 0, 0, 1), caps), Ok(()), "a reconnect");
+        // Session 1 ends: its pairs go, and others fit again.
+        kept.retain(|k, _| k.0 != 1);
+        assert_eq!(fits(&kept, &(3, 0, 0, 0), caps), Ok(()));
     }
 }

@@ -146,10 +146,19 @@ pub fn decode_pairs(b: &[u8]) -> Option<Vec<PairInfo>> {
         .collect()
 }
 
+/// A reply's [`QpInfo::status`]: the owner could not set up a QP.
+pub const STATUS_FAILED: u8 = 1;
+/// A reply's [`QpInfo::status`]: the owner refused the QP, at its limit
+/// for the session or in all (`IbvConfig::max_passive_qps*`). An owner
+/// built before this status said [`STATUS_FAILED`], and an initiator built
+/// before it takes any non-zero status so.
+pub const STATUS_LIMIT: u8 = 2;
+
 /// One side's queue-pair details, as the exchange carries them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QpInfo {
-    /// 0 on success; non-zero in a reply means the owner could not set up a QP.
+    /// 0 on success; non-zero in a reply means the owner set up no QP
+    /// ([`STATUS_FAILED`], [`STATUS_LIMIT`]).
     pub status: u8,
     /// `ibv_mtu` value of the sender's port.
     pub mtu: u8,

@@ -52,6 +52,7 @@ mod lane;
 mod mapping;
 mod owner;
 mod peer;
+mod places;
 mod plan;
 mod pvm;
 mod shared;
@@ -75,6 +76,7 @@ use ferry_core::{
 pub use ferry_core::DataPathNotification;
 pub use lane::{MAX_BODY as LANE_MAX_NOTIFICATION, SLOTS as LANE_SLOTS};
 pub use owner::MemRegistration;
+pub use places::{DEFAULT_UNPROVEN_TIMEOUT, SameHostLimits};
 pub use shared::{SharedMapping, alloc, boot_id, mapping_of};
 
 /// The abstract socket name of node `id`'s memory transport.
@@ -151,8 +153,21 @@ impl MemoryBackend {
     ///
     /// With a secret in `secret` (the node's endpoint's, shared), every same-host socket (region requests, notification
     /// lanes) proves it both ways before anything else crosses, and peers
-    /// without it are refused (`ferry_control::auth`).
+    /// without it are refused (`ferry_control::auth`). The sockets it
+    /// answers are bounded by [`SameHostLimits::default`].
     pub fn start(node: NodeId, secret: SecretCell) -> Result<Self, MemoryError> {
+        Self::start_with_limits(node, secret, SameHostLimits::default())
+    }
+
+    /// [`MemoryBackend::start`], answering same-host sockets within
+    /// `limits`: any local process can connect to the node's socket, so
+    /// those that prove nothing hold a place only briefly (see
+    /// [`SameHostLimits`]).
+    pub fn start_with_limits(
+        node: NodeId,
+        secret: SecretCell,
+        limits: SameHostLimits,
+    ) -> Result<Self, MemoryError> {
         let auth = Arc::new(auth::SocketAuth { me: node, secret });
         let refusals = Arc::new(Refusals::default());
         let boot_id = boot_id().ok_or(MemoryError::NoBootId)?;
@@ -170,6 +185,7 @@ impl MemoryBackend {
             listener,
             exports.clone(),
             Arc::clone(&served),
+            places::Places::new(limits),
             Arc::clone(&lanes),
             auth.clone(),
             refusals.clone(),
@@ -341,14 +357,10 @@ impl MemoryBackend {
                 continue;
             }
             seen.push(owner);
-            if self
-                .0
-                .links
-                .known(owner)
-                .is_some_and(|link| !link.is_alive())
-            {
+            // An owner that closed an idle socket and still listens gets
+            // a fresh one; one that stopped is forgotten.
+            if self.0.links.gone(remote.owner()) {
                 tracing::debug!(owner = %remote.owner().endpoint, "memory transport: the owner closed its socket");
-                self.0.links.drop_link(owner);
                 forgot = true;
             }
         }
@@ -447,7 +459,10 @@ impl MemoryBackend {
     /// if it forgot any. Their ops then take the next transport
     /// ([`path`](Self::path) says `None` for a while), whose answer tells
     /// what is at the address now, instead of failing here with
-    /// `ConnectionLost`. One non-blocking peek per linked owner.
+    /// `ConnectionLost`. An owner that closed this node's socket while it
+    /// still listens (at its bound, see [`SameHostLimits`]) is not
+    /// forgotten: the socket is replaced. One non-blocking peek per linked
+    /// owner, and a connect per closed one.
     pub fn forget_dead_owners<'a>(&self, ops: impl IntoIterator<Item = &'a RdmaOp>) -> bool {
         self.forget_dead_owners_of(ops.into_iter().map(|op| &op.remote))
     }

@@ -38,6 +38,7 @@ use tracing::{debug, warn};
 use crate::auth::{self, SocketAuth};
 use crate::gate::{Gate, Gates, Pidfd};
 use crate::lane::{OwnerLanes, serve_lane};
+use crate::places::{Closed, Place, Places};
 use crate::shared::{alive, mapping_of};
 use crate::socket::{Listener, Packets};
 use crate::wire::{Answer, LaneAck, LaneOpen, Refusal, Reply, Request};
@@ -362,14 +363,11 @@ impl Drop for MemRegistration {
     }
 }
 
-/// Same-host peers one node answers at once (one task and one socket
-/// each; notification lanes, which have their own bound, not counted);
-/// more are turned away, and their ops fail with a typed error.
-const MAX_PEERS: usize = 1024;
-
-/// Answers peers on `listener` until the task is aborted.
+/// Answers peers on `listener` until the task is aborted, each socket
+/// under a place of `places` (see `places.rs`: one socket that cannot have
+/// one is closed at once).
 /// The peers' tasks belong to it: aborting it (the node stopping) ends
-/// them too. `served` counts the peers answered now: each one's task is
+/// them too. `served` counts the sockets answered now: each one's task is
 /// reaped, and its count released, as soon as its socket closes (a
 /// lane's, once its ring is delivered). Peers' notification lanes are
 /// served on their sockets too (`lanes`).
@@ -377,6 +375,7 @@ pub(crate) async fn serve(
     listener: Listener,
     exports: Arc<Exports>,
     served: Arc<AtomicUsize>,
+    places: Arc<Places>,
     lanes: Arc<OwnerLanes>,
     auth: Arc<SocketAuth>,
     refusals: Arc<Refusals>,
@@ -392,14 +391,13 @@ pub(crate) async fn serve(
         };
         match accepted {
             Ok(peer) => {
-                let lanes_open = lanes.open.load(Ordering::Relaxed);
-                if peers.len().saturating_sub(lanes_open) >= MAX_PEERS {
-                    warn!("memory transport: {MAX_PEERS} same-host peers already; one turned away");
+                let Some(place) = places.admit() else {
                     continue;
-                }
+                };
                 debug!(pid = ?peer.peer_pid(), "memory transport: a same-host peer connected");
                 peers.spawn(answer_peer(
                     peer,
+                    place,
                     exports.clone(),
                     lanes.clone(),
                     auth.clone(),
@@ -419,9 +417,12 @@ pub(crate) async fn serve(
 /// Answers one peer's socket: region requests, until it asks for a
 /// notification lane, which the socket then carries (`lane.rs`). Where this
 /// node has a cluster secret, the peer proves it first (`auth.rs`), and a
-/// lane it opens must name the node it proved it is.
+/// lane it opens must name the node it proved it is. Every wait for the
+/// peer is one under its `place`: evictable, and bounded in time until
+/// the peer proved itself (the secret, or a grant where there is none).
 async fn answer_peer(
     peer: Packets,
+    place: Place,
     exports: Arc<Exports>,
     lanes: Arc<OwnerLanes>,
     auth: Arc<SocketAuth>,
@@ -439,20 +440,24 @@ async fn answer_peer(
     // The node the peer proved it is; `None` until then, and for good
     // where this node has no secret.
     let mut proven = None;
+    let closed = |e: Closed| debug!(pid, "memory transport: a same-host socket closed: {e}");
     loop {
-        let (n, fd) = match peer.recv(&mut buf).await {
-            Ok((0, _)) | Err(_) => return,
-            Ok(got) => got,
+        let (n, fd) = match place.waiting(peer.recv(&mut buf)).await {
+            Err(e) => return closed(e),
+            Ok(Ok((0, _)) | Err(_)) => return,
+            Ok(Ok(got)) => got,
         };
         let packet = &buf[..n];
         if auth::is_hello(packet) {
-            match auth::check(&peer, packet, &auth).await {
-                Ok(node) if proven.is_none() => {
+            match place.waiting(auth::check(&peer, packet, &auth)).await {
+                Err(e) => return closed(e),
+                Ok(Ok(node)) if proven.is_none() => {
                     proven = Some(node);
+                    place.prove();
                     continue;
                 }
-                Ok(_) => return,
-                Err(e) => return refusals.refused(&from(), &e),
+                Ok(Ok(_)) => return,
+                Ok(Err(e)) => return refusals.refused(&from(), &e),
             }
         }
         let unproven = auth.secret().is_some() && proven.is_none();
@@ -467,6 +472,11 @@ async fn answer_peer(
             }
             Some(request) => {
                 let (reply, fd) = exports.answer(&request, &mut asker);
+                // Without a secret, a grant (which took a handle's token)
+                // is what shows the socket belongs to a peer.
+                if !matches!(reply, Reply::Refused(_)) {
+                    place.prove();
+                }
                 (Answer::to(&request, reply), fd)
             }
             None => match LaneOpen::decode(packet) {
@@ -479,6 +489,8 @@ async fn answer_peer(
                     return;
                 }
                 Some(open) => {
+                    // A lane is bounded on its own (`lane.rs`).
+                    drop(place);
                     return serve_lane(peer, open, fd, lanes).await;
                 }
                 // Neither: nothing to answer to; the peer broke.

@@ -472,10 +472,16 @@ impl Links {
 
     /// The link to `owner`, connecting on first use; `None` when it cannot
     /// be reached this way (remembered for [`UNREACHABLE_FOR`]).
+    ///
+    /// A link whose socket the owner closed is replaced by a fresh one if
+    /// the owner still listens: it closes sockets that wait for their
+    /// client at its bound, or that proved nothing in time (its
+    /// `places.rs`), and is alive. An owner that stopped refuses the
+    /// connect, and is remembered unreachable.
     pub fn get(&self, owner: NodeAddr) -> Option<Arc<Link>> {
         let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
         match links.get(&owner.id) {
-            Some(LinkState::Up(link)) => return Some(link.clone()),
+            Some(LinkState::Up(link)) if link.is_alive() => return Some(link.clone()),
             Some(LinkState::Unreachable(since)) if since.elapsed() < UNREACHABLE_FOR => {
                 return None;
             }
@@ -532,14 +538,13 @@ impl Links {
         }
     }
 
-    /// Forgets `owner` (it closed its socket): its mappings go when the
-    /// last copy through them ends. Ops that still name it find it
-    /// unreachable (and remember that for a while).
-    pub fn drop_link(&self, owner: NodeId) {
-        self.links
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(owner, LinkState::Unreachable(Instant::now()));
+    /// Whether `owner`'s link is closed and the owner no longer answers
+    /// (it stopped, or cannot be connected to now): its ops take the next
+    /// transport. A link the owner closed while it still listens is
+    /// replaced (see [`Links::get`]), and `false`.
+    pub fn gone(&self, owner: NodeAddr) -> bool {
+        let closed = self.known(owner.id).is_some_and(|link| !link.is_alive());
+        closed && self.get(owner).is_none()
     }
 
     /// Forgets every owner (this node is shutting down); mappings go when

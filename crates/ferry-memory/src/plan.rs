@@ -73,10 +73,12 @@ impl MemoryBackend {
                 reason: "not reachable over the same-host socket".into(),
             });
         };
-        // The owner gone: its pages are still mapped here, but a copy into
-        // them would reach nobody. One peek, no round trip.
+        // `get` replaced a link the owner had closed while it still
+        // listens, and remembered an owner that stopped as unreachable. A
+        // link closed since (the owner refused it at its bound, or just
+        // stopped) fails this op only: the next one connects afresh, or
+        // finds the owner gone. One peek, no round trip.
         if !link.is_alive() {
-            self.0.links.drop_link(owner.id);
             tracing::debug!(owner = %owner.endpoint, "memory transport: the owner closed its socket");
             return Err(OpError::connection_lost(owner.endpoint));
         }

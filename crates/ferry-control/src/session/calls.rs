@@ -75,8 +75,9 @@ pub(super) async fn dispatch(
         );
     };
     let (inner, running) = (inner.clone(), slots.running.clone());
+    let held = inner.hold();
     tokio::spawn(async move {
-        let _waiting = waiting;
+        let _waiting = (waiting, held);
         let turn = tokio::time::timeout_at(request.deadline, running.acquire_owned());
         tokio::select! {
             biased;
@@ -111,11 +112,14 @@ fn start_handler(
     let deadline = request.deadline;
     let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(request)));
     let task_inner = inner.clone();
+    // In flight: the session is not idle until it ends.
+    let held = inner.hold();
     // Registered under the lock the task takes to deregister itself, so a
     // handler that finishes at once cannot leave a stale entry behind.
     let mut handling = inner.lock_handling();
     let task = tokio::spawn(async move {
         let inner = task_inner;
+        let _held = held;
         // A panicking handler fails its request; the session and the node
         // go on.
         let answer = async move {

@@ -4,7 +4,12 @@
 //! for the rest of a frame is bounded ([`ConnectionLimits::frame_timeout`])
 //! and, on an accepted session, evictable at a bound like an idle
 //! connection ([`ConnectionPermit::while_mid_frame`]). Between frames the
-//! session waits as long as the peer likes: it has its own liveness.
+//! session waits as long as the peer likes (it has its own liveness), but
+//! an accepted one is evictable at a bound once it has waited
+//! [`ConnectionLimits::session_evictable_after`] with nothing in flight
+//! (see [`crate::limits`]).
+//!
+//! [`ConnectionLimits::session_evictable_after`]: crate::ConnectionLimits::session_evictable_after
 //!
 //! [`ConnectionLimits::frame_timeout`]: crate::ConnectionLimits::frame_timeout
 
@@ -66,7 +71,16 @@ impl FrameSource {
             let mid_frame = !self.buf.is_empty();
             let read = self.read.read_buf(&mut self.buf);
             let read = if !mid_frame {
-                read.await
+                match &self.permit {
+                    // Between frames: evictable once idle long enough.
+                    Some(permit) => permit.while_session_idle(read).await.unwrap_or_else(|e| {
+                        Err(io::Error::new(
+                            io::ErrorKind::ConnectionAborted,
+                            e.to_string(),
+                        ))
+                    }),
+                    None => read.await,
+                }
             } else {
                 match &self.permit {
                     Some(permit) => permit.while_mid_frame(read).await.unwrap_or_else(|e| {
