@@ -242,6 +242,15 @@ async fn run(
         }
         return Ok(levels);
     }
+    // A notification rides behind the last slice's data only where one
+    // owner is notified: that slice's ops may name only some of several
+    // owners, and each must hear once all the request's bytes moved.
+    let owners = match job.remote.owners() {
+        _ if job.notification.is_none() => Vec::new(),
+        [one] => vec![*one],
+        _ => touched_owners(job),
+    };
+    let behind_data = owners.len() == 1;
     let mut next = 0;
     let mut in_flight = FuturesOrdered::new();
     let mut bytes_in_flight = 0;
@@ -262,7 +271,10 @@ async fn run(
             if in_flight.len() >= 2 && bytes_in_flight + bytes > WINDOW_BYTES {
                 break;
             }
-            let notification = job.notification.clone().filter(|_| end == total);
+            let notification = job
+                .notification
+                .clone()
+                .filter(|_| end == total && behind_data);
             // The notification goes once every other slice is done.
             if notification.is_some() && !in_flight.is_empty() {
                 break;
@@ -355,7 +367,33 @@ async fn run(
             total,
         });
     }
+    if !behind_data && let Some(body) = &job.notification {
+        notify_owners(router, &owners, body, deadline).await?;
+    }
     Ok(levels)
+}
+
+/// The owners whose memory the request's ops name, each once, in order of
+/// first use.
+fn touched_owners(job: &Job) -> Vec<ferry_core::NodeAddr> {
+    let list = job.remote.list();
+    let (regions, descs) = (list.regions(), list.descs());
+    let mut seen = vec![false; regions.len()];
+    let mut owners = Vec::new();
+    for k in 0..job.count {
+        let Some(desc) = descs.get(job.remote_idx.at(k) as usize) else {
+            continue;
+        };
+        let region = desc.region as usize;
+        if seen.get(region) == Some(&false) {
+            seen[region] = true;
+            let owner = regions[region].owner();
+            if !owners.contains(&owner) {
+                owners.push(owner);
+            }
+        }
+    }
+    owners
 }
 
 /// Sends `body` as a notification to each of `owners` (a request of no
