@@ -37,6 +37,7 @@ mod messages;
 mod meters;
 mod names;
 mod node;
+mod plans;
 mod prepare;
 mod router;
 mod rpc;
@@ -78,6 +79,8 @@ pub use ferry_discovery::etcd::{EtcdConfig, EtcdError};
 pub use ferry_discovery::{DiscoveryError, Loaded, LookupError, MetadataError, NodeMetadata};
 /// The ibverbs backend, for direct use of its actor, messages and raw handles.
 pub use ferry_ibverbs as ibverbs;
+/// Tensor layouts and the planner ([`ferry_layout`]): see [`Node::plan_transfer`].
+pub use ferry_layout as layout;
 /// The same-host memory transport.
 pub use ferry_memory as memory;
 pub use ferry_memory::MemoryPath;
@@ -86,6 +89,7 @@ pub use ferry_tcp as tcp;
 pub use messages::{InboxTaken, NotifyError, SendMessage, SubmitWithNotification};
 pub use names::NameTaken;
 pub use node::Node;
+pub use plans::{LocalLayout, PeerLayout, PlanError, TransferPlan};
 pub use prepare::{Connect, Connected, PrepareError, PrepareRemote, PreparedRemote};
 pub use router::{NodeTransportInfo, TransportPath};
 pub use rpc::Call;

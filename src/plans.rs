@@ -258,7 +258,9 @@ impl TransferPlan {
         let n = local.len();
         let local = LocalDescList::new(self.local.clone(), local)?;
         let remote = self.prepared.with_descs(remote)?;
-        Ok(self.node.make_xfer(self.kind, &local, 0..n, &remote, 0..n)?)
+        Ok(self
+            .node
+            .make_xfer(self.kind, &local, 0..n, &remote, 0..n)?)
     }
 
     /// The descriptors a request for `tables` moves, without making it:

@@ -10,6 +10,7 @@ mod malformed;
 mod names;
 mod notified;
 mod peer_death;
+mod plans;
 mod raw_drop;
 mod slices;
 mod timeout;

@@ -196,6 +196,43 @@ impl TensorLayout {
     pub fn same_tensor(&self, other: &TensorLayout) -> bool {
         self.tensor == other.tensor
     }
+
+    /// Where the element at rank-local index `x` lies, by the definition
+    /// above, as `(region, byte offset)`; `table` is the paged axis's block
+    /// table (logical block `i` in physical block `table[i]`). `None` when
+    /// `x` has the wrong number of axes, or its block has no entry in
+    /// `table`. No other check: it is the layout's meaning, element by
+    /// element, for references and debugging (the planner never walks
+    /// elements).
+    pub fn locate(&self, x: &[u64], table: Option<&[u64]>) -> Option<(u32, u64)> {
+        if x.len() != self.strides.len() {
+            return None;
+        }
+        let mapped = self.region_map.as_ref().map(|m| m.axis as usize);
+        let (region, mut offset) = match &self.region_map {
+            Some(m) => {
+                let place = m.places.get(*x.get(m.axis as usize)? as usize)?;
+                (place.region, place.offset)
+            }
+            None => (self.region, self.offset),
+        };
+        for (d, (&i, &stride)) in x.iter().zip(&self.strides).enumerate() {
+            if Some(d) == mapped {
+                continue;
+            }
+            let step = match &self.paged {
+                Some(p) if p.axis as usize == d && p.block > 0 => {
+                    let block = *table?.get((i / p.block) as usize)?;
+                    block
+                        .checked_mul(p.block_stride)?
+                        .checked_add((i % p.block).checked_mul(stride)?)?
+                }
+                _ => i.checked_mul(stride)?,
+            };
+            offset = offset.checked_add(step)?;
+        }
+        Some((region, offset))
+    }
 }
 
 /// What one rank holds: its regions (by length; the facade knows their

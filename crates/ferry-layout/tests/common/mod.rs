@@ -80,30 +80,10 @@ pub fn tag(t: &TensorLayout, index: &[u64], byte: u64) -> u64 {
 }
 
 /// Where the element at rank-local index `x` of a piece lies, from the
-/// layout's definition; `None` when its logical block has no entry in
-/// `table`.
+/// layout's definition ([`TensorLayout::locate`]); `None` when its logical
+/// block has no entry in `table`.
 pub fn locate(t: &TensorLayout, x: &[u64], table: Option<&[u64]>) -> Option<(u32, u64)> {
-    let mapped = t.region_map.as_ref().map(|m| m.axis as usize);
-    let (region, mut offset) = match &t.region_map {
-        Some(m) => {
-            let place = m.places[x[m.axis as usize] as usize];
-            (place.region, place.offset)
-        }
-        None => (t.region, t.offset),
-    };
-    for (d, (&i, &stride)) in x.iter().zip(&t.strides).enumerate() {
-        if Some(d) == mapped {
-            continue;
-        }
-        match &t.paged {
-            Some(p) if p.axis as usize == d => {
-                let block = *table?.get((i / p.block) as usize)?;
-                offset += block * p.block_stride + (i % p.block) * stride;
-            }
-            _ => offset += i * stride,
-        }
-    }
-    Some((region, offset))
+    t.locate(x, table)
 }
 
 /// Every element of a piece: (rank-local index, global index).
