@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # ferry through NIXL's API: the FERRY plugin against NIXL's own UCX backend,
-# on ../shared/peers/nixl/bench.py's workloads (`--backend NAME` runs them
-# on any NIXL backend), over TCP loopback and same-host memory, in one
+# on bench/peers/nixl_bench.py's workloads (`--backend NAME` runs them on
+# any NIXL backend), over TCP loopback and same-host memory, in one
 # sitting, ROUNDS interleaved rounds, medians. Beside them, each round, the
 # physical references the targets are set against:
-#   tcp  four single-stream iperf3 processes at once (their sum), and
+#   tcp  scripts/tcp-mover.c: four sender/receiver process pairs sweeping
+#        256 MiB in 1 MiB send/recv calls (ferry's four connections and
+#        its 1 MiB TCP chunks: its work, with no protocol), and
 #   shm  a two-thread memcpy (numpy) of each cell's request size, and
 #        one thread's process_vm_writev of the cell's blocks
 #        (scripts/memcpy-bench.c pvm): the kernel copy ferry makes for
@@ -19,20 +21,19 @@
 # request in flight) and lat (one 8-byte write per request, p50). Then, per
 # backend and transport, what a post of 16,384 64 B blocks costs per block
 # (scripts/bench-nixl-post.py: CPU inside postXfer, and the whole
-# request). Needs the peers' NIXL venv (../shared/peers/nixl/setup.sh);
-# installs the release plugin into it. Run it on an idle machine.
+# request). Makes NIXL's venv first when it is missing
+# (bench/peers/setup.sh); installs the release plugin into it. Run it on an
+# idle machine.
 #
 #   scripts/bench-nixl-backend.sh [ROUNDS [SECONDS]]   (default 3 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
 seconds=${2:-2}
-PEERS=${PEERS:-../shared/peers}
-NIXL_PY=${NIXL_PY:-$HOME/.cache/peers-venv/bin/python}
-[ -x "$NIXL_PY" ] || { echo "no NIXL venv at $NIXL_PY: run $PEERS/nixl/setup.sh" >&2; exit 1; }
+source bench/peers/venvs.sh
+bench/peers/setup.sh nixl >&2
 source scripts/install-deps.sh
-source scripts/iperf3.sh
-ferry_install_deps iperf3 >&2
+ferry_install_deps >&2
 cargo build --release --locked -q -p ferry-cli -p ferry-nixl
 source scripts/target-dir.sh
 if [ "${FERRY_PY:-0}" = 1 ]; then
@@ -68,6 +69,7 @@ for line in sys.stdin:
 
 
 cc -O2 -o "$out/memcpy-bench" scripts/memcpy-bench.c
+cc -O2 -o "$out/tcp-mover" scripts/tcp-mover.c
 
 # One thread's process_vm_writev of each cell's blocks, GB/s.
 pvm_ref() {
@@ -109,7 +111,7 @@ for round in $(seq "$rounds"); do
     for transport in tcp shm; do
         for backend in UCX FERRY; do
             for workload in bw lat; do
-                "$NIXL_PY" "$PEERS/nixl/bench.py" --backend $backend --transport $transport \
+                "$NIXL_PY" bench/peers/nixl_bench.py --backend $backend --transport $transport \
                     --workload $workload --op both --duration "$seconds" --no-prog-thread \
                     2>"$out/err" | pick "$backend" "$transport" >>"$out/rows" ||
                     { cat "$out/err" >&2; exit 1; }
@@ -131,7 +133,7 @@ for round in $(seq "$rounds"); do
                 --descs 16384 --iters 50 2>"$out/err" >>"$out/post" || { cat "$out/err" >&2; exit 1; }
         done
     done
-    echo "iperf3x4 tcp bw write 0 $(iperf3_sum 4 1 "$seconds" 5301 "$out")" >>"$out/rows"
+    echo "mover tcp bw write 0 $("$out/tcp-mover" bw 4 $((1 << 20)) $((256 << 20)) "$seconds")" >>"$out/rows"
     memcpy_ref >>"$out/rows"
     pvm_ref >>"$out/rows"
 done
@@ -142,7 +144,8 @@ cells = {}
 for line in open(sys.argv[1]):
     system, transport, workload, op, block, value = line.split()
     cells.setdefault((transport, workload, op, int(block)), {}).setdefault(system, []).append(float(value))
-iperf = statistics.median(cells.get(("tcp", "bw", "write", 0), {}).get("iperf3x4", [float("nan")]))
+# tcp-mover moves bytes one way: its figure stands for writes and reads.
+mover = statistics.median(cells.get(("tcp", "bw", "write", 0), {}).get("mover", [float("nan")]))
 med = lambda xs: statistics.median(xs) if xs else float("nan")
 size = lambda b: f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB" if b >= 1024 else f"{b} B"
 py = any("ferry-py" in by for by in cells.values())
@@ -154,7 +157,7 @@ for (transport, workload, op, block), by in sorted(cells.items()):
         continue
     u, f, p = med(by.get("UCX", [])), med(by["FERRY"]), med(by.get("ferry-py", []))
     if workload == "bw":
-        phys = iperf if transport == "tcp" else med(cells.get(("shm", "bw", op, block), {}).get("memcpy", []))
+        phys = mover if transport == "tcp" else med(cells.get(("shm", "bw", op, block), {}).get("memcpy", []))
         line = f"| {transport} | {op} {size(block)} GB/s | {u:.2f} | {f:.2f} | {f / u:.2f} | {phys:.2f} | {f / phys:.2f} |"
         pvm = med(by.get("pvm", []))
         line += f" {pvm:.2f} | {f / pvm:.2f} |" if transport == "shm" else " | |"

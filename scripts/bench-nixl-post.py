@@ -15,13 +15,13 @@ small same-host request, inside it; UCX posts its sends), so post CPU is an
 upper bound on what the plugin itself adds per descriptor: issue 38 asks
 for at most 150 ns.
 
-    ~/.cache/peers-venv/bin/python scripts/bench-nixl-post.py \\
+    ~/.cache/ferry-peers/nixl/bin/python scripts/bench-nixl-post.py \\
         [--backend FERRY|UCX] [--transport memory|tcp] [--descs 1024,16384] \\
         [--block 64] [--iters 300]
 
-Needs a venv with `nixl` (and, for FERRY, the plugin installed:
-`ferry nixl install --python PYTHON`). scripts/bench-nixl-backend.sh runs
-it beside bench.py.
+Needs a venv with `nixl` (bench/peers/setup.sh nixl makes one; for FERRY,
+the plugin installed: `ferry nixl install --python PYTHON`).
+scripts/bench-nixl-backend.sh runs it beside bench/peers/nixl_bench.py.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> int:
 def measure(args: argparse.Namespace) -> int:
     if args.backend == "UCX":
         # NIXL's UCX backend picks its transports from the environment,
-        # as ../shared/peers/nixl/bench.py sets it: its shared-memory
+        # as bench/peers/nixl_bench.py sets it: its shared-memory
         # transports need error handling on to serve NIXL's endpoints.
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
         if args.transport == "tcp":

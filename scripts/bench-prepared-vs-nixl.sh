@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
 # Transfer requests on prepared lists, ferry against NIXL (PyPI `nixl`, its
-# bundled UCX) on NIXL's own benchmark in ../shared/peers/nixl: the `bw`
-# workload, one request in flight at a time, made per request from lists
-# prepared once (`make_prepped_xfer` / `Node::make_xfer`), against a
+# bundled UCX) on bench/peers/nixl_bench.py (the project's benchmark of
+# it): the `bw` workload, one request in flight at a time, made per
+# request from lists prepared once (`make_prepped_xfer` / `Node::make_xfer`), against a
 # 256 MiB region: 4K x1024, 64K x1024, 1M x64, 16M x4 descriptors per
 # request. Over TCP loopback (NIXL: UCX_TLS=tcp) and same-host memory
 # (NIXL: shm). Alternates the two, RUNS rounds, and prints each median
-# (GB/s, request p50 in µs) and ferry/NIXL ratios. Needs the peers' venv
-# (../shared/peers/nixl/setup.sh). Run it on an idle machine.
+# (GB/s, request p50 in µs) and ferry/NIXL ratios. Makes NIXL's venv first
+# when it is missing (bench/peers/setup.sh). Run it on an idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-3}
 OP=${OP:-write}
-PEERS=${PEERS:-../shared/peers}
-PY=${PEERS_VENV:-$HOME/.cache/peers-venv}/bin/python
-[ -x "$PY" ] || { echo "no NIXL venv at $PY: run $PEERS/nixl/setup.sh" >&2; exit 1; }
+source bench/peers/venvs.sh
+bench/peers/setup.sh nixl >&2
 
 cargo build --release --locked -q -p ferry-cli
 source scripts/target-dir.sh
@@ -27,7 +26,7 @@ SHAPES=("4096 1024" "65536 1024" "1048576 64" "16777216 4")
 for round in $(seq "$RUNS"); do
     for mode in tcp:tcp memory:shm; do
         ours=${mode%%:*} theirs=${mode##*:}
-        "$PY" "$PEERS/nixl/bench.py" --transport "$theirs" --workload bw --op "$OP" \
+        "$NIXL_PY" bench/peers/nixl_bench.py --transport "$theirs" --workload bw --op "$OP" \
             --duration "$SECONDS_PER_RUN" --blocks 4K,64K,1M,16M --no-prog-thread 2>/dev/null |
             python3 -c '
 import json, sys

@@ -9,13 +9,13 @@
 #   lat    an 8-byte write: Python's p50 minus `ferry bench`'s (<= 5 µs);
 #   idle   an idle Python node's CPU (<= 1% of a core).
 # Over same-host memory and TCP. Beside them, with PEERS=1, NIXL's and
-# Mooncake's Python packages on the same workloads (../shared/peers; their
-# venvs made by its setup.sh scripts). Run it on an idle machine.
+# Mooncake's Python packages on the same workloads (bench/peers/; their
+# venvs made by bench/peers/setup.sh when missing). Run it on an idle
+# machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-3}
-PEERS_DIR=${PEERS_DIR:-../shared/peers}
 source scripts/install-deps.sh
 ferry_install_deps
 cargo build --release --locked -q -p ferry-cli
@@ -26,6 +26,10 @@ ferry_make_venv "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check maturin==1.16.0 numpy==2.4.6
 CARGO_TARGET_DIR="$target_dir" VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
     maturin develop --release --manifest-path python/Cargo.toml --locked -q
+if [ "${PEERS:-0}" = 1 ]; then
+    source bench/peers/venvs.sh
+    bench/peers/setup.sh >&2
+fi
 out=${OUT:-$(mktemp -d)}
 echo "rows in $out/rows.jsonl" >&2
 
@@ -58,18 +62,16 @@ for round in $(seq "$RUNS"); do
             --blocks 1M:64 --duration "$SECONDS_PER_RUN" --idle-seconds 10 |
             tag ferry-python "$transport" >>"$out/rows.jsonl"
         if [ "${PEERS:-0}" = 1 ]; then
-            nixl_py=${PEERS_VENV:-$HOME/.cache/peers-venv}/bin/python
             theirs=$([ "$transport" = memory ] && echo shm || echo tcp)
-            "$nixl_py" "$PEERS_DIR/nixl/bench.py" --transport "$theirs" --workload bw --op both \
+            "$NIXL_PY" bench/peers/nixl_bench.py --transport "$theirs" --workload bw --op both \
                 --duration "$SECONDS_PER_RUN" --blocks 4K,1M --no-prog-thread 2>/dev/null |
                 tag nixl "$transport" >>"$out/rows.jsonl" || echo "NIXL failed" >&2
-            "$nixl_py" "$PEERS_DIR/nixl/bench.py" --transport "$theirs" --workload lat --op write \
+            "$NIXL_PY" bench/peers/nixl_bench.py --transport "$theirs" --workload lat --op write \
                 --duration "$SECONDS_PER_RUN" --no-prog-thread 2>/dev/null |
                 tag nixl "$transport" >>"$out/rows.jsonl" || echo "NIXL failed" >&2
-            mooncake_py=${MOONCAKE_VENV:-$HOME/.cache/peers-venv-mooncake}/bin/python
-            if [ "$transport" = tcp ] && [ -x "$mooncake_py" ]; then
+            if [ "$transport" = tcp ]; then
                 for workload in bw lat; do
-                    "$mooncake_py" "$PEERS_DIR/mooncake/bench.py" --protocol tcp --workload "$workload" \
+                    "$MOONCAKE_PY" bench/peers/mooncake_bench.py --transport tcp --workload "$workload" \
                         --blocks 4K,1M --duration "$SECONDS_PER_RUN" 2>/dev/null |
                         tag mooncake "$transport" >>"$out/rows.jsonl" || echo "Mooncake failed" >&2
                 done

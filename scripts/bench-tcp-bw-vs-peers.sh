@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # TCP bandwidth on loopback, ferry against NIXL 1.5.1 (UCX tcp) and Mooncake
-# TE 0.3.13 (tcp), from ../shared/peers, on their `bw` workload: one request
-# of 4K x1024, 64K x1024, 1M x64 or 16M x4 in flight at a time against a
-# 256 MiB region, writes and reads. ROUNDS interleaved rounds; per round:
+# TE 0.3.13 (tcp), measured by bench/peers/ (the project's benchmarks of
+# them), on `ferry bench`'s bandwidth workload: one request of 4K x1024,
+# 64K x1024, 1M x64 or 16M x4 in flight at a time against a 256 MiB region,
+# writes and reads. ROUNDS interleaved rounds; per round:
 #
 #   ferry bench --op OP --block B --batch N                       (one-shot submit)
 #   ferry bench --op OP --block B --prepared --strided --descs N  (transfer request)
 #     both against one long-lived `ferry serve` (same-host path off)
-#   NIXL's and Mooncake's bw workloads, both ops, every block
+#   bench/peers/nixl_bench.py and mooncake_bench.py --workload bw, both
+#   ops, every block
 #
 # Prints each cell's median GB/s, every round's figures, and ferry's ratio
-# to the better peer's median. Needs the peers' venvs
-# (../shared/peers/*/setup.sh). Run it on an idle machine.
+# to the better peer's median. Makes the peers' venvs first when they are
+# missing (bench/peers/setup.sh). Run it on an idle machine.
 #
 #   scripts/bench-tcp-bw-vs-peers.sh [ROUNDS [SECONDS]]   (default 5 2)
 set -euo pipefail
@@ -19,9 +21,7 @@ cd "$(dirname "$0")/.."
 rounds=${1:-5}
 seconds=${2:-2}
 source scripts/peers-here.sh
-for py in "$NIXL_PY" "$MOONCAKE_PY"; do
-    [ -x "$py" ] || { echo "no peer venv at $py: run $PEERS/*/setup.sh" >&2; exit 1; }
-done
+peers_setup nixl mooncake
 shapes=("4K 1024" "64K 1024" "1M 64" "16M 4")
 serve_tcp
 
@@ -50,9 +50,9 @@ for round in $(seq "$rounds"); do
                 pick prepared $op >>"$dir/rows"
         done
     done
-    "$NIXL_PY" "$PEERS/nixl/bench.py" --transport tcp --workload bw --op both \
+    "$NIXL_PY" "$NIXL_BENCH" --transport tcp --workload bw --op both \
         --duration "$seconds" --no-prog-thread 2>/dev/null | pick nixl "" >>"$dir/rows"
-    "$MOONCAKE_PY" "$PEERS/mooncake/bench.py" --protocol tcp --workload bw --op both \
+    "$MOONCAKE_PY" "$MOONCAKE_BENCH" --transport tcp --workload bw --op both \
         --duration "$seconds" 2>/dev/null | pick mooncake "" >>"$dir/rows"
 done
 

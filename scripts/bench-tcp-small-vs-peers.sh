@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Small TCP transfers on loopback, ferry against NIXL 1.5.1 (UCX tcp) and
-# Mooncake TE 0.3.13, from ../shared/peers, in ROUNDS interleaved rounds:
+# Mooncake TE 0.3.13, measured by bench/peers/ (the project's benchmarks of
+# them), in ROUNDS interleaved rounds:
 #
 #   per round, against one long-lived `ferry serve`:
 #     ferry bench --op write --block 1M --batch 64   (a bandwidth run first, as
 #                                                     the 8-byte figure once went
 #                                                     bimodal after one)
 #     ferry bench --op write --block 8 --batch 1     (p50 / p99, µs)
-#   then NIXL's and Mooncake's `lat` workloads (one 8-byte write per request).
+#   then bench/peers/nixl_bench.py's and mooncake_bench.py's `lat` workload
+#   (one 8-byte write per request).
 #
 # Prints every round's figures and the medians. NIXL's initiator and target
-# both spin on a core while they wait (its benchmark polls, as vLLM does);
+# both spin on a core while they wait (the benchmark polls, as vLLM does);
 # ferry's connections poll for TcpConfig::busy_poll (100 µs) and then sleep.
-# BUSY_POLL_US=0 runs ferry without polling. Needs the peers' venvs
-# (../shared/peers/*/setup.sh). Run it on an idle machine.
+# BUSY_POLL_US=0 runs ferry without polling. Makes the peers' venvs first
+# when they are missing (bench/peers/setup.sh). Run it on an idle machine.
 #
 #   scripts/bench-tcp-small-vs-peers.sh [ROUNDS [SECONDS]]   (default 3 2)
 set -euo pipefail
@@ -21,6 +23,7 @@ cd "$(dirname "$0")/.."
 rounds=${1:-3}
 seconds=${2:-2}
 source scripts/peers-here.sh
+peers_setup nixl mooncake
 poll=()
 [ -n "${BUSY_POLL_US:-}" ] && poll=(--busy-poll-us "$BUSY_POLL_US")
 serve_tcp "${poll[@]}"
@@ -45,9 +48,9 @@ for round in $(seq "$rounds"); do
     echo "ferry-bw $bw" >>"$dir/rows"
     $ferry bench --handle "$dir/h" --transport tcp --block 8 --batch 1 --duration "$seconds" \
         --warmup 200 --json "${poll[@]}" | pick ferry >>"$dir/rows"
-    [ -x "$NIXL_PY" ] && "$NIXL_PY" "$PEERS/nixl/bench.py" --transport tcp --workload lat \
+    "$NIXL_PY" "$NIXL_BENCH" --transport tcp --workload lat \
         --op write --duration "$seconds" --no-prog-thread 2>/dev/null | pick nixl >>"$dir/rows"
-    [ -x "$MOONCAKE_PY" ] && "$MOONCAKE_PY" "$PEERS/mooncake/bench.py" --protocol tcp \
+    "$MOONCAKE_PY" "$MOONCAKE_BENCH" --transport tcp \
         --workload lat --op write --duration "$seconds" 2>/dev/null | pick mooncake >>"$dir/rows"
 done
 

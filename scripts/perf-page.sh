@@ -2,28 +2,38 @@
 # Generates docs/performance.md, its plots (docs/perf/*.svg) and the README's
 # headline table (only the lines between <!-- perf:begin --> and
 # <!-- perf:end -->) from one run of the side-by-side benchmarks on this
-# machine, ROUNDS interleaved rounds: ferry against NIXL and Mooncake
-# (../shared/peers, the peers' bench.py) and the physical references:
-# iperf3 and sockperf over loopback TCP, a one-thread memcpy, UCX's
-# ucx_perftest, and, with --rdma, perftest in the soft-RoCE VM (tests/rxe/).
-# The cells and commands are those of bench-tcp-bw-vs-peers.sh,
-# bench-tcp-small-vs-peers.sh, bench-prepared-vs-nixl.sh,
-# bench-memory-vs-ucx.sh, bench-tcp-vs-iperf3.sh, bench-nixl-backend.sh and
+# machine, ROUNDS interleaved rounds: ferry against NIXL and Mooncake (the
+# project's own benchmarks of them, bench/peers/, in venvs that
+# bench/peers/setup.sh makes) and the physical references, which do
+# ferry's work with nothing else: scripts/tcp-mover.c over loopback TCP (4
+# process pairs sweeping 256 MiB in 1 MiB send/recv calls; a ping-pong of 8
+# bytes, polling and blocking), a one-thread memcpy, UCX's ucx_perftest,
+# and, with --rdma, perftest in the soft-RoCE VM (tests/rxe/); iperf3 and
+# sockperf beside them as context. The cells and commands are those of
+# bench-tcp-bw-vs-peers.sh, bench-tcp-small-vs-peers.sh,
+# bench-prepared-vs-nixl.sh, bench-memory-vs-ucx.sh,
+# bench-tcp-vs-iperf3.sh, bench-nixl-backend.sh and
 # bench-rdma-vs-perftest.sh:
 #
 #   TCP bandwidth   ferry submit and prepared requests (one long-lived `ferry
 #                   serve`), NIXL (UCX tcp), Mooncake (tcp): 4K x1024, 64K
-#                   x1024, 1M x64, 16M x4, writes and reads; iperf3 -P 4 and
+#                   x1024, 1M x64, 16M x4, writes and reads; tcp-mover bw
+#                   with 4 pairs (ferry's 4 connections) in 1 MiB calls
+#                   (ferry's TCP chunk: whatever the block size, ferry's
+#                   connections move requests of at most 1 MiB, small ops
+#                   gathered, large ones cut); context: iperf3 -P 4 and
 #                   4 x iperf3 -P 1, both directions
 #   latency         one 8-byte write per request: ferry, NIXL, Mooncake over
-#                   TCP and sockperf's ping-pong round trip; ferry memory and
-#                   NIXL shm on the same host
+#                   TCP; tcp-mover's 8-byte ping-pong round trip, polling
+#                   (`spin`, as ferry's TCP busy-polls) and blocking; context:
+#                   sockperf's ping-pong; ferry memory and NIXL shm on the
+#                   same host
 #   same host       ferry's memory transport (prepared) against NIXL shm and
 #                   memcpy, same shapes; ferry against ucx_perftest put_bw
 #                   (posix,cma and tcp) at 1M and 16M
-#   through NIXL    NIXL's bench.py with --backend FERRY (ferry's plugin,
-#                   built with ferry-cli's profile and installed into the
-#                   NIXL venv) beside its UCX rows above: TCP and shm
+#   through NIXL    bench/peers/nixl_bench.py with --backend FERRY (ferry's
+#                   plugin, built with ferry-cli's profile and installed into
+#                   the NIXL venv) beside its UCX rows above: TCP and shm
 #                   bandwidth and 8-byte write latency, as
 #                   bench-nixl-backend.sh
 #   --rdma          one VM boot: ferry over ibverbs against ib_write_bw,
@@ -46,16 +56,19 @@
 #                written beside its rows ($target_dir/perf-page/RUN-smoke/
 #                page/, or --out, never docs), then checks that the page
 #                and every plot are well formed; a peer whose venv is
-#                missing is skipped with a line saying so. Fails on a
-#                failure of ferry's own (its NIXL plugin's included); a
-#                peer's or a tool's shows on the page and in a line here.
+#                missing is skipped with a line saying so (NIXL's is the
+#                test suite's, $target_dir/nixl-venv, when there is one).
+#                Fails on a failure of ferry's own (its NIXL plugin's
+#                included); a peer's or a tool's shows on the page and in
+#                a line here.
 #
 # Takes about 20 minutes with the defaults on a 2-core machine (about 4 a
-# round), --rdma about 8 more; --smoke about a minute (--rdma: 2). Add the
+# round), --rdma about 8 more; --smoke a minute or two (--rdma: 2). Add the
 # release build of ferry-cli and ferry-nixl (3-5 minutes the first time;
 # --smoke uses the debug build, FERRY_PROFILE=release to override). A full
-# run needs the peers' venvs (../shared/peers/*/setup.sh) and stops without
-# them; installs iperf3, sockperf and ucx-utils when missing. Exits 1 when any
+# run makes the peers' venvs first when they are missing
+# (bench/peers/setup.sh, from PyPI: a minute or two the first time);
+# installs iperf3, sockperf and ucx-utils when missing. Exits 1 when any
 # command failed (the page is written anyway, listing them). Run it on an
 # idle machine: other load moves every number.
 set -euo pipefail
@@ -105,8 +118,8 @@ for tool in iperf3 sockperf ucx_perftest cc; do
     fi
 done
 
-# The `ferry` to measure ($ferry), the peers' venvs ($NIXL_PY, $MOONCAKE_PY)
-# and serve_tcp, as the peers scripts use them.
+# The `ferry` to measure ($ferry), the peers' benchmarks and venvs
+# ($NIXL_BENCH, $NIXL_PY, ...) and serve_tcp, as the peers scripts use them.
 # A smoke run checks the script, not the figures: the debug build the test
 # suite made already does (a release build costs CI minutes).
 ((smoke)) && export FERRY_PROFILE=${FERRY_PROFILE:-debug}
@@ -115,28 +128,25 @@ source scripts/peers-here.sh
 have_nixl=1
 have_mooncake=1
 skipped=()
-peer_here() { # NAME PYTHON SETUP
-    [ -x "$2" ] && return 0
-    if ((smoke)); then
-        echo "perf-page: skipping $1: no venv at $2 (run $3 to include it)" >&2
-        skipped+=("skipped_$1=$1: no venv at $2 (run $3 to include it)")
-        return 1
-    fi
-    echo "no peer venv at $2: run $3" >&2
-    exit 1
-}
 # A debug plugin goes into the test suite's own NIXL venv (made by
 # scripts/nixl-tests.sh, which installs that plugin there too) when there is
 # one, not into the peers' venv: benchmarks run later by hand would measure
 # it there as FERRY, an 8-byte write 1.6 times slower than the release one.
-# (Only where the peers' benchmark is: otherwise NIXL is skipped, as
-# without the peers' venv.)
-if [ "${FERRY_PROFILE:-release}" = debug ] && [ -x "$target_dir/nixl-venv/bin/python" ] &&
-    [ -f "$PEERS/nixl/bench.py" ]; then
+if [ "${FERRY_PROFILE:-release}" = debug ] && [ -x "$target_dir/nixl-venv/bin/python" ]; then
     NIXL_PY=$target_dir/nixl-venv/bin/python
 fi
-peer_here nixl "$NIXL_PY" "$PEERS/nixl/setup.sh" || have_nixl=0
-peer_here mooncake "$MOONCAKE_PY" "$PEERS/mooncake/setup.sh" || have_mooncake=0
+peer_here() { # NAME PYTHON: a full run makes a missing venv; a smoke run skips its peer
+    [ -x "$2" ] && return 0
+    if ((smoke)); then
+        echo "perf-page: skipping $1: no venv at $2 (run bench/peers/setup.sh $1 to include it)" >&2
+        skipped+=("skipped_$1=$1: no venv at $2 (run bench/peers/setup.sh $1 to include it)")
+        return 1
+    fi
+    echo "perf-page: making $1's venv (bench/peers/setup.sh $1)" >&2
+    peers_setup "$1"
+}
+peer_here nixl "$NIXL_PY" || have_nixl=0
+peer_here mooncake "$MOONCAKE_PY" || have_mooncake=0
 # ferry as a NIXL backend: the FERRY plugin, built as ferry-cli is, copied
 # into the NIXL venv's plugin directory (as bench-nixl-backend.sh does).
 if ((have_nixl)); then
@@ -180,7 +190,6 @@ if ((smoke)); then
     ucx_tcp_bytes=$((64 << 20))
     rdma_seconds=$seconds
     lat_args=(--lat-iters 200 --warmup 20)
-    mooncake_lat_args=(--lat-iters 200)
     limit=120
 else
     shapes=("4K 1024" "64K 1024" "1M 64" "16M 4")
@@ -191,7 +200,6 @@ else
     ucx_tcp_bytes=$((256 << 20)) # UCX over loopback TCP moves 50-250 MB/s here
     rdma_seconds=$(python3 -c "print(max(6, $seconds))") # bench-rdma-vs-perftest.sh's 6 s a row
     lat_args=()
-    mooncake_lat_args=()
     limit=600
 fi
 whole=$(python3 -c "import math; print(max(1, math.ceil($seconds)))") # iperf3 and sockperf: whole seconds
@@ -220,6 +228,7 @@ show() {
     s=${s//"$ferry"/$ferry_shown}
     s=${s//"$dir"/\$SERVE_DIR}
     s=${s//"$work"/\$WORK}
+    s=${s//"$PWD/"/}
     s=${s//"$HOME"/\~}
     echo "$s"
 }
@@ -265,6 +274,22 @@ note() { # SUITE TEXT: a line for the page's list of commands
 cc -O2 -o "$work/memcpy" scripts/memcpy-bench.c
 note memcpy "\$WORK/memcpy BLOCK SECONDS [BUFFER]: scripts/memcpy-bench.c (cc -O2)"
 
+# The TCP references (scripts/tcp-mover.c): ferry's work over loopback TCP
+# with no protocol. Bandwidth: $streams sender/receiver process pairs (ferry
+# bench's connections) sweeping 256 MiB (ferry serve's region) in 1 MiB
+# send() and recv() calls, for every cell: ferry's TCP moves any request in
+# pieces of at most its chunk size, 1 MiB (TcpConfig::chunk_size; runs of
+# 4 or 64 KiB ops gathered into one, 16 MiB ops cut in 16), so 1 MiB calls
+# are the work its connections do whatever the block size. The mover sends
+# one way; its figure stands for writes and reads alike. Latency: the
+# median round trip of 8 bytes, one process per side, receiving in a
+# polling loop (`spin`, as ferry's TCP busy-polls), and blocking in recv().
+cc -O2 -o "$work/tcp-mover" scripts/tcp-mover.c
+mover_block=$((1 << 20))
+mover_size=$((256 << 20))
+note tcp-bw "\$WORK/tcp-mover bw PAIRS BLOCK SIZE SECONDS | pingpong LEN SECONDS [spin]: scripts/tcp-mover.c (cc -O2)"
+note lat "\$WORK/tcp-mover bw PAIRS BLOCK SIZE SECONDS | pingpong LEN SECONDS [spin]: scripts/tcp-mover.c (cc -O2)"
+
 # iperf3_pairs PROCS STREAMS_PER_PROC [-R]: scripts/iperf3.sh's iperf3_sum
 # for this run's seconds.
 iperf3_pairs() {
@@ -291,6 +316,7 @@ if command -v sockperf >/dev/null; then
 fi
 note tcp-bw "in the background: FERRY_DISABLE_MEMORY=1 $ferry_shown serve --size 256M --no-ibverbs --handle-file \$SERVE_DIR/h"
 note lat "the tcp rows use the same ferry serve as the TCP bandwidth table"
+((have_nixl || have_mooncake)) && note tcp-bw "once, before the rounds: bench/peers/setup.sh (the peers' venvs, under ~/.cache/ferry-peers unless \$FERRY_PEERS_VENVS)"
 if ((have_nixl)); then
     plugin_shown=$plugin
     case $plugin in "$PWD"/*) plugin_shown=${plugin#"$PWD"/} ;; esac
@@ -309,14 +335,16 @@ for round in $(seq "$rounds"); do
                 --transport tcp --op $op --block "$1" --prepared --strided --descs "$2" --duration "$seconds" --json
         done
     done
-    ((have_nixl)) && measure json tcp-bw nixl transport=tcp -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
+    ((have_nixl)) && measure json tcp-bw nixl transport=tcp -- "$NIXL_PY" "$NIXL_BENCH" \
         --transport tcp --workload bw --op both --blocks $peer_blocks --duration "$seconds" --no-prog-thread
-    ((have_nixl)) && measure json tcp-bw nixl-ferry transport=tcp -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
+    ((have_nixl)) && measure json tcp-bw nixl-ferry transport=tcp -- "$NIXL_PY" "$NIXL_BENCH" \
         --backend FERRY --transport tcp --workload bw --op both --blocks $peer_blocks --duration "$seconds" \
         --no-prog-thread
     ((have_mooncake)) && measure json tcp-bw mooncake transport=tcp -- "$MOONCAKE_PY" \
-        "$PEERS/mooncake/bench.py" --protocol tcp --workload bw --op both --blocks $peer_blocks \
+        "$MOONCAKE_BENCH" --transport tcp --workload bw --op both --blocks $peer_blocks \
         --duration "$seconds"
+    measure gbps tcp-bw tcp-mover variant="${streams}x1M" block=$mover_block -- \
+        "$work/tcp-mover" bw $streams $mover_block $mover_size "$seconds"
     if command -v iperf3 >/dev/null; then
         for op in write read; do
             reverse=
@@ -336,21 +364,25 @@ for round in $(seq "$rounds"); do
     echo "perf-page: round $round of $rounds: latency" >&2
     measure json lat ferry transport=tcp -- "$ferry" bench --handle "$dir/h" --transport tcp --block 8 \
         --batch 1 --duration "$seconds" --warmup 200 --json
-    ((have_nixl)) && measure json lat nixl transport=tcp -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
+    ((have_nixl)) && measure json lat nixl transport=tcp -- "$NIXL_PY" "$NIXL_BENCH" \
         --transport tcp --workload lat --op write --duration "$seconds" --no-prog-thread "${lat_args[@]}"
-    ((have_nixl)) && measure json lat nixl-ferry transport=tcp -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
+    ((have_nixl)) && measure json lat nixl-ferry transport=tcp -- "$NIXL_PY" "$NIXL_BENCH" \
         --backend FERRY --transport tcp --workload lat --op write --duration "$seconds" --no-prog-thread \
         "${lat_args[@]}"
     ((have_mooncake)) && measure json lat mooncake transport=tcp -- "$MOONCAKE_PY" \
-        "$PEERS/mooncake/bench.py" --protocol tcp --workload lat --op write --duration "$seconds" \
-        "${mooncake_lat_args[@]}"
+        "$MOONCAKE_BENCH" --transport tcp --workload lat --op write --duration "$seconds" \
+        "${lat_args[@]}"
+    measure p50 lat tcp-mover variant=spin transport=tcp op=write block=8 -- \
+        "$work/tcp-mover" pingpong 8 "$seconds" spin
+    measure p50 lat tcp-mover variant=blocking transport=tcp op=write block=8 -- \
+        "$work/tcp-mover" pingpong 8 "$seconds"
     [ -n "$sockperf_pid" ] && measure sockperf lat sockperf transport=tcp op=write block=14 -- \
         sockperf ping-pong --tcp -i 127.0.0.1 -p $sockperf_port -m 14 -t "$whole" --full-rtt
     measure json lat ferry transport=memory -- "$ferry" bench --loopback --transport memory --size 4K \
         --block 8 --batch 1 --duration "$seconds" --warmup 200 --json
-    ((have_nixl)) && measure json lat nixl transport=memory -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
+    ((have_nixl)) && measure json lat nixl transport=memory -- "$NIXL_PY" "$NIXL_BENCH" \
         --transport shm --workload lat --op write --duration "$seconds" --no-prog-thread "${lat_args[@]}"
-    ((have_nixl)) && measure json lat nixl-ferry transport=memory -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
+    ((have_nixl)) && measure json lat nixl-ferry transport=memory -- "$NIXL_PY" "$NIXL_BENCH" \
         --backend FERRY --transport shm --workload lat --op write --duration "$seconds" --no-prog-thread \
         "${lat_args[@]}"
 
@@ -363,9 +395,9 @@ for round in $(seq "$rounds"); do
                 --duration "$seconds" --json
         done
     done
-    ((have_nixl)) && measure json mem-bw nixl transport=shm -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
+    ((have_nixl)) && measure json mem-bw nixl transport=shm -- "$NIXL_PY" "$NIXL_BENCH" \
         --transport shm --workload bw --op both --blocks $peer_blocks --duration "$seconds" --no-prog-thread
-    ((have_nixl)) && measure json mem-bw nixl-ferry transport=shm -- "$NIXL_PY" "$PEERS/nixl/bench.py" \
+    ((have_nixl)) && measure json mem-bw nixl-ferry transport=shm -- "$NIXL_PY" "$NIXL_BENCH" \
         --backend FERRY --transport shm --workload bw --op both --blocks $peer_blocks --duration "$seconds" \
         --no-prog-thread
     for block in "${mem_blocks[@]}"; do

@@ -108,9 +108,15 @@ def from_json_rows(text: str) -> Iterable[dict]:
 
 
 def from_numbers(text: str) -> Iterable[dict]:
-    """A bare GB/s figure per line (memcpy, the summed iperf3 runs)."""
+    """A bare GB/s figure per line (memcpy, tcp-mover bw, the summed iperf3 runs)."""
     for line in text.split():
         yield {"gbps": float(line)}
+
+
+def from_median_us(text: str) -> Iterable[dict]:
+    """A bare median in µs per line (tcp-mover pingpong's round trip)."""
+    for line in text.split():
+        yield {"lat_p50_us": float(line)}
 
 
 def from_sockperf(text: str) -> Iterable[dict]:
@@ -177,7 +183,7 @@ def cmd_ingest(kind: str, rows_path: Path, pairs: Sequence[str]) -> int:
     elif kind == "rxe":
         found = list(from_rxe_console(text, base))
     else:
-        parse = {"json": from_json_rows, "gbps": from_numbers, "sockperf": from_sockperf,
+        parse = {"json": from_json_rows, "gbps": from_numbers, "p50": from_median_us, "sockperf": from_sockperf,
                  "ucx": from_ucx_perftest}[kind]
         # What the tool printed (block, batch, op) wins over a tag's guess.
         found = [{**base, **parsed} for parsed in parse(text)]

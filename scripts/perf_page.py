@@ -20,8 +20,12 @@ perf_ingest.py, figures and SVG plots are drawn by perf_svg.py):
 Row fields: suite (which table), system, variant, transport, op, block,
 batch, round, cmd (the command, as run), and the measurements: gbps (1e9 B/s),
 mops, lat_p50_us, lat_p99_us, and for perftest's latency tools lat_rtt_us.
-System nixl is NIXL's bench.py on its UCX backend; nixl-ferry the same
-bench.py with --backend FERRY (ferry's NIXL plugin), in the same suites.
+System nixl is bench/peers/nixl_bench.py on NIXL's UCX backend; nixl-ferry
+the same program with --backend FERRY (ferry's NIXL plugin), in the same
+suites; mooncake is bench/peers/mooncake_bench.py. The physical references
+over TCP are system tcp-mover (scripts/tcp-mover.c: variant 4x1M in suite
+tcp-bw, one figure for both ops; variants spin and blocking in suite lat);
+iperf3 and sockperf are context beside them.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ REQUIRED_PLOTS = ("bandwidth-write.svg", "bandwidth-read.svg", "latency.svg")
 # ---------------------------------------------------------------- rows
 
 
-# The system of NIXL's bench.py run with --backend FERRY (ferry's NIXL
-# plugin); "nixl" is the same bench.py on NIXL's UCX backend.
+# The system of bench/peers/nixl_bench.py run with --backend FERRY (ferry's
+# NIXL plugin); "nixl" is the same program on NIXL's UCX backend.
 NIXL_FERRY = "nixl-ferry"
 
 
@@ -135,10 +139,11 @@ NIXL_API = "Through NIXL's API"
 RDMA = "RDMA on soft-RoCE against perftest"
 
 HEADERS = {
-    TCP_BW: ["op", "block × ops", "ferry submit", "ferry prepared", "NIXL", "Mooncake", "iperf3",
-             "submit ÷ best peer", "prepared ÷ best peer", "submit ÷ iperf3", "prepared ÷ iperf3"],
-    LAT: ["transport", "8-byte write", "ferry", "NIXL", "Mooncake", "physical", "ferry vs best peer (time)",
-          "ferry vs physical (time)"],
+    TCP_BW: ["op", "block × ops", "ferry submit", "ferry prepared", "NIXL", "Mooncake", "physical: tcp-mover",
+             "context: iperf3", "submit ÷ best peer", "prepared ÷ best peer", "submit ÷ physical",
+             "prepared ÷ physical"],
+    LAT: ["transport", "8-byte write", "ferry", "NIXL", "Mooncake", "physical: tcp-mover, polling",
+          "tcp-mover, blocking", "context: sockperf", "ferry vs best peer (time)", "ferry vs physical (time)"],
     MEM_BW: ["op", "block × ops", "ferry memory", "NIXL shm", "memcpy", "ferry ÷ NIXL", "ferry ÷ memcpy"],
     MEM_UCX: ["block", "ferry, one-block region", "ferry, 256 MiB region", "UCX posix,cma", "UCX tcp",
               "memcpy, one block", "memcpy, 256 MiB", "one-block ÷ best UCX", "one-block ÷ memcpy",
@@ -162,37 +167,54 @@ def tcp_bw_table(rows: Rows) -> List[List[str]]:
         prep = rows.stat("gbps", suite="tcp-bw", system="ferry", variant="prepared", op=op, block=block)
         nixl = rows.stat("gbps", suite="tcp-bw", system="nixl", op=op, block=block)
         moon = rows.stat("gbps", suite="tcp-bw", system="mooncake", op=op, block=block)
-        ref = iperf3(rows, op)
+        ref = mover(rows)
         peer = best([nixl, moon])
         out.append([op, f"{size(block)} × {batch:,}", rows.cell(sub), rows.cell(prep), rows.cell(nixl),
-                    rows.cell(moon), rows.cell(ref), ratio(sub, peer), ratio(prep, peer), ratio(sub, ref),
-                    ratio(prep, ref)])
+                    rows.cell(moon), rows.cell(ref), rows.cell(iperf3(rows, op)), ratio(sub, peer), ratio(prep, peer),
+                    ratio(sub, ref), ratio(prep, ref)])
     return out
 
 
+def mover(rows: Rows) -> Stat:
+    """The physical reference of every TCP bandwidth cell, writes and reads:
+    tcp-mover's process pairs sweeping 256 MiB in 1 MiB calls (one way)."""
+    return rows.stat("gbps", suite="tcp-bw", system="tcp-mover")
+
+
+def mover_rtt(rows: Rows, variant: str = "spin", metric: str = "lat_p50_us") -> Stat:
+    """tcp-mover's 8-byte round trip over TCP: polling ("spin") or blocking."""
+    return rows.stat(metric, suite="lat", transport="tcp", system="tcp-mover", variant=variant)
+
+
 def iperf3(rows: Rows, op: str) -> Stat:
-    """The faster iperf3 variant's figures for OP (write: client to server; read: -R)."""
+    """The faster iperf3 variant's figures for OP (write: client to server;
+    read: -R): context beside the physical reference, not the bound: iperf3
+    sends one cache-hot buffer again and again."""
     variants = {r.get("variant") for r in rows.select(suite="tcp-bw", system="iperf3", op=op)}
     return best([rows.stat("gbps", suite="tcp-bw", system="iperf3", op=op, variant=v) for v in variants])
 
 
-def latency_cells(rows: Rows) -> List[Tuple[str, str, Stat, Stat, Stat, Stat]]:
-    """(transport, percentile, ferry, nixl, mooncake, physical) per line."""
+def latency_cells(rows: Rows) -> List[Tuple[str, str, Stat, Stat, Stat, Stat, Stat, Stat]]:
+    """(transport, percentile, ferry, nixl, mooncake, physical, blocking,
+    sockperf) per line; physical is tcp-mover's polling round trip, blocking
+    its blocking one (both medians only: no p99)."""
     out = []
     for transport in ("tcp", "memory"):
         if not rows.select(suite="lat", transport=transport):
             continue
         for metric, name in (("lat_p50_us", "p50 µs"), ("lat_p99_us", "p99 µs")):
-            get = lambda system: rows.stat(metric, suite="lat", transport=transport, system=system)
-            out.append((transport, name, get("ferry"), get("nixl"), get("mooncake"), get("sockperf")))
+            get = lambda system, **more: rows.stat(metric, suite="lat", transport=transport, system=system, **more)
+            out.append((transport, name, get("ferry"), get("nixl"), get("mooncake"),
+                        get("tcp-mover", variant="spin"), get("tcp-mover", variant="blocking"), get("sockperf")))
     return out
 
 
 def lat_table(rows: Rows) -> List[List[str]]:
     out = []
-    for transport, name, ferry, nixl, moon, phys in latency_cells(rows):
+    for transport, name, ferry, nixl, moon, phys, blocking, sockperf in latency_cells(rows):
         out.append([transport, name, rows.cell(ferry), rows.cell(nixl), rows.cell(moon), rows.cell(phys),
-                    ratio(ferry, best([nixl, moon], lower=True), time=True), ratio(ferry, phys, time=True)])
+                    rows.cell(blocking), rows.cell(sockperf), ratio(ferry, best([nixl, moon], lower=True), time=True),
+                    ratio(ferry, phys, time=True)])
     return out
 
 
@@ -237,7 +259,7 @@ def nixl_api_cells(rows: Rows) -> List[Tuple[str, str, str, Stat, Stat, Stat, St
             ucx = rows.stat("gbps", system="nixl", **want)
             if bw_suite == "tcp-bw":
                 own = rows.stat("gbps", system="ferry", variant="prepared", **want)
-                phys, phys_name = iperf3(rows, op), "iperf3"
+                phys, phys_name = mover(rows), "tcp-mover"
             else:
                 own = rows.stat("gbps", system="ferry", **want)
                 phys = rows.stat("gbps", suite="memcpy", system="memcpy", variant="256M", block=block)
@@ -249,9 +271,9 @@ def nixl_api_cells(rows: Rows) -> List[Tuple[str, str, str, Stat, Stat, Stat, St
             ferry = rows.stat("lat_p50_us", system=NIXL_FERRY, **want)
             ucx = rows.stat("lat_p50_us", system="nixl", **want)
             own = rows.stat("lat_p50_us", system="ferry", **want)
-            phys = rows.stat("lat_p50_us", system="sockperf", **want)
+            phys = rows.stat("lat_p50_us", system="tcp-mover", variant="spin", **want)
             out.append((transport, "8-byte write p50, µs", "lat", ferry, ucx, own, phys,
-                        "sockperf" if lat_transport == "tcp" else ""))
+                        "tcp-mover, polling" if lat_transport == "tcp" else ""))
     return out
 
 
@@ -267,8 +289,8 @@ def nixl_api_table(rows: Rows) -> List[List[str]]:
 
 def nixl_api_commands(rows: Rows) -> List[str]:
     """The commands of the rows the NIXL table uses, in the order they ran:
-    NIXL's bench.py on both backends first, then ferry's own and the
-    physical references (the same commands as in the tables above)."""
+    nixl_bench.py on both backends first, then ferry's own and the physical
+    references (the same commands as in the tables above)."""
     seen: List[str] = []
 
     def add(pick) -> None:
@@ -282,9 +304,10 @@ def nixl_api_commands(rows: Rows) -> List[str]:
     seen.append("# ferry's own API and the physical references (the commands of the tables above):")
     add(lambda r: r.get("note") and r.get("suite") in ("tcp-bw", "memcpy"))
     add(lambda r: r.get("suite") == "tcp-bw" and r.get("system") == "ferry" and r.get("variant") == "prepared")
-    add(lambda r: r.get("suite") == "lat" and r.get("system") in ("ferry", "sockperf"))
+    add(lambda r: r.get("suite") == "lat" and (r.get("system") == "ferry" or
+                                               (r.get("system") == "tcp-mover" and r.get("variant") == "spin")))
     add(lambda r: r.get("suite") == "mem-bw" and r.get("system") == "ferry")
-    add(lambda r: r.get("suite") == "tcp-bw" and r.get("system") == "iperf3")
+    add(lambda r: r.get("suite") == "tcp-bw" and r.get("system") == "tcp-mover")
     add(lambda r: r.get("suite") == "memcpy" and r.get("system") == "memcpy" and r.get("variant") == "256M")
     return seen
 
@@ -323,15 +346,19 @@ def bandwidth_series(rows: Rows, op: str) -> Tuple[Dict[str, List[Tuple[int, Sta
         "NIXL shm": pts(suite="mem-bw", system="nixl", op=op),
         "memcpy (physical)": pts(suite="memcpy", system="memcpy", variant="256M"),
     }
-    return series, {"iperf3 (physical)": iperf3(rows, op)}
+    return series, {"tcp-mover (physical)": mover(rows), "iperf3 (context)": iperf3(rows, op)}
 
 
 def latency_bars(rows: Rows) -> List[Tuple[str, Stat, Stat]]:
     bars = []
-    names = {"ferry": "ferry", "nixl": "NIXL", "mooncake": "Mooncake", "sockperf": "sockperf RTT"}
+    names = {("ferry", None): "ferry", ("nixl", None): "NIXL", ("mooncake", None): "Mooncake",
+             ("tcp-mover", "spin"): "tcp-mover RTT, polling", ("tcp-mover", "blocking"): "tcp-mover RTT, blocking",
+             ("sockperf", None): "sockperf RTT (context)"}
     for transport in ("tcp", "memory"):
-        for system, name in names.items():
+        for (system, variant), name in names.items():
             want = dict(suite="lat", transport=transport, system=system)
+            if variant:
+                want["variant"] = variant
             if rows.select(**want):
                 bars.append((f"{transport} · {name}", rows.stat("lat_p50_us", **want), rows.stat("lat_p99_us", **want)))
     for op in ("write", "read"):
@@ -411,14 +438,16 @@ def render_page(rows: Rows, meta: dict, run_dir: Path, plots: List[str]) -> str:
         "<!-- Generated by scripts/perf-page.sh (rendered by scripts/perf_page.py): do not edit by hand. -->",
         "",
         "What ferry's transfers cost on one machine, side by side with NIXL and Mooncake and with what the",
-        "hardware and kernel do alone (iperf3 and sockperf over loopback TCP, a one-thread `memcpy`, UCX's",
-        "`ucx_perftest`, perftest on soft-RoCE), every system measured in the same run, in interleaved rounds.",
-        "Every number here comes from that run: to regenerate this page, the plots in `docs/perf/` and the",
-        "README's headline table, run `scripts/perf-page.sh` (add `--rdma` for the soft-RoCE VM) on an idle",
-        "machine; `python3 scripts/perf_page.py render RUN_DIR` re-renders a run's rows without measuring.",
-        "NIXL's and Mooncake's benchmarks (`../shared/peers/` in the commands below) are not part of this",
-        "repository: they sit beside the checkout where this page was made, each with a `setup.sh` that makes",
-        "its venv; without them a full run stops, and `--smoke` skips those peers.",
+        "hardware and kernel do alone when they do ferry's work (`scripts/tcp-mover.c` over loopback TCP, a",
+        "one-thread `memcpy`, UCX's `ucx_perftest`, perftest on soft-RoCE; iperf3 and sockperf as context),",
+        "every system measured in the same run, in interleaved rounds. Every number here comes from that run:",
+        "to regenerate this page, the plots in `docs/perf/` and the README's headline table, run",
+        "`scripts/perf-page.sh` (add `--rdma` for the soft-RoCE VM) on an idle machine;",
+        "`python3 scripts/perf_page.py render RUN_DIR` re-renders a run's rows without measuring. NIXL and",
+        "Mooncake are measured by this repository's own programs, `bench/peers/nixl_bench.py` and",
+        "`bench/peers/mooncake_bench.py` (the workloads and row fields of `ferry bench`), in venvs that",
+        "`bench/peers/setup.sh` makes from PyPI (under `~/.cache/ferry-peers`); a full run makes them when",
+        "they are missing, and `--smoke` skips a peer whose venv is missing.",
         "",
         "## This run",
         "",
@@ -439,8 +468,10 @@ def render_page(rows: Rows, meta: dict, run_dir: Path, plots: List[str]) -> str:
         "Each cell is the median over the rounds, with the lowest and highest round in brackets. Ratios are",
         "of medians and read the same way everywhere: above 1, ferry is ahead. For GB/s that is ferry's",
         "figure over the other's; for times (marked \"time\") the other's over ferry's. The best peer is the",
-        "faster of NIXL and Mooncake in that cell; \"physical\" is the reference named in the column. GB/s",
-        "is 10⁹ bytes per second. \"—\": not measured in this run.",
+        "faster of NIXL and Mooncake in that cell; \"physical\" is the reference named in the column, which",
+        "does ferry's work with no protocol: the bound to hold ferry to. \"context\" columns (iperf3,",
+        "sockperf) are what those tools report; they do other work and bound nothing. GB/s is 10⁹ bytes per",
+        "second. \"—\": not measured in this run.",
         "",
         "## Plots",
         "",
@@ -451,17 +482,27 @@ def render_page(rows: Rows, meta: dict, run_dir: Path, plots: List[str]) -> str:
     section(lines, TCP_BW,
             "One request in flight against a 256 MiB region over 127.0.0.1: ferry's one-shot submits and its "
             "transfer requests on prepared lists (`--prepared --strided`), against one long-lived `ferry serve` "
-            "with the same-host path off; NIXL with UCX's tcp transport; Mooncake's TCP transport; iperf3 with "
-            "as many TCP connections as ferry opens (the faster of one `iperf3 -P N` and N single-stream "
-            "processes; `read` is compared with `iperf3 -R`). GB/s.",
-            rows, tcp_bw_table(rows), ["tcp-bw"], ["---", "---"] + ["---:"] * 9,
+            "with the same-host path off; NIXL with UCX's tcp transport; Mooncake's TCP transport. Physical: "
+            "`tcp-mover bw`, four sender processes (ferry's four connections), each with a receiver process of "
+            "its own, sweeping its share of 256 MiB in 1 MiB `send()` and `recv()` calls: the work ferry's "
+            "connections do, with no protocol. 1 MiB in every cell because ferry's TCP moves any request in "
+            "pieces of at most its chunk size, 1 MiB: runs of adjacent 4 or 64 KiB ops are gathered into one, "
+            "16 MiB ops cut into 16. The mover moves bytes one way, so its figure stands for writes and reads "
+            "alike. Context: iperf3 with as many TCP connections (the faster of one `iperf3 -P 4` and four "
+            "single-stream processes; `read` beside `iperf3 -R`), which sends one cache-hot buffer again and "
+            "again and so moves more than a sweep of 256 MiB can. GB/s.",
+            rows, tcp_bw_table(rows), ["tcp-bw"], ["---", "---"] + ["---:"] * 10,
             "the TCP suite did not run")
     section(lines, LAT,
-            "One 8-byte write per request, µs. TCP: against the same `ferry serve`; the physical line is "
-            "sockperf's ping-pong round trip (`--full-rtt`) with its smallest message, 14 bytes, since a "
-            "write completes when the target acknowledges it. memory: ferry's same-host transport and "
-            "NIXL over shared memory; no physical reference.",
-            rows, lat_table(rows), ["lat"], ["---", "---"] + ["---:"] * 6, "the latency suite did not run")
+            "One 8-byte write per request, µs. TCP: against the same `ferry serve`. Physical: `tcp-mover "
+            "pingpong 8`, one process per side sending 8 bytes and answering them over one connection "
+            "(`TCP_NODELAY`), the median round trip (a write completes when the target acknowledges it): "
+            "polling, receiving in a `MSG_DONTWAIT` loop as ferry's TCP connections busy-poll, which is the "
+            "bound; and blocking in `recv()`, which pays a thread wake-up per message (the mover reports "
+            "medians only: no p99). Context: sockperf's ping-pong round trip (`--full-rtt`) with its "
+            "smallest message, 14 bytes. memory: ferry's same-host transport and NIXL over shared memory; "
+            "no physical reference.",
+            rows, lat_table(rows), ["lat"], ["---", "---"] + ["---:"] * 8, "the latency suite did not run")
     section(lines, MEM_BW,
             "Same host, two processes, the bandwidth workload of the TCP table: ferry's memory transport "
             "(`--loopback --transport memory --prepared --strided`) against NIXL over shared memory (UCX "
@@ -477,18 +518,19 @@ def render_page(rows: Rows, meta: dict, run_dir: Path, plots: List[str]) -> str:
             rows, mem_ucx_table(rows), ["mem-ucx", "memcpy"], ["---"] + ["---:"] * 10, "the same-host suite did not run")
     section(lines, NIXL_API,
             "ferry as a NIXL backend (`--backend FERRY`: its plugin, `libplugin_FERRY.so`, installed into "
-            "NIXL's venv) against NIXL's own UCX backend, measured by the same harness, NIXL's `bench.py`, on "
-            "the same workloads in the same run: one request in flight, each made per iteration from "
-            "descriptor lists prepared once (bench.py's default `prepped` mode). TCP: UCX's tcp transport "
-            "against ferry's TCP (its same-host path off); same host: UCX's posix and cma against ferry's "
-            "memory transport. NIXL's memory is the caller's, not allocated by ferry, so ferry copies it with "
-            "`process_vm_writev`, not through a shared mapping as with its own API. ferry's own API: its "
-            "prepared requests in the tables above (`ferry prepared` over TCP, ferry memory on the same host, "
-            "ferry's lines of the latency table); physical: iperf3 (TCP bandwidth), sockperf's round trip "
-            "(TCP latency), a one-thread `memcpy` sweeping 256 MiB (same host). GB/s; latency in µs, its "
-            "ratios of times (\"(time)\").",
+            "NIXL's venv) against NIXL's own UCX backend, measured by the same program, "
+            "`bench/peers/nixl_bench.py`, on the same workloads in the same run: one request in flight, each "
+            "made per iteration from descriptor lists prepared once (`make_prepped_xfer`, as vLLM makes "
+            "them). TCP: UCX's tcp transport against ferry's TCP (the plugin's `transports=tcp`); same host: "
+            "UCX's posix and cma against ferry's memory transport (`transports=memory`). NIXL's memory is the "
+            "caller's, not allocated by ferry, so ferry copies it with `process_vm_writev`, not through a "
+            "shared mapping as with its own API. ferry's own API: its prepared requests in the tables above "
+            "(`ferry prepared` over TCP, ferry memory on the same host, ferry's lines of the latency table); "
+            "physical: `tcp-mover` (TCP bandwidth: four process pairs in 1 MiB calls; TCP latency: the "
+            "polling 8-byte round trip), a one-thread `memcpy` sweeping 256 MiB (same host). GB/s; latency "
+            "in µs, its ratios of times (\"(time)\").",
             rows, nixl_api_table(rows), [], ["---", "---"] + ["---:"] * 7,
-            "needs NIXL's venv (`../shared/peers/nixl/setup.sh`)", nixl_api_commands(rows))
+            "needs NIXL's venv (`bench/peers/setup.sh nixl`)", nixl_api_commands(rows))
     section(lines, RDMA,
             "ferry over ibverbs (`ferry bench --loopback --transport ibverbs`, two processes) against "
             "perftest's `ib_write_bw`, `ib_read_bw`, `ib_write_lat` and `ib_read_lat` in the same boot of the "
@@ -527,15 +569,15 @@ def headline(rows: Rows, meta: dict) -> List[str]:
         ferry = rows.stat("gbps", system="ferry", variant="prepared", **want)
         nixl = rows.stat("gbps", system="nixl", **want)
         moon = rows.stat("gbps", system="mooncake", **want)
-        ref = iperf3(rows, op)
+        ref = mover(rows)
         if ferry:
             body.append([f"TCP, {size(block)} × {batch:,} {plural}, prepared, GB/s", med(ferry), med(nixl), med(moon),
-                         "—", ratio(ferry, best([nixl, moon])), labelled(ratio(ferry, ref), "iperf3")])
-    for transport, name, ferry, nixl, moon, phys in latency_cells(rows):
+                         "—", ratio(ferry, best([nixl, moon])), labelled(ratio(ferry, ref), "tcp-mover")])
+    for transport, name, ferry, nixl, moon, phys, _, _ in latency_cells(rows):
         if transport == "tcp" and name.startswith("p50") and ferry:
             body.append(["TCP, 8-byte write p50, µs", med(ferry), med(nixl), med(moon), "—",
                          labelled(ratio(ferry, best([nixl, moon], lower=True), time=True), "time"),
-                         labelled(ratio(ferry, phys, time=True), "time, sockperf")])
+                         labelled(ratio(ferry, phys, time=True), "time, tcp-mover")])
     want = dict(suite="mem-bw", op="write", block=4096)
     ferry = rows.stat("gbps", system="ferry", **want)
     if ferry:
@@ -552,7 +594,7 @@ def headline(rows: Rows, meta: dict) -> List[str]:
         body.append([f"same host, {size(block)} puts (one-block region), GB/s", med(ferry), "—", "—", med(ucx),
                      ratio(ferry, ucx), labelled(ratio(ferry, cpy), "memcpy")])
     # Through NIXL's API: ferry's plugin in the ferry column, NIXL's UCX
-    # backend in NIXL's, both driven by NIXL's bench.py.
+    # backend in NIXL's, both driven by bench/peers/nixl_bench.py.
     for suite, where, block, batch in (("tcp-bw", "TCP", 1 << 20, 64), ("mem-bw", "same host", 4096, 1024)):
         want = dict(suite=suite, op="write", block=block)
         ferry = rows.stat("gbps", system=NIXL_FERRY, **want)
@@ -560,7 +602,7 @@ def headline(rows: Rows, meta: dict) -> List[str]:
             continue
         nixl = rows.stat("gbps", system="nixl", **want)
         if suite == "tcp-bw":
-            phys = labelled(ratio(ferry, iperf3(rows, "write")), "iperf3")
+            phys = labelled(ratio(ferry, mover(rows)), "tcp-mover")
         else:
             cpy = rows.stat("gbps", suite="memcpy", system="memcpy", variant="256M", block=block)
             phys = labelled(ratio(ferry, cpy), "memcpy")
@@ -570,10 +612,11 @@ def headline(rows: Rows, meta: dict) -> List[str]:
     caption = (f"Loopback and same host, one request in flight: medians of {n} round{'s' if n != 1 else ''} of "
                f"`{meta.get('command', '?')}` at commit `{meta.get('commit', '?')}`, {meta.get('date', '?')}; "
                "every row's systems were measured in the same run.")
-    note = ("Above 1, ferry is ahead (\"(time)\": the other's time over ferry's); \"physical\": iperf3 or "
-            "sockperf on loopback, or a one-thread memcpy; \"—\": not measured.")
+    note = ("Above 1, ferry is ahead (\"(time)\": the other's time over ferry's); \"physical\": ferry's work "
+            "done with no protocol: loopback TCP by scripts/tcp-mover.c (process pairs sweeping 256 MiB in 1 MiB "
+            "calls; an 8-byte ping-pong, polling), or a one-thread memcpy; \"—\": not measured.")
     if any(r[0].startswith("through NIXL") for r in body):
-        note += (" \"Through NIXL\": NIXL's own benchmark on ferry's NIXL backend (in the ferry column) and "
+        note += (" \"Through NIXL\": the NIXL benchmark on ferry's NIXL backend (in the ferry column) and "
                  "on NIXL's UCX backend (in NIXL's).")
     return (textwrap.wrap(caption, 76, break_on_hyphens=False) + [""]
             + table(header, body, ["---"] + ["---:"] * 6) + [""]
@@ -676,7 +719,7 @@ def main() -> int:
     p.add_argument("run_dir", type=Path)
     p.add_argument("pairs", nargs="*")
     p = sub.add_parser("ingest")
-    p.add_argument("kind", choices=["json", "gbps", "sockperf", "ucx", "rxe", "failed", "note"])
+    p.add_argument("kind", choices=["json", "gbps", "p50", "sockperf", "ucx", "rxe", "failed", "note"])
     p.add_argument("rows", type=Path)
     p.add_argument("pairs", nargs="*")
     p = sub.add_parser("render")

@@ -70,7 +70,8 @@ PALETTE = {
     "ferry TCP, prepared": ("#4f9be8", ""),
     "NIXL TCP": ("#e07b00", ""),
     "Mooncake TCP": ("#2a9d3a", ""),
-    "iperf3 (physical)": ("#555555", "6,4"),
+    "tcp-mover (physical)": ("#555555", "6,4"),
+    "iperf3 (context)": ("#aaaaaa", "2,4"),
     "ferry memory, prepared": ("#7b2fbf", ""),
     "NIXL shm": ("#c0392b", ""),
     "memcpy (physical)": ("#111111", "2,3"),
@@ -108,7 +109,7 @@ def line_plot(title: str, series: Dict[str, List[Tuple[int, Stat]]], flat: Dict[
               ylabel: str, scale: float = 1.0) -> str:
     """GB/s (or SCALE times it) against block size, log x: one line per
     series, each point the median with its min–max as an error bar; FLAT
-    series (no block size: iperf3) as dashed horizontal lines."""
+    series (no block size: tcp-mover, iperf3) as dashed horizontal lines."""
     blocks = sorted({b for pts in series.values() for b, st in pts if st})
     out = svg_open(title)
     x0, x1, y0, y1 = LEFT, W - RIGHT, H - BOTTOM, TOP
@@ -205,7 +206,7 @@ def latency_plot(title: str, bars: List[Tuple[str, Stat, Stat]]) -> str:
     for i, (name, p50, p99) in enumerate(bars):
         y = y0 + 8 + 26 * i
         color = "#1f5fbf" if name.split(" · ")[-1].startswith("ferry") else \
-            "#555555" if "RTT" in name else "#e07b00"
+            "#aaaaaa" if "(context)" in name else "#555555" if "RTT" in name else "#e07b00"
         out.append(f'<text x="{x0 - 8}" y="{y + 13}" text-anchor="end">{escape(name)}</text>')
         w = fx(p50.median) - x0
         out.append(f'<rect class="series" x="{x0}" y="{y + 2}" width="{max(w, 1):.1f}" height="14" fill="{color}" opacity="0.8">'
@@ -219,6 +220,6 @@ def latency_plot(title: str, bars: List[Tuple[str, Stat, Stat]]) -> str:
                        f'<title>{escape(name)}: p99 {num(p99.median)} µs</title></path>')
     y = yb + 56
     out.append(f'<text x="{x0}" y="{y}" fill="#555" font-size="11">bars: p50 median, whiskers: its min–max '
-               'over the rounds; ◇: p99 median; grey: physical (round trips)</text>')
+               'over the rounds; ◇: p99 median; grey: physical (round trips), light grey: context</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"

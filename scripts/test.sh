@@ -69,9 +69,11 @@ source scripts/target-dir.sh
 FERRY_NIXL_PYTHON="$target_dir/nixl-venv/bin/python" "$target_dir/python-venv/bin/python" \
     -m pytest -q -p no:cacheprovider python/tests/test_docs.py -k test_nixl_block_runs
 # The performance page's generator, end to end on one short round of a few
-# cells (the debug build; a peer whose venv is missing is skipped): the
-# page, its tables and its plots are produced and well formed. About 1.5
-# minutes. The real page comes from `scripts/perf-page.sh` on an idle machine.
+# cells (the debug build; NIXL, through bench/peers/nixl_bench.py, in the
+# NIXL venv made above; a peer whose venv is missing, as Mooncake's is
+# unless bench/peers/setup.sh made it, is skipped): the page, its tables
+# and its plots are produced and well formed. About a minute. The real
+# page comes from `scripts/perf-page.sh` on an idle machine.
 scripts/perf-page.sh --smoke
 
 # Real RDMA: the ibverbs tests inside a soft-RoCE VM (no NIC or KVM needed;
