@@ -35,6 +35,10 @@ pub struct Discovery;
 #[doc = include_str!("../docs/security.md")]
 pub struct Security;
 
+/// docs/layouts.md
+#[doc = include_str!("../docs/layouts.md")]
+pub struct Layouts;
+
 /// docs/rails.md
 #[doc = include_str!("../docs/rails.md")]
 pub struct Rails;
