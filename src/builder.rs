@@ -471,6 +471,8 @@ impl NodeBuilder {
             .collect();
         let names = Arc::new(Names::new(self.name.clone(), addr, running));
         crate::names::serve(&endpoint, &names)?;
+        let outcomes = Arc::new(crate::outcome::Outcomes::default());
+        outcomes.serve(&endpoint);
         endpoint.start();
         if authenticated {
             info!(node = %id, "every peer must prove the cluster secret");
@@ -497,6 +499,7 @@ impl NodeBuilder {
             shut_down: Default::default(),
             runtime: tokio::runtime::Handle::current(),
             estimates: Default::default(),
+            outcomes,
         });
         let actor = NodeActor::spawn(NodeActor::new(router.clone()));
         Ok(Node(Arc::new(NodeInner { router, actor })))

@@ -58,6 +58,8 @@ pub(crate) struct Router {
     pub runtime: tokio::runtime::Handle,
     /// Per peer and transport, what completed requests took.
     pub estimates: Estimator,
+    /// Outcomes of readers' tagged requests over this node's memory.
+    pub outcomes: Arc<crate::outcome::Outcomes>,
 }
 
 impl Router {

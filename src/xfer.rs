@@ -252,6 +252,7 @@ fn make_xfer(
             remote: remote.clone(),
             remote_idx,
             notification: None,
+            outcome: None,
             bytes,
         }),
         state: Arc::new(State {
@@ -279,6 +280,23 @@ impl Xfer {
     pub fn set_notification(&mut self, notification: Option<Bytes>) {
         if self.job.notification != notification {
             Arc::make_mut(&mut self.job).notification = notification;
+        }
+    }
+
+    /// Tells the owners of the memory the request names how each post
+    /// ended (completed, failed, cancelled), under `tag`: an owner waiting
+    /// with [`Node::wait_outcome`] for this node and `tag` learns it once,
+    /// and learns as promptly that this node is gone if it goes first.
+    /// Applies from the next post on.
+    pub fn with_outcome(mut self, tag: u64) -> Self {
+        self.set_outcome(Some(tag));
+        self
+    }
+
+    /// Sets (or, with `None`, clears) the tag of [`Xfer::with_outcome`].
+    pub fn set_outcome(&mut self, tag: Option<u64>) {
+        if self.job.outcome != tag {
+            Arc::make_mut(&mut self.job).outcome = tag;
         }
     }
 

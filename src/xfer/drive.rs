@@ -34,6 +34,8 @@ pub(super) struct Job {
     pub(super) remote: PreparedRemote,
     pub(super) remote_idx: Indices,
     pub(super) notification: Option<Bytes>,
+    /// The tag its outcome is told under to the owners, if any.
+    pub(super) outcome: Option<u64>,
     pub(super) count: usize,
     pub(super) bytes: u64,
 }
@@ -187,6 +189,7 @@ pub(super) fn post_now(job: &Job, state: &State) -> bool {
     submitted.finish(&router.memory_meters, &Ok(()));
     state.completed.store(job.count, Ordering::Relaxed);
     learn(job, &levels, started.elapsed());
+    tell_outcome(job, &Ok(()));
     state.set_status(XferStatus::Done);
     true
 }
@@ -213,10 +216,25 @@ pub(super) async fn drive(
     if let Ok(levels) = &result {
         learn(&job, levels, started.elapsed());
     }
+    let result = result.map(drop);
+    tell_outcome(&job, &result);
     settle.settle(match result {
-        Ok(_) => XferStatus::Done,
+        Ok(()) => XferStatus::Done,
         Err(e) => XferStatus::Failed(e),
     });
+}
+
+/// Tells the owners a tagged request's outcome ([`crate::Xfer::with_outcome`]),
+/// in the background: before its status settles, so that whoever learns
+/// the request is done from the status finds its outcome on its way.
+pub(super) fn tell_outcome(job: &Job, result: &Result<(), XferError>) {
+    if let Some(tag) = job.outcome {
+        let owners = match job.remote.owners() {
+            [one] => vec![*one],
+            _ => touched_owners(job),
+        };
+        crate::outcome::tell(&job.router, owners, tag, crate::outcome::of(result));
+    }
 }
 
 /// Posts the slices, a window at a time; returns the transports taken.

@@ -9,6 +9,7 @@ mod limits;
 mod malformed;
 mod names;
 mod notified;
+mod outcomes;
 mod peer_death;
 mod plans;
 mod raw_drop;

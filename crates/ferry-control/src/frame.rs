@@ -77,6 +77,9 @@ impl Service {
     /// A node's metadata blob, whole or for chosen region names
     /// (`ferry-discovery`).
     pub const METADATA: Service = Service(6);
+    /// How a request tagged by its reader ended, told to the owners of its
+    /// memory (the facade's outcomes).
+    pub const OUTCOME: Service = Service(7);
 }
 
 impl std::fmt::Display for Service {
@@ -88,6 +91,7 @@ impl std::fmt::Display for Service {
             Service::NOTIFY => f.write_str("notification"),
             Service::IBVERBS_CREDITS => f.write_str("ibverbs-credits"),
             Service::METADATA => f.write_str("metadata"),
+            Service::OUTCOME => f.write_str("outcome"),
             Service(n) => write!(f, "service {n}"),
         }
     }
