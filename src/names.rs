@@ -11,7 +11,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use ferry_core::{NodeAddr, RdmaTransportLevel, Region, RemoteBuffer};
 use ferry_discovery::{
-    DiscoveryError, Loaded, LookupError, MetadataError, NodeMetadata, Peers, fetch, key_of,
+    DiscoveryError, Loaded, LookupError, MetadataError, NodeMetadata, Peers, PublishedLayout,
+    fetch, key_of,
 };
 
 use crate::Node;
@@ -28,6 +29,8 @@ pub(crate) struct Names {
     transports: Vec<RdmaTransportLevel>,
     /// Published regions stay registered while published.
     published: Mutex<BTreeMap<String, Region>>,
+    /// Published layouts, over published regions.
+    layouts: Mutex<BTreeMap<String, PublishedLayout>>,
     /// Whether the node said that, without a cluster secret, what it
     /// publishes is open to whoever reaches its port.
     said_open: std::sync::atomic::AtomicBool,
@@ -51,6 +54,7 @@ impl Names {
             addr,
             transports,
             published: Mutex::default(),
+            layouts: Mutex::default(),
             said_open: std::sync::atomic::AtomicBool::new(false),
             peers: Arc::default(),
             #[cfg(feature = "etcd")]
@@ -113,12 +117,21 @@ impl Names {
             .filter(|(name, _)| names.is_none_or(|names| names.contains(name)))
             .map(|(name, region)| (name.clone(), region.remote()))
             .collect();
+        let layouts = self
+            .layouts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(name, _)| names.is_none_or(|names| names.contains(name)))
+            .map(|(name, layout)| (name.clone(), layout.clone()))
+            .collect();
         NodeMetadata::new(
             self.name.clone(),
             self.addr,
             self.transports.clone(),
             regions,
         )
+        .with_layouts(layouts)
     }
 
     /// The blob peers fetch (`Service::METADATA`).
@@ -165,6 +178,77 @@ impl Node {
         drop(published);
         self.0.router.names.republish();
         Ok(())
+    }
+
+    /// Publishes a rank's tensor layout under `name`, with its regions
+    /// (each published as `name/0`, `name/1`, ...): a peer that loads this
+    /// node's metadata plans from it ([`Node::peer_layout`]). What it
+    /// grants is what publishing the regions grants ([`Node::publish`]).
+    /// A name in use (the layout's, or one of its regions') is refused,
+    /// and nothing is published.
+    pub fn publish_layout(&self, name: &str, local: &crate::LocalLayout) -> Result<(), NameTaken> {
+        let names = &self.0.router.names;
+        let region_names: Vec<String> = (0..local.regions().len())
+            .map(|i| format!("{name}/{i}"))
+            .collect();
+        {
+            let mut published = names.published();
+            let mut layouts = names.layouts.lock().unwrap_or_else(|e| e.into_inner());
+            if layouts.contains_key(name) {
+                return Err(NameTaken(name.to_string()));
+            }
+            if let Some(taken) = region_names.iter().find(|n| published.contains_key(*n)) {
+                return Err(NameTaken(taken.clone()));
+            }
+            for (region_name, region) in region_names.iter().zip(local.regions()) {
+                published.insert(region_name.clone(), region.clone());
+            }
+            layouts.insert(
+                name.to_string(),
+                PublishedLayout {
+                    layout: local.layout().clone(),
+                    regions: region_names,
+                },
+            );
+        }
+        names.republish();
+        Ok(())
+    }
+
+    /// The layout `peer` published as `name`, with handles to its regions,
+    /// from the metadata loaded for it (see [`Node::fetch_metadata`]): what
+    /// [`Node::plan_transfer`] takes for a peer.
+    /// Its regions must be as long as the layout declares
+    /// ([`crate::PlanError::RegionTooShort`] otherwise).
+    pub fn peer_layout(
+        &self,
+        peer: &str,
+        name: &str,
+    ) -> Result<crate::PeerLayout, crate::PlanError> {
+        let metadata = self
+            .0
+            .router
+            .names
+            .peers
+            .get(peer)
+            .ok_or_else(|| LookupError::UnknownPeer(peer.into()))?;
+        let unknown = |region: &str| LookupError::UnknownRegion {
+            peer: peer.into(),
+            region: region.into(),
+        };
+        let published = metadata.layouts.get(name).ok_or_else(|| unknown(name))?;
+        let handles = published
+            .regions
+            .iter()
+            .map(|region| {
+                metadata
+                    .regions
+                    .get(region)
+                    .cloned()
+                    .ok_or_else(|| unknown(region))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        crate::PeerLayout::new(published.layout.clone(), handles)
     }
 
     /// Stops publishing `name`; returns whether it was published. Peers

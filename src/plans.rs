@@ -81,6 +81,10 @@ pub enum PlanError {
         /// The rank.
         rank: u32,
     },
+    /// A peer's published layout is not known here (see
+    /// [`Node::peer_layout`]).
+    #[error(transparent)]
+    Lookup(#[from] ferry_discovery::LookupError),
     /// The peers' memory could not be prepared (see [`PrepareError`]).
     #[error(transparent)]
     Prepare(#[from] PrepareError),

@@ -18,7 +18,7 @@ async fn memory_node() -> Node {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kv_cache_moves_from_tp4_to_tp2_through_same_host_memory() {
-    shared::a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(memory_node).await;
+    shared::a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(memory_node, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

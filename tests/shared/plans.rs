@@ -112,8 +112,13 @@ fn table(count: u64, pool: u64, seed: u64) -> Vec<u64> {
 }
 
 /// Prefill TP 4 → decode TP 2 between nodes `make` spawns, over the
-/// transport they share.
-pub async fn a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(make: impl AsyncFn() -> Node) {
+/// transport they share. `published`: each prefill rank publishes its
+/// layout with its metadata, and the decode ranks plan from what they
+/// fetch; otherwise the layouts are handed over directly.
+pub async fn a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(
+    make: impl AsyncFn() -> Node,
+    published: bool,
+) {
     let prefill_cache = cache(
         16,
         64,
@@ -146,7 +151,11 @@ pub async fn a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(make: impl AsyncFn()
             }
         }
         let local = LocalLayout::new(layout, regions).unwrap();
-        peers.push(local.remote());
+        if published {
+            node.publish_layout("kv", &local).unwrap();
+        } else {
+            peers.push(local.remote());
+        }
         prefill.push((node, local));
     }
     let mut inboxes: Vec<_> = prefill
@@ -156,6 +165,16 @@ pub async fn a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(make: impl AsyncFn()
 
     for rank in 0..2 {
         let node = make().await;
+        if published {
+            peers.clear();
+            for (owner, _) in &prefill {
+                let (name, _) = node
+                    .fetch_metadata(owner.addr().endpoint, DEADLINE)
+                    .await
+                    .unwrap();
+                peers.push(node.peer_layout(&name, "kv").unwrap());
+            }
+        }
         let layout = decode_cache.rank(rank, 2).unwrap();
         let regions = regions(&node, &layout).await;
         let local = LocalLayout::new(layout.clone(), regions.clone()).unwrap();
@@ -245,11 +264,13 @@ pub async fn bad_layouts_are_refused_at_plan_time(make: impl AsyncFn() -> Node) 
         LayerPlacement::OneRegion,
     );
     let node = make().await;
-    let mut peers = Vec::new();
+    let (mut owned, mut peers) = (Vec::new(), Vec::new());
     for rank in 0..2 {
         let layout = prefill_cache.rank(rank, 2).unwrap();
         let regions = regions(&node, &layout).await;
-        peers.push(LocalLayout::new(layout, regions).unwrap().remote());
+        // Kept: a layout's regions dropped would be stale handles.
+        owned.push(LocalLayout::new(layout, regions).unwrap());
+        peers.push(owned[owned.len() - 1].remote());
     }
     let decode = make().await;
     let layout = prefill_cache.rank(0, 1).unwrap();

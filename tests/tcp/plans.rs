@@ -17,7 +17,12 @@ async fn tcp_node() -> Node {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kv_cache_moves_from_tp4_to_tp2_over_tcp() {
-    shared::a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(tcp_node).await;
+    shared::a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(tcp_node, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_cache_moves_as_its_owners_published_their_layouts() {
+    shared::a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(tcp_node, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,7 +16,7 @@ mod metadata;
 mod p2p;
 mod peers;
 
-pub use metadata::{METADATA_VERSION, MetadataError, NodeMetadata};
+pub use metadata::{METADATA_VERSION, MetadataError, NodeMetadata, PublishedLayout};
 pub use p2p::{DiscoveryError, fetch, fetch_from, serve_metadata};
 pub use peers::{Loaded, LookupError, Peers, key_of};
 

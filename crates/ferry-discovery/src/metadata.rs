@@ -1,6 +1,8 @@
 //! A node's metadata as versioned bytes: who it is (name, node id, the
-//! endpoint peers reach it at), which transports it runs, and the regions
-//! it published by name, each as the handle peers use.
+//! endpoint peers reach it at), which transports it runs, the regions it
+//! published by name, each as the handle peers use, and the tensor layouts
+//! it published over them (so that a peer plans from the owner's own
+//! declaration).
 //!
 //! The blob is a fixed header (magic, format version, body length) and a
 //! JSON body. The header lets a reader refuse what it cannot read with a
@@ -12,6 +14,7 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use ferry_core::{NodeAddr, RdmaTransportLevel, RemoteBuffer};
+use ferry_layout::RankLayout;
 use serde::{Deserialize, Serialize};
 
 const MAGIC: [u8; 4] = *b"FMD\0";
@@ -33,6 +36,20 @@ pub struct NodeMetadata {
     pub transports: Vec<RdmaTransportLevel>,
     /// Its published regions by name: the handle a peer uses for each.
     pub regions: BTreeMap<String, RemoteBuffer>,
+    /// Its published tensor layouts by name. (Absent from blobs of nodes
+    /// that predate layouts: read as none.)
+    #[serde(default)]
+    pub layouts: BTreeMap<String, PublishedLayout>,
+}
+
+/// A rank's tensor layout as its node publishes it: the layout, and the
+/// published names of the regions it names, in its region order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PublishedLayout {
+    /// The layout.
+    pub layout: RankLayout,
+    /// `regions[i]`: the published name of the layout's region `i`.
+    pub regions: Vec<String>,
 }
 
 /// Why a blob is not metadata this node can use.
@@ -85,7 +102,14 @@ impl NodeMetadata {
             node,
             transports,
             regions,
+            layouts: BTreeMap::new(),
         }
+    }
+
+    /// The same metadata with `layouts` published.
+    pub fn with_layouts(mut self, layouts: BTreeMap<String, PublishedLayout>) -> NodeMetadata {
+        self.layouts = layouts;
+        self
     }
 
     /// The blob: header and body.
@@ -143,16 +167,18 @@ impl NodeMetadata {
         Ok(metadata)
     }
 
-    /// The same metadata with only the regions named in `names` (names it
-    /// does not publish are left out).
+    /// The same metadata with only the regions and layouts named in
+    /// `names` (names it does not publish are left out).
     pub fn only(&self, names: &[impl AsRef<str>]) -> NodeMetadata {
+        let named = |name: &String| names.iter().any(|n| n.as_ref() == name);
         NodeMetadata {
-            regions: names
-                .iter()
-                .filter_map(|n| {
-                    let (name, handle) = self.regions.get_key_value(n.as_ref())?;
-                    Some((name.clone(), handle.clone()))
-                })
+            regions: (self.regions.iter())
+                .filter(|(name, _)| named(name))
+                .map(|(name, handle)| (name.clone(), handle.clone()))
+                .collect(),
+            layouts: (self.layouts.iter())
+                .filter(|(name, _)| named(name))
+                .map(|(name, layout)| (name.clone(), layout.clone()))
                 .collect(),
             ..self.clone()
         }
@@ -195,7 +221,30 @@ mod tests {
             regions: (0..regions)
                 .map(|i| (format!("weights/layer-{i}"), handle(me, &slots)))
                 .collect(),
+            layouts: BTreeMap::new(),
         }
+    }
+
+    #[test]
+    fn layouts_travel_and_blobs_without_them_still_read() {
+        let layout = ferry_layout::RankLayout {
+            rank: 3,
+            region_lens: vec![4096],
+            tensors: Vec::new(),
+        };
+        let published = PublishedLayout {
+            layout,
+            regions: vec!["weights/layer-0".into()],
+        };
+        let full = sample(1).with_layouts([("w".to_string(), published)].into());
+        assert_eq!(NodeMetadata::decode(&full.encode()), Ok(full.clone()));
+        assert!(full.only(&["weights/layer-0"]).layouts.is_empty());
+        assert_eq!(full.only(&["w"]).layouts.len(), 1);
+        // A blob of a node that predates layouts.
+        let mut older: serde_json::Value = serde_json::to_value(sample(1)).unwrap();
+        older.as_object_mut().unwrap().remove("layouts");
+        let older: NodeMetadata = serde_json::from_value(older).unwrap();
+        assert!(older.layouts.is_empty());
     }
 
     #[test]
