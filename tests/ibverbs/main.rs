@@ -14,6 +14,7 @@ mod node_actor;
 #[path = "../shared/notified_batches.rs"]
 mod notified_batches;
 mod notify;
+mod plans;
 mod raw_handles;
 mod registrations;
 mod shutdown;
@@ -52,6 +53,19 @@ fn with_wrong_rkey(handle: &RemoteBuffer) -> RemoteBuffer {
 
 async fn rdma_node() -> Node {
     rdma_node_with(ibverbs::IbvConfig::default()).await
+}
+
+/// A node whose region bytes only ibverbs carries (no same-host memory, no
+/// TCP); fails unless it has a device.
+async fn rdma_only() -> Node {
+    let node = Node::builder()
+        .memory(false)
+        .tcp(false)
+        .spawn()
+        .await
+        .unwrap();
+    assert!(node.ibverbs().is_some(), "{NEEDS_DEVICE}");
+    node
 }
 
 /// A node whose ibverbs transport runs with `config`; fails unless it has one.

@@ -255,6 +255,7 @@ pub async fn a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(
 
 /// Bad layouts are refused at plan time, naming what is wrong; a peer whose
 /// layout changed since the plan is told apart.
+#[allow(dead_code)] // tests/ibverbs runs only the hand-off
 pub async fn bad_layouts_are_refused_at_plan_time(make: impl AsyncFn() -> Node) {
     let prefill_cache = cache(
         16,
