@@ -44,6 +44,7 @@ mod router;
 mod rpc;
 mod tables;
 mod transports;
+pub mod weights;
 mod xfer;
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ mod slices;
 mod timeout;
 mod transfers;
 mod two_hosts;
+mod weights;
 mod xfers;
 
 /// Entry point of the peer process; does nothing in a normal test run.

@@ -1,0 +1,321 @@
+//! A subscriber: its own layout of the set's tensors, planned once against
+//! every publisher rank's, and updated to the newest complete version.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_core::NodeAddr;
+use tokio::time::Instant;
+
+use super::{Answer, Ask, WeightsError, handler_name};
+use crate::layout::{Direction, PlanOptions};
+use crate::{LocalLayout, Node, TransferPlan};
+
+/// A subscriber of a weight set (see [`crate::weights`]).
+pub struct Subscriber {
+    node: Node,
+    set: String,
+    /// The publisher ranks: each one's node and rank id.
+    ranks: Vec<(NodeAddr, u32)>,
+    /// One plan per buffer (one: in place; two: double-buffered).
+    plans: Vec<TransferPlan>,
+    /// The buffers, kept registered.
+    buffers: Vec<LocalLayout>,
+    /// Who reads which buffer, and which one is current.
+    readers: Readers,
+    version: Option<u64>,
+}
+
+/// The readers' side of a [`Subscriber`]'s fence: cheap to clone, for the
+/// tasks that read the weights. [`Readers::read`] holds the buffer that
+/// holds the newest complete version for as long as its guard lives, and
+/// an update never writes a buffer a reader holds: it waits for it. With
+/// two buffers readers hold the older one while the newer fills; with one,
+/// readers and updates take turns.
+#[derive(Clone)]
+pub struct Readers {
+    locks: Arc<[Arc<tokio::sync::RwLock<()>>]>,
+    active: Arc<AtomicUsize>,
+}
+
+/// A buffer held for reading ([`Readers::read`]): it holds one complete
+/// version until this drops.
+pub struct ReadGuard {
+    buffer: usize,
+    _held: tokio::sync::OwnedRwLockReadGuard<()>,
+}
+
+impl ReadGuard {
+    /// The buffer held (its index in [`Subscriber::buffers`]).
+    pub fn buffer(&self) -> usize {
+        self.buffer
+    }
+}
+
+impl Readers {
+    /// Holds the buffer that holds the newest complete version (waiting,
+    /// with one buffer, for an update under way).
+    pub async fn read(&self) -> ReadGuard {
+        loop {
+            let buffer = self.active.load(Ordering::Acquire);
+            let held = self.locks[buffer].clone().read_owned().await;
+            // Swapped while it waited: take the newer one.
+            if self.active.load(Ordering::Acquire) == buffer || self.locks.len() == 1 {
+                return ReadGuard {
+                    buffer,
+                    _held: held,
+                };
+            }
+        }
+    }
+}
+
+/// What [`Subscriber::update`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Update {
+    /// The version the subscriber holds now.
+    pub version: u64,
+    /// Whether this update moved a new version (`false`: it held the
+    /// newest complete one already).
+    pub changed: bool,
+    /// The buffer that holds it: the one readers use from now on.
+    pub buffer: usize,
+}
+
+impl Subscriber {
+    /// A subscriber of set `set` as published by the nodes at
+    /// `publishers` (one per rank), into `buffers`: one layout (updates
+    /// write in place: pause your readers around [`Subscriber::update`]),
+    /// or two over the same tensors (an update fills the buffer readers do
+    /// not use, then makes it [`Subscriber::active`]). Fetches each rank's
+    /// published layout and plans once per buffer, within `timeout`.
+    pub async fn new(
+        node: &Node,
+        set: &str,
+        publishers: &[std::net::SocketAddr],
+        buffers: Vec<LocalLayout>,
+        timeout: Duration,
+    ) -> Result<Subscriber, WeightsError> {
+        if buffers.is_empty() || buffers.len() > 2 {
+            return Err(WeightsError::Protocol(format!(
+                "a subscriber takes one buffer or two, not {}",
+                buffers.len()
+            )));
+        }
+        let deadline = Instant::now() + timeout;
+        let mut peers = Vec::new();
+        let mut ranks = Vec::new();
+        for &address in publishers {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let lost = |reason: String| WeightsError::PublisherLost {
+                rank: u32::MAX,
+                reason,
+            };
+            let (name, _) = node
+                .fetch_metadata(address, left)
+                .await
+                .map_err(|e| lost(e.to_string()))?;
+            let peer = node.peer_layout(&name, set)?;
+            let addr = node
+                .peer_metadata(&name)
+                .map(|m| m.node)
+                .ok_or_else(|| lost("its metadata went".into()))?;
+            ranks.push((addr, peer.layout().rank));
+            peers.push(peer);
+        }
+        let mut plans = Vec::new();
+        for buffer in &buffers {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let options = PlanOptions {
+                direction: Direction::Pull,
+                ..Default::default()
+            };
+            plans.push(node.plan_transfer(buffer, &peers, options, left).await?);
+        }
+        let locks: Vec<_> = (0..buffers.len())
+            .map(|_| Arc::new(tokio::sync::RwLock::new(())))
+            .collect();
+        Ok(Subscriber {
+            node: node.clone(),
+            set: set.to_string(),
+            ranks,
+            plans,
+            buffers,
+            readers: Readers {
+                locks: locks.into(),
+                active: Arc::new(AtomicUsize::new(0)),
+            },
+            version: None,
+        })
+    }
+
+    /// The version the subscriber holds, if any.
+    pub fn version(&self) -> Option<u64> {
+        self.version
+    }
+
+    /// The buffer readers use: the one the last update filled.
+    pub fn active(&self) -> usize {
+        self.readers.active.load(Ordering::Acquire)
+    }
+
+    /// The readers' side of the fence, for the tasks that read the
+    /// weights.
+    pub fn readers(&self) -> Readers {
+        self.readers.clone()
+    }
+
+    /// The buffers, in the order given.
+    pub fn buffers(&self) -> &[LocalLayout] {
+        &self.buffers
+    }
+
+    /// Moves the newest version complete on every publisher rank into this
+    /// subscriber's memory, within `timeout`, unless it holds it already:
+    /// leases it on every rank (a rank being written, or holding another
+    /// version, is asked again until the deadline), pulls every byte
+    /// through the plan, and releases the leases. A rank that overwrote
+    /// the version meanwhile fails the update
+    /// ([`WeightsError::Overwritten`]): the subscriber keeps its last
+    /// version (double-buffered: readers saw nothing of it), and the next
+    /// update takes the newest one.
+    pub async fn update(&mut self, timeout: Duration) -> Result<Update, WeightsError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let version = self.newest_complete(deadline).await?;
+            if self.version == Some(version) {
+                return Ok(Update {
+                    version,
+                    changed: false,
+                    buffer: self.active(),
+                });
+            }
+            let Some(leases) = self.lease(version, deadline).await? else {
+                // Some rank moved on (or is writing): look again.
+                if Instant::now() >= deadline {
+                    return Err(WeightsError::NoCompleteVersion);
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                continue;
+            };
+            let buffer = if self.plans.len() == 2 {
+                1 - self.active()
+            } else {
+                0
+            };
+            // The buffer written is held by no reader meanwhile.
+            let lock = self.readers.locks[buffer].clone();
+            let written = match tokio::time::timeout_at(deadline, lock.write_owned()).await {
+                Ok(written) => written,
+                Err(_) => {
+                    let _ = self.release(&leases, version).await;
+                    return Err(WeightsError::ReadersHold { buffer });
+                }
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            let moved = async {
+                let xfer = self.plans[buffer].request(&[])?;
+                // A request made here is never in progress already.
+                xfer.post(left)
+                    .map_err(|e| WeightsError::Protocol(e.to_string()))?;
+                xfer.wait().await?;
+                Ok::<(), WeightsError>(())
+            }
+            .await;
+            let intact = self.release(&leases, version).await;
+            if moved.is_err() || intact.is_err() {
+                // What the buffer holds now is no version: with one buffer
+                // the subscriber holds none.
+                if self.plans.len() == 1 {
+                    self.version = None;
+                }
+                moved?;
+                intact?;
+            }
+            self.version = Some(version);
+            self.readers.active.store(buffer, Ordering::Release);
+            drop(written);
+            return Ok(Update {
+                version,
+                changed: true,
+                buffer,
+            });
+        }
+    }
+
+    async fn ask(&self, rank: usize, ask: &Ask, deadline: Instant) -> Result<Answer, WeightsError> {
+        let (addr, id) = self.ranks[rank];
+        let lost = |reason: String| WeightsError::PublisherLost { rank: id, reason };
+        let left = deadline.saturating_duration_since(Instant::now());
+        let body = Bytes::from(serde_json::to_vec(ask).expect("asks serialize"));
+        let answer = self
+            .node
+            .call(addr, &handler_name(&self.set), body, left)
+            .await
+            .map_err(|e| lost(e.to_string()))?;
+        serde_json::from_slice(&answer).map_err(|e| WeightsError::Protocol(e.to_string()))
+    }
+
+    /// The newest version every rank holds now.
+    async fn newest_complete(&self, deadline: Instant) -> Result<u64, WeightsError> {
+        let mut common: Option<u64> = None;
+        for rank in 0..self.ranks.len() {
+            match self.ask(rank, &Ask::State, deadline).await? {
+                Answer::State {
+                    version: Some(v), ..
+                } if common.is_none_or(|c| c == v) => common = Some(v),
+                Answer::State { .. } => return Err(WeightsError::NoCompleteVersion),
+                other => return Err(WeightsError::Protocol(format!("{other:?}"))),
+            }
+        }
+        common.ok_or(WeightsError::NoCompleteVersion)
+    }
+
+    /// Leases `version` on every rank; `None` (and the leases taken
+    /// released) if some rank refuses.
+    async fn lease(
+        &self,
+        version: u64,
+        deadline: Instant,
+    ) -> Result<Option<Vec<u64>>, WeightsError> {
+        let mut leases = Vec::with_capacity(self.ranks.len());
+        for rank in 0..self.ranks.len() {
+            match self.ask(rank, &Ask::Lease { version }, deadline).await {
+                Ok(Answer::Leased { lease }) => leases.push(lease),
+                Ok(Answer::Refused { .. }) => {
+                    let _ = self.release(&leases, version).await;
+                    return Ok(None);
+                }
+                Ok(other) => return Err(WeightsError::Protocol(format!("{other:?}"))),
+                Err(e) => {
+                    let _ = self.release(&leases, version).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Some(leases))
+    }
+
+    /// Ends the leases; an error if a rank overwrote the version under one.
+    async fn release(&self, leases: &[u64], version: u64) -> Result<(), WeightsError> {
+        // Releases are owed even past the update's deadline.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut result = Ok(());
+        for (rank, &lease) in leases.iter().enumerate() {
+            match self.ask(rank, &Ask::Release { lease }, deadline).await {
+                Ok(Answer::Released { intact: true }) => {}
+                Ok(Answer::Released { intact: false }) => {
+                    let rank = self.ranks[rank].1;
+                    result = result.and(Err(WeightsError::Overwritten { rank, version }));
+                }
+                Ok(other) => {
+                    result = result.and(Err(WeightsError::Protocol(format!("{other:?}"))));
+                }
+                Err(e) => result = result.and(Err(e)),
+            }
+        }
+        result
+    }
+}
