@@ -39,6 +39,10 @@ pub struct Security;
 #[doc = include_str!("../docs/layouts.md")]
 pub struct Layouts;
 
+/// docs/weights.md
+#[doc = include_str!("../docs/weights.md")]
+pub struct Weights;
+
 /// docs/rails.md
 #[doc = include_str!("../docs/rails.md")]
 pub struct Rails;
