@@ -16,6 +16,7 @@ mod raw_drop;
 mod shutdown;
 mod slices;
 mod tcp_off;
+mod weights;
 mod xfers;
 
 use std::time::Duration;

@@ -1,22 +1,11 @@
-//! Weight publication over TCP: a matrix split by rows over two publisher
-//! ranks, subscribed by ranks that split it by columns, version after
-//! version, every byte checked; the fence held by a reader that checks its
-//! buffer continuously; and each failure typed, none blocking the others.
+//! Weight publication over TCP: see `tests/shared/weights.rs`.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
-
-use bytes::Bytes;
-use ferry::LocalLayout;
-use ferry::layout::{Part, RankLayout, Tensor, TensorLayout};
 use ferry::prelude::*;
-use ferry::weights::{Publisher, Subscriber, WeightsError};
 
-const DEADLINE: Duration = Duration::from_secs(30);
-const ROWS: u64 = 64;
-const COLS: u64 = 256;
+#[path = "../shared/weights.rs"]
+mod shared;
 
+/// A node that moves region bytes over TCP only.
 async fn tcp_node() -> Node {
     Node::builder()
         .ibverbs(false)
@@ -26,295 +15,24 @@ async fn tcp_node() -> Node {
         .unwrap()
 }
 
-/// The value of element `(row, col)` in version `version`.
-fn value(version: u64, row: u64, col: u64) -> u32 {
-    (version as u32).wrapping_mul(0x9e37_79b9) ^ ((row * COLS + col) as u32)
-}
-
-/// Rank `rank` of `parts`, split along `axis` (0: rows, 1: columns), row
-/// major over the piece.
-fn layout(rank: u32, parts: u32, axis: usize) -> RankLayout {
-    let tensor = Tensor::new("w", 4, &[("row", ROWS), ("col", COLS)]);
-    let mut piece = [ROWS, COLS];
-    piece[axis] /= u64::from(parts);
-    let mut part = vec![Part::Full, Part::Full];
-    part[axis] = Part::Split {
-        parts: u64::from(parts),
-        index: u64::from(rank),
-    };
-    let w = TensorLayout::contiguous(tensor, part, &["row", "col"], 0, 0).unwrap();
-    RankLayout {
-        rank,
-        region_lens: vec![piece[0] * piece[1] * 4],
-        tensors: vec![w],
-    }
-}
-
-/// A rank's memory, sized by its layout.
-async fn local(node: &Node, layout: RankLayout) -> LocalLayout {
-    let region = node
-        .alloc(layout.region_lens[0], Access::ReadWrite)
-        .await
-        .unwrap();
-    LocalLayout::new(layout, vec![region]).unwrap()
-}
-
-/// Writes version `version` into a publisher rank's memory.
-fn fill(local: &LocalLayout, version: u64) {
-    let t = &local.layout().tensors[0];
-    let (rows, cols) = (t.range(0).unwrap(), t.range(1).unwrap());
-    let mut bytes = Vec::new();
-    for row in rows {
-        for col in cols.clone() {
-            bytes.extend_from_slice(&value(version, row, col).to_le_bytes());
-        }
-    }
-    local.regions()[0].write_at(0, &bytes).unwrap();
-}
-
-/// Which version a subscriber rank's buffer holds, if it holds one whole.
-fn held(local: &LocalLayout) -> Option<u64> {
-    let t = &local.layout().tensors[0];
-    let (rows, cols) = (t.range(0).unwrap(), t.range(1).unwrap());
-    let bytes = local.regions()[0].to_vec();
-    let word = |i: usize| u32::from_le_bytes(bytes[i * 4..i * 4 + 4].try_into().unwrap());
-    let first = word(0) ^ ((rows.start * COLS + cols.start) as u32);
-    let version = (1..=64).find(|&v| (v as u32).wrapping_mul(0x9e37_79b9) == first)?;
-    let mut i = 0;
-    for row in rows {
-        for col in cols.clone() {
-            if word(i) != value(version, row, col) {
-                return None;
-            }
-            i += 1;
-        }
-    }
-    Some(version)
-}
-
-/// Two publisher ranks (rows split), published as `set`, holding version 1.
-async fn publishers(set: &str) -> Vec<(Node, Publisher, LocalLayout)> {
-    let mut out = Vec::new();
-    for rank in 0..2 {
-        let node = tcp_node().await;
-        let memory = local(&node, layout(rank, 2, 0)).await;
-        // The publisher keeps its own handle to the same memory.
-        let publisher = Publisher::start(&node, set, memory.clone()).unwrap();
-        let (guard, _) = publisher.write(DEADLINE).await;
-        fill(&memory, 1);
-        guard.publish(1).unwrap();
-        out.push((node, publisher, memory));
-    }
-    out
-}
-
-async fn publish(publishers: &[(Node, Publisher, LocalLayout)], version: u64) {
-    for (_, publisher, memory) in publishers {
-        let (guard, overrun) = publisher.write(DEADLINE).await;
-        assert_eq!(overrun, 0);
-        fill(memory, version);
-        guard.publish(version).unwrap();
-    }
-}
-
-fn addrs(publishers: &[(Node, Publisher, LocalLayout)]) -> Vec<std::net::SocketAddr> {
-    publishers
-        .iter()
-        .map(|(n, _, _)| n.addr().endpoint)
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_versions_reach_subscribers_of_another_sharding_whole() {
-    let publishers = publishers("w10").await;
-    let mut subscribers = Vec::new();
-    for rank in 0..4 {
-        let node = tcp_node().await;
-        let buffers = vec![
-            local(&node, layout(rank, 4, 1)).await,
-            local(&node, layout(rank, 4, 1)).await,
-        ];
-        let sub = Subscriber::new(&node, "w10", &addrs(&publishers), buffers, DEADLINE)
-            .await
-            .unwrap();
-        subscribers.push((node, sub));
-    }
-    for version in 1..=10 {
-        if version > 1 {
-            publish(&publishers, version).await;
-        }
-        for (_, sub) in &mut subscribers {
-            let update = sub.update(DEADLINE).await.unwrap();
-            assert_eq!((update.version, update.changed), (version, true));
-            assert_eq!(held(&sub.buffers()[update.buffer]), Some(version));
-            // Already the newest: nothing moves.
-            assert!(!sub.update(DEADLINE).await.unwrap().changed);
-        }
-    }
-    // Several versions behind: the newest, not every one between.
-    publish(&publishers, 11).await;
-    publish(&publishers, 14).await;
-    let (_, sub) = &mut subscribers[0];
-    assert_eq!(sub.update(DEADLINE).await.unwrap().version, 14);
-    // Versions only grow.
-    let (guard, _) = publishers[0].1.write(DEADLINE).await;
-    assert!(matches!(
-        guard.publish(12),
-        Err(WeightsError::VersionNotNewer {
-            version: 12,
-            last: 14
-        })
-    ));
-    // A late joiner gets the current version (rank 0 has none now: the
-    // failed publish left it without one; publish again).
-    let (guard, _) = publishers[0].1.write(DEADLINE).await;
-    fill(&publishers[0].2, 15);
-    guard.publish(15).unwrap();
-    publish(&publishers[1..], 15).await;
-    let node = tcp_node().await;
-    let late = vec![local(&node, layout(0, 1, 1)).await];
-    let mut late = Subscriber::new(&node, "w10", &addrs(&publishers), late, DEADLINE)
-        .await
-        .unwrap();
-    assert_eq!(late.update(DEADLINE).await.unwrap().version, 15);
-    assert_eq!(held(&late.buffers()[0]), Some(15));
+    shared::ten_versions_reach_subscribers_of_another_sharding_whole(&tcp_node).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_never_sees_two_versions_mixed() {
-    for buffers in [1, 2] {
-        let set = format!("fence{buffers}");
-        let publishers = publishers(&set).await;
-        let node = tcp_node().await;
-        let mut memory = Vec::new();
-        for _ in 0..buffers {
-            memory.push(local(&node, layout(0, 1, 1)).await);
-        }
-        let mut sub = Subscriber::new(&node, &set, &addrs(&publishers), memory.clone(), DEADLINE)
-            .await
-            .unwrap();
-        sub.update(DEADLINE).await.unwrap();
-        let (stop, checks, mixed) = (
-            Arc::new(AtomicBool::new(false)),
-            Arc::new(AtomicU64::new(0)),
-            Arc::new(AtomicU64::new(0)),
-        );
-        let reader = {
-            let (readers, memory) = (sub.readers(), memory.clone());
-            let (stop, checks, mixed) = (stop.clone(), checks.clone(), mixed.clone());
-            tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    let guard = readers.read().await;
-                    if held(&memory[guard.buffer()]).is_none() {
-                        mixed.fetch_add(1, Ordering::Relaxed);
-                    }
-                    checks.fetch_add(1, Ordering::Relaxed);
-                    drop(guard);
-                    tokio::task::yield_now().await;
-                }
-            })
-        };
-        for version in 2..=8 {
-            publish(&publishers, version).await;
-            assert_eq!(sub.update(DEADLINE).await.unwrap().version, version);
-        }
-        stop.store(true, Ordering::Relaxed);
-        reader.await.unwrap();
-        assert!(checks.load(Ordering::Relaxed) > 0);
-        assert_eq!(mixed.load(Ordering::Relaxed), 0, "{buffers} buffers");
-    }
+    shared::a_reader_never_sees_two_versions_mixed(&tcp_node).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_that_vanishes_holds_no_writer_up_and_an_overrun_one_fails_typed() {
-    let publishers = publishers("leases").await;
-    let (node, publisher, _) = &publishers[0];
-    let lease = |version: u64| Bytes::from(format!(r#"{{"Lease":{{"version":{version}}}}}"#));
-    // A subscriber that took a lease and was killed (its node shut down).
-    let gone = tcp_node().await;
-    let leased = gone
-        .call(node.addr(), "ferry.weights:leases", lease(1), DEADLINE)
-        .await
-        .unwrap();
-    assert!(String::from_utf8_lossy(&leased).contains("Leased"));
-    gone.shutdown().await;
-    let (guard, overrun) = publisher.write(DEADLINE).await;
-    assert_eq!(
-        overrun, 0,
-        "the vanished reader's lease ended with its session"
-    );
-    guard.publish(2).unwrap();
-    // A reader that holds its lease past the writer's timeout: overrun,
-    // and told so when it releases.
-    let slow = tcp_node().await;
-    let leased = slow
-        .call(node.addr(), "ferry.weights:leases", lease(2), DEADLINE)
-        .await
-        .unwrap();
-    let id: u64 = String::from_utf8_lossy(&leased)
-        .trim_matches(|c: char| !c.is_ascii_digit())
-        .parse()
-        .unwrap();
-    let (guard, overrun) = publisher.write(Duration::from_millis(200)).await;
-    assert_eq!(overrun, 1);
-    guard.publish(3).unwrap();
-    let released = slow
-        .call(
-            node.addr(),
-            "ferry.weights:leases",
-            Bytes::from(format!(r#"{{"Release":{{"lease":{id}}}}}"#)),
-            DEADLINE,
-        )
-        .await
-        .unwrap();
-    assert!(
-        String::from_utf8_lossy(&released).contains("false"),
-        "{released:?}"
-    );
+    shared::a_reader_that_vanishes_holds_no_writer_up_and_an_overrun_one_fails_typed(&tcp_node)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_publisher_leaves_the_last_version_and_a_restart_is_planned_again() {
-    let mut publishers = publishers("restart").await;
-    let node = tcp_node().await;
-    let memory = vec![local(&node, layout(0, 1, 1)).await];
-    let mut sub = Subscriber::new(
-        &node,
-        "restart",
-        &addrs(&publishers),
-        memory.clone(),
-        DEADLINE,
-    )
-    .await
-    .unwrap();
-    assert_eq!(sub.update(DEADLINE).await.unwrap().version, 1);
-    // Rank 1 is killed.
-    let (killed, _, _) = publishers.pop().unwrap();
-    killed.shutdown().await;
-    let lost = sub.update(DEADLINE).await;
-    assert!(
-        matches!(lost, Err(WeightsError::PublisherLost { .. })),
-        "{lost:?}"
-    );
-    assert_eq!(sub.version(), Some(1));
-    assert_eq!(held(&memory[0]), Some(1));
-    // It comes back (another node, the same set): plan again.
-    let restarted = tcp_node().await;
-    let again = local(&restarted, layout(1, 2, 0)).await;
-    let publisher = Publisher::start(&restarted, "restart", again.clone()).unwrap();
-    let (guard, _) = publisher.write(DEADLINE).await;
-    fill(&again, 1);
-    guard.publish(1).unwrap();
-    publishers.push((restarted, publisher, again));
-    let mut sub = Subscriber::new(
-        &node,
-        "restart",
-        &addrs(&publishers),
-        memory.clone(),
-        DEADLINE,
-    )
-    .await
-    .unwrap();
-    assert_eq!(sub.update(DEADLINE).await.unwrap().version, 1);
-    assert_eq!(held(&memory[0]), Some(1));
+    shared::a_lost_publisher_leaves_the_last_version_and_a_restart_is_planned_again(&tcp_node)
+        .await;
 }

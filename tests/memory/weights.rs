@@ -1,0 +1,38 @@
+//! Weight publication through same-host memory: see `tests/shared/weights.rs`.
+
+use ferry::prelude::*;
+
+#[path = "../shared/weights.rs"]
+mod shared;
+
+/// A node that moves region bytes through same-host memory only.
+async fn memory_node() -> Node {
+    Node::builder()
+        .ibverbs(false)
+        .tcp(false)
+        .spawn()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_versions_reach_subscribers_of_another_sharding_whole() {
+    shared::ten_versions_reach_subscribers_of_another_sharding_whole(&memory_node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_never_sees_two_versions_mixed() {
+    shared::a_reader_never_sees_two_versions_mixed(&memory_node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_vanishes_holds_no_writer_up_and_an_overrun_one_fails_typed() {
+    shared::a_reader_that_vanishes_holds_no_writer_up_and_an_overrun_one_fails_typed(&memory_node)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_publisher_leaves_the_last_version_and_a_restart_is_planned_again() {
+    shared::a_lost_publisher_leaves_the_last_version_and_a_restart_is_planned_again(&memory_node)
+        .await;
+}
