@@ -536,3 +536,98 @@ def test_prefill_pushes_into_decode_ranks_in_another_process(tmp_path: Any) -> N
     finally:
         cluster.close()
         peer.close()
+
+
+# -- NIXL's shape ------------------------------------------------------------------
+
+
+def nixl_copy(rows_to: Any, rows_from: Any, to_idx: Any, from_idx: Any) -> None:
+    """What a NIXL backend does with a prepared request: row ``to_idx[k]``
+    of one list gets the bytes of row ``from_idx[k]`` of the other (here,
+    one process's memory: memmove)."""
+    import ctypes
+
+    assert len(to_idx) == len(from_idx)
+    for a, b in zip(to_idx, from_idx):
+        dst, src = rows_to[a], rows_from[b]
+        assert dst[1] == src[1], "rows of one pair differ in length"
+        ctypes.memmove(int(dst[0]), int(src[0]), int(dst[1]))
+
+
+@pytest.mark.parametrize(
+    "case", ["TP 4 -> 2, blocks 16 -> 32", "NHD -> HND, TP 2 -> 2", "2 heads, TP 8 -> 2 (replicated)"]
+)
+@pytest.mark.parametrize("direction", ["pull", "push"])
+def test_nixl_lists_and_indices_move_the_bytes(case: str, direction: str) -> None:
+    """nixl_plan's (addr, len, dev) lists and index arrays, applied as a
+    NIXL backend applies them (memmove between the rows of each pair),
+    leave every decode pool as the reference says. No node: the layouts'
+    memory is plain numpy arrays, their addresses carried by to_bytes."""
+    model, prefill_side, decode_side = CASES[case]
+    kv = logical(model, 21)
+    tokens = 208  # a multiple of both sides' blocks' greatest common divisor
+    prefill_table = table(-(-tokens // prefill_side.block), prefill_side.blocks, 21)
+    decode_table = table(-(-tokens // decode_side.block), decode_side.blocks, 22)
+
+    def side(s: Side, fill: bool, rank_table: Any) -> List[Tuple[Any, ferry.RankLayout]]:
+        out = []
+        for r in range(s.tp):
+            pool = np.zeros(pool_shape(model, s, r), dtype=model.dtype)
+            if fill:
+                scatter(model, s, r, pool, kv, rank_table, tokens)
+            out.append((pool, layout(model, s, r, pool, pool)))
+        return out
+
+    prefill = side(prefill_side, True, prefill_table)
+    decode = side(decode_side, False, decode_table)
+    if direction == "pull":
+        for pool, mine in decode:
+            peers = [ferry.RankLayout.from_bytes(l.to_bytes()) for _, l in prefill]
+            assert all(isinstance(r, ferry.MemorySpan) for p in peers for r in p.regions)
+            nx = ferry.nixl_plan(mine, peers)
+            assert nx.operation == "READ"
+            local = nx.local_descs()
+            for rank, (li, ri) in nx.indices(tokens, decode_table, prefill_table).items():
+                assert li.dtype == np.int32 and ri.dtype == np.int32
+                nixl_copy(local, nx.remote_descs(rank), li, ri)
+    else:
+        for pool, mine in prefill:
+            peers = [ferry.RankLayout.from_bytes(l.to_bytes()) for _, l in decode]
+            nx = ferry.nixl_plan(mine, peers, direction="push", local_peers=[l for _, l in prefill])
+            assert nx.operation == "WRITE"
+            local = nx.local_descs()
+            for rank, (li, ri) in nx.indices(tokens, prefill_table, decode_table).items():
+                nixl_copy(nx.remote_descs(rank), local, ri, li)
+    for r, (pool, _) in enumerate(decode):
+        assert np.array_equal(pool, expected(model, decode_side, r, kv, decode_table, tokens)), r
+
+
+def test_nixl_plan_refusals() -> None:
+    model = Model()
+    pools = [np.zeros(pool_shape(model, Side(2, 16, 32), r), dtype=model.dtype) for r in range(2)]
+    prefill = [layout(model, Side(2, 16, 32), r, pools[r], pools[r]) for r in range(2)]
+    pool = np.zeros(pool_shape(model, Side(1, 32, 16), 0), dtype=model.dtype)
+    mine = layout(model, Side(1, 32, 16), 0, pool, pool)
+    with pytest.raises(ferry.LayoutError, match="no remote rank holds"):
+        ferry.nixl_plan(mine, prefill[:1])
+    nx = ferry.nixl_plan(mine, prefill)
+    # Rows are sub-blocks of 16 tokens: a range must start and end on one.
+    with pytest.raises(ferry.BlockTableError, match="not aligned to 16"):
+        nx.indices(200, list(range(7)), list(range(13)))
+    with pytest.raises(ferry.BlockTableError, match="names block 99 of a pool of 32"):
+        nx.indices(32, [0], [1, 99])
+    with pytest.raises(ferry.InvalidArgument, match="rank 5 is not among"):
+        nx.remote_descs(5)
+    # A peer whose layout came without addresses needs them given.
+    bare = ferry.RankLayout.from_bytes(prefill[0].to_json().encode())
+    with pytest.raises(ferry.InvalidArgument, match="pass bases="):
+        ferry.nixl_plan(mine, [bare, prefill[1]]).remote_descs(0)
+    rows = ferry.nixl_plan(mine, [bare, prefill[1]]).remote_descs(0, bases=[pools[0].ctypes.data])
+    assert np.array_equal(rows, nx.remote_descs(0))
+    # The lists cover the whole pool: NHD on both sides, a source rank's 4
+    # heads are a run per token (K or V, layer, block, sub-block of 16
+    # tokens, token, source rank); per request, pairs follow the tables.
+    assert len(nx.local_descs()) == 2 * model.layers * 16 * 2 * 16 * 2
+    assert nx.descriptor_count(64, [3, 4], [0, 1, 2, 3]) <= sum(
+        len(li) for li, _ in nx.indices(64, [3, 4], [0, 1, 2, 3]).values()
+    )
