@@ -307,8 +307,9 @@ class TensorLayout:
 
         A list of arrays is one more axis, named by ``axes[0]``, each of its
         indices in a region of its own (vLLM registers a KV array per
-        layer): ``region`` is then a list too, one region per array, and
-        the arrays must have the same shape and strides.
+        layer): ``region`` is then a list too, one region per array (or
+        one region they all lie in), and the arrays must have the same
+        shape and strides.
         """
         return _from_array(
             name, array, region, axes, paged, table, parts, global_sizes, replicated, order
@@ -323,6 +324,14 @@ class TensorLayout:
 
     def _json(self, index: Callable[[RegionLike], int]) -> Dict[str, Any]:
         names = [n for n, _ in self.axes]
+
+        def axis_index(name: str) -> int:
+            if name in names:
+                return names.index(name)
+            if name.isdigit():  # as a peer sent it: the planner says what is wrong
+                return int(name)
+            raise LayoutError(f"tensor {self.name!r}: {name!r} is not one of its axes {names}")
+
         out: Dict[str, Any] = {
             "tensor": {
                 "name": self.name,
@@ -340,7 +349,7 @@ class TensorLayout:
         if self.region_map is not None:
             axis, places = self.region_map
             out["region_map"] = {
-                "axis": names.index(axis),
+                "axis": axis_index(axis),
                 "places": [{"region": index(r), "offset": o} for r, o in places],
             }
             out["region"] = index(places[0][0]) if places else 0
@@ -349,7 +358,7 @@ class TensorLayout:
         if self.paged is not None:
             p = self.paged
             out["paged"] = {
-                "axis": names.index(p.axis),
+                "axis": axis_index(p.axis),
                 "block": p.block,
                 "block_stride": p.block_stride,
                 "blocks": p.blocks,
@@ -442,8 +451,10 @@ def _from_array(
     if isinstance(array, (list, tuple)):
         if not array:
             raise LayoutError(f"{where}: an empty list of arrays")
-        if not isinstance(region, (list, tuple)) or len(region) != len(array):
-            raise LayoutError(f"{where}: a list of {len(array)} arrays needs a list of as many regions")
+        if not isinstance(region, (list, tuple)):
+            region = [region] * len(array)  # one region holds them all
+        if len(region) != len(array):
+            raise LayoutError(f"{where}: {len(array)} arrays and {len(region)} regions")
         mapped, dims = axes[0], axes[1:]
         infos = [_array_info(a, f"{where}'s array {i}") for i, a in enumerate(array)]
         first = infos[0]

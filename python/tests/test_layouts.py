@@ -233,6 +233,54 @@ def test_consecutive_blocks_merge_into_few_descriptors(cluster: Cluster) -> None
     assert plan.descriptor_count(256, blocks, blocks[::-1].copy()) == model.layers * 2 * 16
 
 
+def test_weights_resharded_from_uneven_row_stages_to_column_splits(cluster: Cluster) -> None:
+    """No paged axis: a matrix held by two pipeline stages of uneven rows
+    (range parts), each with a replicated bias, pulled by three ranks that
+    split its columns (and the bias whole, from one replica): every request
+    moves the same bytes, and takes no tables."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((8, 12)).astype(np.float32)
+    bias = rng.standard_normal(12).astype(np.float32)
+    trainer = []
+    for rank, rows in enumerate((range(0, 3), range(3, 8))):
+        node = ferry.Node()
+        cluster.nodes.append(node)
+        # The rows, then the bias, in one registered buffer; rows padded.
+        buf = np.zeros(len(rows) * 16 + 12, dtype=np.float32)
+        piece = buf[: len(rows) * 16].reshape(len(rows), 16)[:, :12]
+        piece[:] = w[rows.start : rows.stop]
+        buf[-12:] = bias
+        region = node.register(buf)
+        trainer.append(ferry.RankLayout(rank, [
+            ferry.TensorLayout.from_array(
+                "w", piece, region, axes=("out", "in"),
+                parts={"out": rows}, global_sizes={"out": 8},
+            ),
+            ferry.TensorLayout.from_array("bias", buf[-12:], region, axes=("in",), replicated=True),
+        ]))
+    peers = [ferry.RankLayout.from_bytes(t.to_bytes()) for t in trainer]
+    for rank in range(3):
+        node = ferry.Node()
+        cluster.nodes.append(node)
+        mine = np.zeros((12, 8), dtype=np.float32)  # column-major: [in, out]
+        mine_bias = np.zeros(12, dtype=np.float32)
+        layout = ferry.RankLayout(rank, [
+            ferry.TensorLayout.from_array(
+                "w", mine[4 * rank : 4 * rank + 4].T, node.register(mine),
+                axes=("out", "in"), parts={"in": (rank, 3)},
+            ),
+            ferry.TensorLayout.from_array("bias", mine_bias, node.register(mine_bias), axes=("in",)),
+        ])
+        plan = node.plan_transfer(layout, peers)
+        assert plan.tables == [] and plan.remote_ranks == [0, 1]
+        for _ in range(2):  # posted twice, the same bytes
+            plan.request().post(timeout=TIMEOUT).wait()
+        cols = slice(4 * rank, 4 * rank + 4)
+        assert np.array_equal(mine[cols].T, w[:, cols]), rank
+        assert not mine[: cols.start].any() and not mine[cols.stop :].any()
+        assert np.array_equal(mine_bias, bias)
+
+
 # -- layouts: declaring, serializing --------------------------------------------
 
 
