@@ -9,8 +9,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use ferry::layout::{
-    Direction, Expansion, LayoutError, NixlIndices, NixlShape, Plan, PlanOptions, RankLayout,
-    RequestError, TableRequest,
+    Direction, Expansion, NixlIndices, NixlShape, Plan, PlanOptions, RankLayout, TableRequest,
 };
 use ferry::{Descs, LocalLayout, PeerLayout, PlanError, TransferPlan};
 use pyo3::prelude::*;
@@ -30,30 +29,6 @@ type TableTuple = (String, u64, u64, Py<PyBytes>, Py<PyBytes>);
 /// A peer as the Python layer passes it: its layout (JSON) and handles to
 /// its regions, in the layout's order.
 type PeerTuple = (String, Vec<Py<NativeRemote>>);
-
-/// A `PlanError`'s class: bad layouts and regions that do not fit them are
-/// `LayoutError`, block tables that do not fit the plan `BlockTableError`.
-pub fn plan_error(error: &PlanError) -> Raise {
-    match error {
-        PlanError::Request(_) => Raise::new("BlockTableError", error),
-        PlanError::Prepare(inner) => errors::prepare(inner),
-        PlanError::Desc(inner) => errors::desc(inner),
-        PlanError::Layout(_)
-        | PlanError::RegionCount { .. }
-        | PlanError::RegionTooShort { .. }
-        | PlanError::DuplicateRank(_)
-        | PlanError::LayoutChanged { .. } => Raise::new("LayoutError", error),
-        _ => Raise::new("FerryError", error),
-    }
-}
-
-fn layout_error(error: &LayoutError) -> Raise {
-    Raise::new("LayoutError", error)
-}
-
-fn request_error(error: &RequestError) -> Raise {
-    Raise::new("BlockTableError", error)
-}
 
 /// A rank's layout from its JSON; a `MetadataError` when it is not one.
 fn rank_layout(json: &str) -> PyResult<RankLayout> {
@@ -198,7 +173,7 @@ impl NativeNode {
             .iter()
             .map(|r| r.get().region())
             .collect::<PyResult<Vec<_>>>()?;
-        let local = LocalLayout::new(rank_layout(local)?, regions).map_err(|e| plan_error(&e))?;
+        let local = LocalLayout::new(rank_layout(local)?, regions).map_err(|e| errors::plan(&e))?;
         let peers = peer_layouts(peers)?;
         let local_peers = local_peers
             .iter()
@@ -212,7 +187,7 @@ impl NativeNode {
         let node = &self.node;
         let _guard = runtime().enter();
         let plan = block_on(py, node.plan_transfer(&local, &peers, options, timeout))?
-            .map_err(|e| plan_error(&e))?;
+            .map_err(|e| errors::plan(&e))?;
         Ok(NativePlan {
             plan,
             node: self.node.clone(),
@@ -225,7 +200,7 @@ fn peer_layouts(peers: Vec<PeerTuple>) -> PyResult<Vec<PeerLayout>> {
         .into_iter()
         .map(|(json, handles)| {
             let handles = handles.iter().map(|h| h.get().0.clone()).collect();
-            PeerLayout::new(rank_layout(&json)?, handles).map_err(|e| plan_error(&e).into())
+            PeerLayout::new(rank_layout(&json)?, handles).map_err(|e| errors::plan(&e).into())
         })
         .collect()
 }
@@ -245,7 +220,7 @@ impl NativePlan {
         let xfer = self
             .plan
             .request(&tables.requests())
-            .map_err(|e| plan_error(&e))?;
+            .map_err(|e| errors::plan(&e))?;
         let xfer = match notification {
             Some(body) => xfer.with_notification(ferry::Bytes::copy_from_slice(body)),
             None => xfer,
@@ -261,7 +236,7 @@ impl NativePlan {
         let expansion = self
             .plan
             .expand(&tables.requests())
-            .map_err(|e| plan_error(&e))?;
+            .map_err(|e| errors::plan(&e))?;
         Ok(expanded(py, &expansion))
     }
 
@@ -271,7 +246,7 @@ impl NativePlan {
         let expansion = self
             .plan
             .expand(&tables.requests())
-            .map_err(|e| plan_error(&e))?;
+            .map_err(|e| errors::plan(&e))?;
         Ok(expansion.len())
     }
 
@@ -280,7 +255,7 @@ impl NativePlan {
         let peers = peer_layouts(peers)?;
         self.plan
             .check_current(&peers)
-            .map_err(|e| plan_error(&e).into())
+            .map_err(|e| errors::plan(&e).into())
     }
 
     #[getter]
@@ -359,14 +334,14 @@ pub fn plan_layouts(
     let mut ranks: Vec<u32> = peers.iter().map(|p| p.rank).collect();
     ranks.sort_unstable();
     if let Some(pair) = ranks.windows(2).find(|pair| pair[0] == pair[1]) {
-        return Err(plan_error(&PlanError::DuplicateRank(pair[0])).into());
+        return Err(errors::plan(&PlanError::DuplicateRank(pair[0])).into());
     }
     let options = PlanOptions {
         direction: direction(push),
         every_remote_tensor,
         local_peers: &local_peers,
     };
-    let plan = ferry::layout::plan(&local, &peers, options).map_err(|e| layout_error(&e))?;
+    let plan = ferry::layout::plan(&local, &peers, options).map_err(|e| errors::layout(&e))?;
     Ok(NativeLayoutPlan { plan })
 }
 
@@ -419,7 +394,7 @@ impl NativeLayoutPlan {
         };
         self.plan
             .expand(&tables.requests(), &mut expansion)
-            .map_err(|e| request_error(&e))?;
+            .map_err(|e| errors::request(&e))?;
         Ok(expanded(py, &expansion))
     }
 
@@ -446,7 +421,7 @@ impl NativeLayoutPlan {
         let mut out: Vec<NixlIndices> = Vec::new();
         NixlShape::new(&self.plan)
             .indices(&tables.requests(), &mut out)
-            .map_err(|e| request_error(&e))?;
+            .map_err(|e| errors::request(&e))?;
         Ok(out
             .iter()
             .map(|g| (g.rank, u64_bytes(py, &g.local), u64_bytes(py, &g.remote)))
