@@ -25,5 +25,8 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 source scripts/test-build.sh
 ferry_test_build -q
 "$ferry_bin" nixl install --python "$venv/bin/python" --plugin "$ferry_plugin" >/dev/null
+# The planner's NIXL test (and docs/nixl.md's block) import the ferry package
+# scripts/python-tests.sh built in place; without it, that test is skipped.
+[ ! -e python/ferry/_ferry.abi3.so ] || echo "$PWD/python" >"$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/ferry-dev.pth"
 # NIXL's own INFO lines would bury pytest's.
 NIXL_LOG_LEVEL=WARN "$venv/bin/python" -m pytest -q -p no:cacheprovider crates/ferry-nixl/pytests

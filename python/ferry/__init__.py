@@ -11,12 +11,16 @@ A peer turns ``handle`` back into a :class:`RemoteRegion` and reads or
 writes it (:meth:`Node.read`, :meth:`Node.write`, :meth:`Node.submit`), or
 prepares descriptor lists once and posts transfer requests over them
 (:meth:`Node.prepare_remote`, :meth:`Node.make_xfer`), as KV-cache
-connectors do. Every error is a :class:`FerryError`.
+connectors do; or each side declares how its tensors lie in memory
+(:class:`TensorLayout`, :class:`RankLayout`), the node plans once
+(:meth:`Node.plan_transfer`) and each request names only block tables
+(:meth:`TransferPlan.request`). Every error is a :class:`FerryError`.
 """
 
 from ._addr import NodeAddr
 from ._errors import *  # noqa: F401,F403
 from ._errors import __all__ as _errors_all
+from ._layout import MemorySpan, NixlPlan, Paged, RankLayout, TensorLayout, TransferPlan, nixl_plan
 from ._node import Delivery, Node, Op
 from ._region import Region, RemoteRegion
 from ._xfer import Estimate, LocalDescs, PreparedRemote, RemoteDescs, Strided, Xfer, XferStatus
@@ -35,5 +39,12 @@ __all__ = [
     "Xfer",
     "XferStatus",
     "Estimate",
+    "TensorLayout",
+    "RankLayout",
+    "Paged",
+    "MemorySpan",
+    "TransferPlan",
+    "NixlPlan",
+    "nixl_plan",
     *_errors_all,
 ]

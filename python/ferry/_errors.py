@@ -40,6 +40,8 @@ __all__ = [
     "NotFound",
     "MetadataError",
     "DiscoveryError",
+    "LayoutError",
+    "BlockTableError",
 ]
 
 
@@ -172,3 +174,19 @@ class MetadataError(FerryError, ValueError):
 
 class DiscoveryError(FerryError):
     """etcd could not be asked (unreachable, or it refused)."""
+
+
+class LayoutError(InvalidArgument):
+    """Layouts that do not describe one transfer, said with the rank, tensor
+    and axis concerned: a rank missing (no remote rank holds some element),
+    two ranks claiming one piece, tensors that disagree on their axes,
+    strides that leave a region, a region shorter than declared, an array
+    that is not inside its region. Nothing was planned."""
+
+
+class BlockTableError(InvalidArgument):
+    """A request's block tables do not fit the plan, said with the table,
+    the side and the position: a block id past its pool, a table too short
+    for the tokens, a table missing, unknown or given twice, tokens past the
+    paged axis (or, for NIXL's index arrays, not on a sub-block edge).
+    Nothing moved."""

@@ -22,6 +22,7 @@ from . import _ferry
 from ._addr import NodeAddr
 from ._errors import FerryError, InvalidArgument
 from ._fork import forked, node_started, refuse_in_child
+from ._layout import RankLayout, TransferPlan, _plan_transfer
 from ._region import Region, RemoteRegion, _from_alloc, _from_buffer
 from ._xfer import (
     IndicesLike,
@@ -359,6 +360,34 @@ class Node:
             write, local._native, _indices(local_idx), remote._native, _indices(remote_idx), body
         )
         return Xfer(native)
+
+    def plan_transfer(
+        self,
+        local: RankLayout,
+        peers: Sequence[RankLayout],
+        *,
+        direction: str = "pull",
+        timeout: float = 10.0,
+        every_remote_tensor: bool = False,
+        local_peers: Sequence[RankLayout] = (),
+    ) -> TransferPlan:
+        """Compiles the plan that moves every tensor ``local`` (this rank's
+        layout, over regions of this node) holds between this node and the
+        ranks ``peers`` (their layouts, from :meth:`RankLayout.from_bytes`,
+        with their handles): READs for ``direction="pull"``, WRITEs for
+        ``"push"``. Prepares the peers' memory within ``timeout`` seconds.
+
+        Both sides are checked first; a bad layout raises
+        :class:`LayoutError` with what is wrong (a rank missing, tensors
+        that disagree, a region too short). Pulling, a byte several peers
+        hold (``replicated``) is read from one of them, ``local.rank % n``;
+        pushing, every replica is written, unless ``local_peers`` (the other
+        ranks of this side) lets this side's replicas share the writes.
+        ``every_remote_tensor``: refuse remote tensors this rank does not
+        hold, instead of leaving them."""
+        return _plan_transfer(
+            self._node(), local, peers, direction, timeout, every_remote_tensor, local_peers
+        )
 
     # -- messages and notifications ------------------------------------------
 

@@ -5,9 +5,10 @@
 //! they can derive from two bases (`FerryError` and `TimeoutError`, say),
 //! which PyO3's `create_exception!` cannot.
 
+use ferry::layout::{LayoutError, RequestError};
 use ferry::{
-    DescError, LookupError, MessageError, MetadataError, NotifyError, OpError, PostError,
-    PrepareError, RegisterError, RpcError, SubmitError, XferError,
+    DescError, LookupError, MessageError, MetadataError, NotifyError, OpError, PlanError,
+    PostError, PrepareError, RegisterError, RpcError, SubmitError, XferError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -225,6 +226,32 @@ pub fn lookup(error: &LookupError) -> Raise {
 /// A metadata blob's error.
 pub fn metadata(error: &MetadataError) -> Raise {
     Raise::new("MetadataError", error)
+}
+
+/// A plan's error: bad layouts and regions that do not fit them are
+/// `LayoutError`, block tables that do not fit the plan `BlockTableError`.
+pub fn plan(error: &PlanError) -> Raise {
+    match error {
+        PlanError::Request(_) => Raise::new("BlockTableError", error),
+        PlanError::Prepare(inner) => prepare(inner),
+        PlanError::Desc(inner) => desc(inner),
+        PlanError::Layout(_)
+        | PlanError::RegionCount { .. }
+        | PlanError::RegionTooShort { .. }
+        | PlanError::DuplicateRank(_)
+        | PlanError::LayoutChanged { .. } => Raise::new("LayoutError", error),
+        _ => Raise::new("FerryError", error),
+    }
+}
+
+/// A layout the planner refused (planning without a node).
+pub fn layout(error: &LayoutError) -> Raise {
+    Raise::new("LayoutError", error)
+}
+
+/// A request the planner refused (planning without a node).
+pub fn request(error: &RequestError) -> Raise {
+    Raise::new("BlockTableError", error)
 }
 
 /// A bad argument found here, before ferry saw it.

@@ -13,6 +13,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 
 mod errors;
+mod layout;
 mod memory;
 mod node;
 mod talk;
@@ -94,5 +95,9 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<xfer::NativeRemoteDescs>()?;
     m.add_class::<xfer::NativePrepared>()?;
     m.add_class::<xfer::NativeXfer>()?;
+    m.add_class::<layout::NativePlan>()?;
+    m.add_class::<layout::NativeLayoutPlan>()?;
+    m.add_function(wrap_pyfunction!(layout::plan_layouts, m)?)?;
+    m.add_function(wrap_pyfunction!(layout::rank_layout_json, m)?)?;
     Ok(())
 }

@@ -230,6 +230,13 @@ pub struct NativeXfer {
     node: ferry::Node,
 }
 
+impl NativeXfer {
+    /// `xfer`, made by `node` (which estimates it).
+    pub fn new(xfer: Arc<Xfer>, node: ferry::Node) -> Self {
+        NativeXfer { xfer, node }
+    }
+}
+
 #[pymethods]
 impl NativeXfer {
     /// Posts the request with a deadline of `timeout` seconds; returns at

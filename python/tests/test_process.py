@@ -67,6 +67,21 @@ def test_kv_handoff_example(args: list) -> None:
     assert f"over {transport}" in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize("args", [[], ["--tcp"]], ids=["default", "tcp"])
+def test_kv_handoff_layouts_example(args: list) -> None:
+    """python/examples/kv_handoff_layouts.py: prefill TP 4 -> decode TP 2
+    with other block sizes and axis orders, a process per rank, every byte
+    checked by the decode ranks."""
+    done = run_script(
+        [str(PYTHON_DIR / "examples" / "kv_handoff_layouts.py"), *args], timeout=120.0
+    )
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert "kv_handoff_layouts:" in done.stdout and "checked byte for byte" in done.stdout
+    assert "reading from prefill ranks [0, 1] and [2, 3]" in done.stdout, done.stdout
+    transport = "tcp" if args else "memory"
+    assert f"over {transport}" in done.stdout, done.stdout
+
+
 def mypy_strict(*args: str) -> None:
     """``mypy --strict`` on ``args`` (from python/), which must pass."""
     proc = subprocess.run(
