@@ -167,7 +167,11 @@ fn check(
         let (rank, p_region, p_offset) = peers
             .iter()
             .find_map(|p| {
-                let pt = p.layout().tensors.iter().find(|pt| pt.tensor.name == t.tensor.name)?;
+                let pt = p
+                    .layout()
+                    .tensors
+                    .iter()
+                    .find(|pt| pt.tensor.name == t.tensor.name)?;
                 let px: Option<Vec<u64>> = global
                     .iter()
                     .enumerate()
@@ -246,11 +250,17 @@ async fn contiguous_request(
         ops.push(RdmaOp::read(local, remote));
     }
     if (ops.len() as u64) * MIB != bytes {
-        return Err(format!("baseline has {} MiB, not {}", ops.len(), bytes / MIB));
+        return Err(format!(
+            "baseline has {} MiB, not {}",
+            ops.len(),
+            bytes / MIB
+        ));
     }
     let (thread0, process0) = cpu_times();
     let start = Instant::now();
-    node.submit(ops, DEADLINE).await.map_err(|e| e.to_string())?;
+    node.submit(ops, DEADLINE)
+        .await
+        .map_err(|e| e.to_string())?;
     let wall = start.elapsed();
     let (thread1, process1) = cpu_times();
     let gbps = bytes as f64 / wall.as_secs_f64() / 1e9;
