@@ -20,8 +20,10 @@ connectors do; or each side declares how its tensors lie in memory
 from ._addr import NodeAddr
 from ._errors import *  # noqa: F401,F403
 from ._errors import __all__ as _errors_all
-from ._layout import MemorySpan, NixlPlan, Paged, RankLayout, TensorLayout, TransferPlan, nixl_plan
+from ._layout import MemorySpan, Paged, RankLayout, TensorLayout
+from ._nixl_plan import NixlPlan, nixl_plan
 from ._node import Delivery, Node, Op
+from ._plan import TransferPlan
 from ._region import Region, RemoteRegion
 from ._xfer import Estimate, LocalDescs, PreparedRemote, RemoteDescs, Strided, Xfer, XferStatus
 

@@ -22,7 +22,8 @@ from . import _ferry
 from ._addr import NodeAddr
 from ._errors import FerryError, InvalidArgument
 from ._fork import forked, node_started, refuse_in_child
-from ._layout import RankLayout, TransferPlan, _plan_transfer
+from ._layout import RankLayout
+from ._plan import TransferPlan, _plan_transfer
 from ._region import Region, RemoteRegion, _from_alloc, _from_buffer
 from ._xfer import (
     IndicesLike,
