@@ -561,7 +561,9 @@ impl Engine {
         }
     }
 
-    /// `releaseReqH`: see [`Request::release`].
+    /// `releaseReqH`: `Success` when the request may be freed; one still
+    /// moving bytes is cancelled and answered `RepostActive` (NIXL keeps
+    /// the handle until its window settles).
     pub fn release(&self, request: &Request) -> Status {
         request.release()
     }
