@@ -86,11 +86,21 @@ pub enum MetadataError {
         /// The node the blob describes.
         node: NodeAddr,
     },
+    /// A region published with narrowed credentials: a node publishes
+    /// whole regions only, so the blob was edited.
+    #[error("region {region:?} is published narrowed (scoped): a node publishes whole regions")]
+    ScopedRegion {
+        /// The region's published name.
+        region: String,
+    },
 }
 
 impl NodeMetadata {
     /// A node's metadata (the struct grows with what nodes say of
     /// themselves, so it is made here rather than field by field).
+    /// `regions` are whole regions' handles, as nodes publish them: a
+    /// narrowed one (a slice, a read-only view of a writable region) is
+    /// refused when the blob is read ([`MetadataError::ScopedRegion`]).
     pub fn new(
         name: Option<String>,
         node: NodeAddr,
@@ -162,6 +172,12 @@ impl NodeMetadata {
             return Err(MetadataError::ForeignRegion {
                 region: region.clone(),
                 node: metadata.node,
+            });
+        }
+        // A whole region's handle reads back as itself, and always encodes.
+        if let Some((region, _)) = (metadata.regions.iter()).find(|(_, h)| !h.scopes().is_empty()) {
+            return Err(MetadataError::ScopedRegion {
+                region: region.clone(),
             });
         }
         Ok(metadata)
@@ -309,5 +325,17 @@ mod tests {
             NodeMetadata::decode(&foreign.encode()),
             Err(MetadataError::ForeignRegion { .. })
         ));
+        // A handle narrowed to part of its region travels with a scope; a
+        // node publishes whole regions, so such a blob was edited.
+        let mut scoped = sample(1);
+        for handle in scoped.regions.values_mut() {
+            *handle = handle.slice(0..handle.len() / 2).unwrap();
+        }
+        assert_eq!(
+            NodeMetadata::decode(&scoped.encode()),
+            Err(MetadataError::ScopedRegion {
+                region: "weights/layer-0".into()
+            })
+        );
     }
 }
