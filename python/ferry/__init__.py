@@ -18,6 +18,7 @@ connectors do; or each side declares how its tensors lie in memory
 """
 
 from ._addr import NodeAddr
+from ._ferry import __version__ as __version__
 from ._errors import *  # noqa: F401,F403
 from ._errors import __all__ as _errors_all
 from ._layout import MemorySpan, NixlPlan, Paged, RankLayout, TensorLayout, TransferPlan, nixl_plan

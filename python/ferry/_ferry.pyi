@@ -11,6 +11,8 @@ TableTuple = Tuple[str, int, int, bytes, bytes]
 PeerTuple = Tuple[str, List["NativeRemote"]]
 Expanded = Tuple[bytes, bytes, List[Tuple[int, int, int]]]
 
+__version__: str
+
 def at_exit() -> None: ...
 def rank_layout_json(json: str) -> str: ...
 def plan_layouts(
