@@ -55,6 +55,9 @@ fn libstdcxx(cxx: &str) -> PathBuf {
         .unwrap_or_else(|e| panic!("cannot run {cxx}: {e}"));
     let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     std::fs::canonicalize(&path).unwrap_or_else(|e| {
-        panic!("{cxx} names {} as libstdc++.so, which is not there: {e}", path.display())
+        panic!(
+            "{cxx} names {} as libstdc++.so, which is not there: {e}",
+            path.display()
+        )
     })
 }
