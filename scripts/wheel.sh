@@ -53,9 +53,25 @@ cd python
 # (about 2 minutes each on 2 cores, debug); apart, a second run of this
 # script is incremental.
 step() { echo "wheel.sh: ${SECONDS} s: $*" >&2; }
+#
+# Each of the three links the host's libgcc_s (by path; manylinux allows
+# it) for the unwinder, not the libunwind zig would build into it: glibc
+# unwinds a thread that pthread_exit ends (CPython ends its daemon threads
+# that way at exit, some inside ferry calls) with libgcc_s, whose contexts
+# zig's libunwind cannot read, and the process crashed in Rust's
+# personality routine (python/tests/test_process.py, exit_child.py threads).
+# (RUSTFLAGS for the command's build, whose rlibs ignore a link argument;
+# maturin passes what follows `--` to the extension's final link.) The
+# command, an executable, is linked with --allow-shlib-undefined: this
+# host's libgcc_s names a newer glibc symbol than zig's glibc 2.28 stubs
+# have, which the host it runs on resolves (or, a manylinux_2_28 host,
+# whose libgcc_s is older, never asks for).
+libgcc_s=$(readlink -f "$(gcc -print-file-name=libgcc_s.so.1)")
+[ -f "$libgcc_s" ] || { echo "wheel.sh: no libgcc_s.so.1 ($libgcc_s)" >&2; exit 1; }
 step "cargo zigbuild: the command and the plugin"
 cli_target_dir="$target_dir/wheel-cli"
-CARGO_TARGET_DIR="$cli_target_dir" cargo-zigbuild build --locked --target "$target.$glibc" \
+CARGO_TARGET_DIR="$cli_target_dir" RUSTFLAGS="-C link-arg=$libgcc_s -C link-arg=-Wl,--allow-shlib-undefined" \
+    cargo-zigbuild build --locked --target "$target.$glibc" \
     "${cargo_flags[@]}" -p ferry-cli --bin ferry -p ferry-nixl --lib >&2
 out="$cli_target_dir/$target/$profile"
 mkdir -p ferry/bin ferry/nixl
@@ -64,7 +80,7 @@ install -m 755 "$out/libplugin_FERRY.so" ferry/nixl/libplugin_FERRY.so
 rm -rf "$wheels"
 step "maturin build: the extension, the wheel"
 maturin build --locked --zig --target "$target" --compatibility "manylinux_${glibc/./_}" \
-    "${cargo_flags[@]}" -i "$tools/bin/python" -o "$wheels" >&2
+    "${cargo_flags[@]}" -i "$tools/bin/python" -o "$wheels" -- -C "link-arg=$libgcc_s" >&2
 cd ..
 wheel=$(ls "$wheels"/ferry-*.whl)
 step "checks"
@@ -88,6 +104,11 @@ with zipfile.ZipFile(wheel) as zf, tempfile.TemporaryDirectory() as tmp:
         extracted = zf.extract(info, tmp)
         needed = subprocess.run(["readelf", "-d", extracted], capture_output=True, text=True, check=True).stdout
         assert "libibverbs" not in needed and "librdmacm" not in needed, (path, needed)
+        # The unwinder is libgcc_s's (see above), none of its own.
+        assert "[libgcc_s.so.1]" in needed, (path, needed)
+        symbols = subprocess.run(["nm", extracted], capture_output=True, text=True, check=True).stdout
+        defined = [l for l in symbols.splitlines() if l.endswith(" _Unwind_RaiseException") and " U " not in l]
+        assert not defined, (path, "has an unwinder of its own", defined)
         if path == "ferry/bin/ferry":
             os.chmod(extracted, 0o755)
             shown = subprocess.run([extracted, "--version"], capture_output=True, text=True,
