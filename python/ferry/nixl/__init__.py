@@ -4,9 +4,10 @@
 ``python -m ferry.nixl install`` puts it where this Python's NIXL loads
 plugins from (beside UCX's, in every NIXL wheel installed: ``nixl_cu12``,
 ``nixl_cu13``, ...), so that ``nixl_agent_config(backends=["FERRY"])``
-finds it. It runs ``ferry nixl install`` of the packaged command. A NIXL
-release whose plugin ABI the plugin was not built for refuses it at load,
-with one line on stderr that says so."""
+finds it. It runs ``ferry nixl install`` of the packaged command, which
+refuses, with one line and copying nothing, a NIXL release whose plugin
+ABI the plugin was not built for (such a NIXL would refuse it at load, as
+the plugin does too)."""
 
 import subprocess
 import sys
