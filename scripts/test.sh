@@ -57,13 +57,20 @@ ferry_test_build -q
 for example in workers kv_handoff; do
     "$(sed -n "s|^$example=||p" <<<"$ferry_examples")" >/dev/null
 done
-# The Python package: its extension built into a virtual environment (tools
-# from PyPI), type-checked, and its pytest suite, which runs the Python
-# kv_handoff example and talks to the `ferry serve` built here.
-scripts/python-tests.sh
-# ferry as a NIXL backend: the FERRY plugin installed into a virtual
-# environment with NIXL 1.5.1 from PyPI, driven through NIXL's Python API.
-scripts/nixl-tests.sh
+# The wheel users install (scripts/wheel.sh: the extension, the `ferry`
+# command and the NIXL plugin, manylinux_2_28, checked by auditwheel; a
+# debug build), built once for the two suites below, which install it
+# instead of building anything.
+wheel=$(scripts/wheel.sh | tail -n 1)
+# The Python package from the wheel, in a fresh virtual environment with
+# no cargo on the PATH: type-checked, and its pytest suite, which runs the
+# Python kv_handoff example, talks to the wheel's `ferry serve`, and runs
+# once more with libibverbs hidden.
+scripts/python-tests.sh "$wheel"
+# ferry as a NIXL backend: the wheel and its FERRY plugin installed into a
+# virtual environment with NIXL 1.5.1 from PyPI, driven through NIXL's
+# Python API.
+scripts/nixl-tests.sh "$wheel"
 # The guide's NIXL example, in the NIXL venv with the plugin just installed.
 source scripts/target-dir.sh
 FERRY_NIXL_PYTHON="$target_dir/nixl-venv/bin/python" "$target_dir/python-venv/bin/python" \

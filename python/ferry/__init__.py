@@ -17,12 +17,28 @@ connectors do; or each side declares how its tensors lie in memory
 (:meth:`TransferPlan.request`). Every error is a :class:`FerryError`.
 """
 
+import ctypes as _ctypes
+
+# rdma-core's libibverbs, where the host has it, loaded now (locally, as
+# ferry's own dlopen does later) rather than when the first node starts.
+# ferry needs it only then, but NIXL 1.5.1's wheel carries its own copy of
+# libnl, and a process in which the host's libibverbs (and with it the
+# host's libnl) is loaded after NIXL's UCX started crashes at exit in
+# NIXL's libnl (rtnl_tc_unregister), with or without ferry; loaded first,
+# as when ferry linked libibverbs, it does not. Without rdma-core this
+# fails, and ferry runs without ibverbs, saying why.
+try:
+    _ctypes.CDLL("libibverbs.so.1")
+except OSError:
+    pass
+
 from ._addr import NodeAddr
+from ._ferry import __version__ as __version__
 from ._errors import *  # noqa: F401,F403
 from ._errors import __all__ as _errors_all
 from ._layout import MemorySpan, Paged, RankLayout, TensorLayout
 from ._nixl_plan import NixlPlan, nixl_plan
-from ._node import Delivery, Node, Op
+from ._node import Delivery, Node, Op, TransportStatus
 from ._plan import TransferPlan
 from ._region import Region, RemoteRegion
 from ._xfer import Estimate, LocalDescs, PreparedRemote, RemoteDescs, Strided, Xfer, XferStatus
@@ -34,6 +50,7 @@ __all__ = [
     "RemoteRegion",
     "Op",
     "Delivery",
+    "TransportStatus",
     "Strided",
     "LocalDescs",
     "RemoteDescs",

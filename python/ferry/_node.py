@@ -107,6 +107,19 @@ class Delivery(NamedTuple):
     body: bytes
 
 
+class TransportStatus(NamedTuple):
+    """One transport of a node (:meth:`Node.transport_status`)."""
+
+    #: ``"memory"``, ``"ibverbs"`` or ``"tcp"``.
+    name: str
+    #: Whether it runs.
+    running: bool
+    #: What it runs on (device and port, connections) when it runs; why it
+    #: could not start otherwise (``"no RDMA device: libibverbs not found
+    #: (...)"``, disabled, ...).
+    detail: str
+
+
 def _ops(ops: Sequence[Op]) -> List[_ferry.OpTuple]:
     for n, op in enumerate(ops):
         if op.length < 0 or op.local_offset < 0 or op.remote_offset < 0:
@@ -211,6 +224,11 @@ class Node:
         """The transports running, fastest first (``"memory"``,
         ``"ibverbs"``, ``"tcp"``)."""
         return self._node().transports()
+
+    def transport_status(self) -> List[TransportStatus]:
+        """Every transport, fastest first, running or not, with what it runs
+        on or why it could not start (as ``ferry info`` prints them)."""
+        return [TransportStatus(*t) for t in self._node().transport_status()]
 
     def close(self) -> None:
         """Shuts the node down: transfers in flight fail, peers can no

@@ -87,6 +87,8 @@ fn seconds(timeout: f64) -> PyResult<Duration> {
 
 #[pymodule]
 fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // ferry's one version (the workspace's): `ferry.__version__`.
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(at_exit, m)?)?;
     m.add_class::<node::NativeNode>()?;
     m.add_class::<memory::NativeRegion>()?;

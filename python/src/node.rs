@@ -158,6 +158,22 @@ impl NativeNode {
             .collect()
     }
 
+    /// Every transport, fastest first: (name, running, what it runs on or
+    /// why it could not start).
+    fn transport_status(&self) -> Vec<(String, bool, String)> {
+        self.node
+            .transports()
+            .iter()
+            .map(|t| {
+                let detail = match &t.state {
+                    ferry::TransportState::Running { detail } => detail.clone(),
+                    ferry::TransportState::Unavailable { reason } => reason.clone(),
+                };
+                (t.level.to_string(), t.is_running(), detail)
+            })
+            .collect()
+    }
+
     /// Shuts the node down: every later call fails with `ShutDown`.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         self.closed.store(true, Ordering::Release);

@@ -35,11 +35,22 @@ pub struct InstallArgs {
     plugin: Option<PathBuf>,
 }
 
+/// The NIXL releases whose plugin ABI the plugin is built for: the
+/// plugin's own list (`ferry_nixl::NIXL_RELEASES`, which refuses the others
+/// at load; a test here checks the two agree). The install refuses the
+/// others first, with one line, rather than leave a plugin NIXL will not load.
+pub const NIXL_RELEASES: &[&str] = &["1.4.", "1.5."];
+
+/// Set to `1` to install into (and load in) a NIXL release not in
+/// [`NIXL_RELEASES`] anyway (`ferry_nixl::ANY_RELEASE_ENV`).
+pub const ANY_RELEASE_ENV: &str = "FERRY_NIXL_ANY_RELEASE";
+
 /// Asks `python` where its NIXL wheels keep plugins: the directory beside
-/// `libnixl.so`, `<site-packages>/.<wheel>.mesonpy.libs/plugins`, one line
-/// for each NIXL wheel installed (`nixl_cu12`, `nixl_cu13`, ...). Every
-/// one: `import nixl` picks the wheel by the CUDA it detects (torch's),
-/// so a venv with both loads either.
+/// `libnixl.so`, `<site-packages>/.<wheel>.mesonpy.libs/plugins`, and the
+/// wheel's release (its `*.dist-info`, as the plugin reads it at load),
+/// one tab-separated line for each NIXL wheel installed (`nixl_cu12`,
+/// `nixl_cu13`, ...). Every one: `import nixl` picks the wheel by the
+/// CUDA it detects (torch's), so a venv with both loads either.
 const FIND_PLUGIN_DIRS: &str = r#"
 import importlib.util, pathlib, sys
 found = 0
@@ -50,7 +61,9 @@ for wheel in ("nixl_cu12", "nixl_cu13", "nixl_rocm"):
         plugins = site / f".{wheel}.mesonpy.libs" / "plugins"
         if not plugins.is_dir():
             sys.exit(f"{wheel} is installed, but {plugins} does not exist")
-        print(plugins)
+        infos = sorted(site.glob(f"{wheel}-*.dist-info"))
+        release = infos[0].name[len(wheel) + 1:-len(".dist-info")] if infos else "unknown"
+        print(f"{plugins}	{release}")
         found += 1
 if not found:
     sys.exit("no NIXL wheel (nixl_cu12, nixl_cu13, nixl_rocm) is installed for this Python")
@@ -94,11 +107,35 @@ fn install(python: &Path, plugin: Option<&Path>) -> Result<Vec<PathBuf>, Failure
         )));
     }
     let stdout = String::from_utf8_lossy(&found.stdout);
-    stdout
+    let wheels: Vec<(PathBuf, String)> = stdout
         .lines()
         .filter(|line| !line.trim().is_empty())
         .map(|line| {
-            let dir = PathBuf::from(line.trim());
+            let (dir, release) = line
+                .trim()
+                .split_once('\t')
+                .unwrap_or((line.trim(), "unknown"));
+            (PathBuf::from(dir), release.to_string())
+        })
+        .collect();
+    let any_release = std::env::var(ANY_RELEASE_ENV).as_deref() == Ok("1");
+    // A wheel without a release to read (a NIXL built from source) is
+    // taken at its word, as the plugin does at load.
+    if let Some((dir, release)) = wheels.iter().find(|(_, release)| {
+        release != "unknown" && !NIXL_RELEASES.iter().any(|r| release.starts_with(r))
+    }) && !any_release
+    {
+        return Err(Failure(format!(
+            "not installing: the FERRY plugin is built for NIXL {} (plugin API 1), and {} is \
+             NIXL {release}, which would refuse it; use one of those NIXL releases, or set \
+             {ANY_RELEASE_ENV}=1 to install it anyway",
+            NIXL_RELEASES.join("x, ") + "x",
+            dir.display(),
+        )));
+    }
+    wheels
+        .into_iter()
+        .map(|(dir, _)| {
             let target = dir.join(PLUGIN_FILE);
             // Copied beside, then renamed over: a NIXL loading plugins
             // meanwhile never maps a half-written file.
@@ -116,6 +153,13 @@ fn install(python: &Path, plugin: Option<&Path>) -> Result<Vec<PathBuf>, Failure
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// The install refuses what the plugin would refuse at load.
+    #[test]
+    fn the_releases_are_the_plugins() {
+        assert_eq!(NIXL_RELEASES, plugin_FERRY::NIXL_RELEASES);
+        assert_eq!(ANY_RELEASE_ENV, plugin_FERRY::ANY_RELEASE_ENV);
+    }
 
     /// A venv with both CUDA builds of NIXL (as torch for CUDA 13 beside
     /// the `nixl` package's default nixl-cu12 makes) gets the plugin in
@@ -148,6 +192,27 @@ mod tests {
             let target = site.join(format!(".{wheel}.mesonpy.libs/plugins/{PLUGIN_FILE}"));
             assert_eq!(std::fs::read(&target).unwrap(), b"not really a plugin");
         }
+        // A NIXL release the plugin is not built for: refused, in one
+        // line, and nothing is copied.
+        std::fs::create_dir_all(site.join("nixl_cu12-1.5.1.dist-info")).unwrap();
+        std::fs::create_dir_all(site.join("nixl_cu13-1.9.0.dist-info")).unwrap();
+        std::fs::write(&plugin, b"a newer plugin").unwrap();
+        let refused = install(&python, Some(&plugin)).unwrap_err();
+        assert!(
+            refused.0.contains("NIXL 1.9.0, which would refuse it"),
+            "{}",
+            refused.0
+        );
+        assert!(refused.0.contains(ANY_RELEASE_ENV), "{}", refused.0);
+        assert_eq!(refused.0.lines().count(), 1, "{}", refused.0);
+        for wheel in ["nixl_cu12", "nixl_cu13"] {
+            let target = site.join(format!(".{wheel}.mesonpy.libs/plugins/{PLUGIN_FILE}"));
+            assert_eq!(std::fs::read(&target).unwrap(), b"not really a plugin");
+        }
+        std::fs::remove_dir_all(site.join("nixl_cu13-1.9.0.dist-info")).unwrap();
+        std::fs::create_dir_all(site.join("nixl_cu13-1.5.1.dist-info")).unwrap();
+        assert_eq!(install(&python, Some(&plugin)).unwrap().len(), 2);
+
         std::fs::remove_dir_all(site.join("nixl_cu13")).unwrap();
         std::fs::remove_dir_all(site.join("nixl_cu12")).unwrap();
         let none = install(&python, Some(&plugin)).unwrap_err();

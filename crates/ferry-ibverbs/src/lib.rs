@@ -54,8 +54,9 @@ pub use ferry_core::{RegisterRegion, Submit, TransportInfo, TransportLevel};
 pub use info::{IbvQpHandle, IbvRailInfo, IbvRegionKeys, IbvTransportInfo};
 pub use lease::{IbvLease, LeasedQp};
 pub use placement::{PinError, Placement, RailPair, RailPairs, RailSet};
-/// The verbs bindings ferry is built with, for code that posts through the
-/// raw handles of [`IbvTransportInfo`].
-pub use rdma_sys as sys;
 pub use report::{DeviceReport, GidReport, PortReport, describe_devices};
 pub use verbs::QpTiming;
+/// The verbs bindings ferry is built with, for code that posts through the
+/// raw handles of [`IbvTransportInfo`]: `rdma-sys`'s, with libibverbs's
+/// functions that ferry calls loaded at run time.
+pub use verbs::sys;

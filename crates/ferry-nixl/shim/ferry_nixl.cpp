@@ -9,6 +9,9 @@
 
 #include "ferry_nixl.h"
 #include "nixl_abi.h"
+#ifdef FERRY_NIXL_PORTABLE
+#include "portable.h"
+#endif
 
 #include <cstdio>
 #include <memory>

@@ -46,11 +46,12 @@ unsafe extern "C" {
 }
 
 /// NIXL's entry point: the plugin table, or null (with one line on
-/// stderr saying why) in a NIXL this plugin was not built for.
+/// stderr saying why) in a NIXL this plugin was not built for. Logs
+/// ferry's version and NIXL's at load (`FERRY_LOG=info` shows it).
 #[unsafe(no_mangle)]
 pub extern "C" fn nixl_plugin_init() -> *mut c_void {
     let host = std::panic::catch_unwind(host_nixl).unwrap_or(None);
-    if let Some((release, path)) = host
+    if let Some((release, path)) = &host
         && !NIXL_RELEASES.iter().any(|r| release.starts_with(r))
         && std::env::var(ANY_RELEASE_ENV).as_deref() != Ok("1")
     {
@@ -63,6 +64,15 @@ pub extern "C" fn nixl_plugin_init() -> *mut c_void {
         );
         return std::ptr::null_mut();
     }
+    init_logging();
+    tracing::info!(
+        "FERRY plugin of ferry {} loaded into NIXL {}",
+        env!("CARGO_PKG_VERSION"),
+        host.map_or_else(
+            || "(release unknown)".to_string(),
+            |(release, path)| format!("{release} ({})", path.display())
+        ),
+    );
     // SAFETY: a static table, valid for the life of the library.
     unsafe { ferry_nixl_plugin_table() }
 }

@@ -5,7 +5,7 @@ use std::io;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
-use rdma_sys::*;
+use super::sys::*;
 
 use super::{Context, VerbsError, call_error, check_rc};
 

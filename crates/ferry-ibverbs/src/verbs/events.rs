@@ -5,7 +5,7 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::RawFd;
 
-use rdma_sys::*;
+use super::sys::*;
 
 use super::{Context, VerbsError};
 

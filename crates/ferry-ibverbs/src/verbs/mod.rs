@@ -1,5 +1,6 @@
 //! Safe RAII wrappers over the ibverbs C API: the only module of ferry that
-//! calls into `rdma-sys` or holds raw verbs pointers.
+//! calls into `rdma-sys` or holds raw verbs pointers. libibverbs itself is
+//! loaded at run time ([`sys`]): a host without it has no RDMA device.
 //!
 //! Lifetimes follow the verbs object hierarchy and are enforced with `Arc`s:
 //! a queue pair holds its completion queue and protection domain, a memory
@@ -17,14 +18,15 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use ferry_core::{Access, MemoryBlock};
-use rdma_sys::*;
+use sys::*;
 
 /// A verbs call failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum VerbsError {
     /// `ibv_get_device_list` found nothing usable: the normal situation on a
-    /// host without an RDMA NIC.
+    /// host without an RDMA NIC. Also where libibverbs is not installed
+    /// (the reason then starts with `libibverbs not found`).
     #[error("no RDMA device: {0}")]
     NoDevice(String),
     /// Devices exist, but none has the name asked for.
@@ -72,6 +74,7 @@ fn check_rc(call: &'static str, rc: i32) -> Result<(), VerbsError> {
 /// Runs `f` over this host's devices, as (name, device) pairs. The device
 /// pointers are valid only during `f`: the list is freed right after.
 fn with_devices<R>(f: impl FnOnce(&[(String, *mut ibv_device)]) -> R) -> Result<R, VerbsError> {
+    sys::load().map_err(|why| VerbsError::NoDevice(format!("libibverbs not found ({why})")))?;
     let mut count = 0;
     // SAFETY: `count` is a valid out-pointer; the list is freed below.
     let list = unsafe { ibv_get_device_list(&mut count) };
@@ -418,6 +421,7 @@ impl Drop for MemoryRegion {
 mod cq;
 mod events;
 mod qp;
+pub mod sys;
 
 pub use cq::{Completion, CompletionChannel, CompletionQueue};
 pub use events::DeviceEvent;
