@@ -11,6 +11,7 @@
 //! request) and weight resharding (no paged tensor: every request moves
 //! the same bytes).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_core::{DescError, LocalDescList, OpKind, Region, RemoteBuffer, RemoteDescList};
@@ -168,7 +169,7 @@ impl PeerLayout {
 #[derive(Clone)]
 pub struct TransferPlan {
     node: Node,
-    plan: std::sync::Arc<Plan>,
+    plan: Arc<Plan>,
     kind: OpKind,
     /// The local regions the plan's descriptors name, in its order.
     local: Vec<Region>,
@@ -185,6 +186,34 @@ impl std::fmt::Debug for TransferPlan {
             .field("local_regions", &self.local.len())
             .field("remote_regions", &self.prepared.list().regions().len())
             .finish_non_exhaustive()
+    }
+}
+
+/// A request's block table, kept until its descriptors are expanded.
+struct OwnedTable {
+    table: String,
+    range: std::ops::Range<u64>,
+    local: Vec<u64>,
+    remote: Vec<u64>,
+}
+
+impl OwnedTable {
+    fn from(request: &TableRequest<'_>) -> Self {
+        OwnedTable {
+            table: request.table.to_owned(),
+            range: request.range.clone(),
+            local: request.local.to_vec(),
+            remote: request.remote.to_vec(),
+        }
+    }
+
+    fn borrow(&self) -> TableRequest<'_> {
+        TableRequest {
+            table: &self.table,
+            range: self.range.clone(),
+            local: &self.local,
+            remote: &self.remote,
+        }
     }
 }
 
@@ -239,7 +268,7 @@ impl Node {
         };
         Ok(TransferPlan {
             node: self.clone(),
-            plan: std::sync::Arc::new(plan),
+            plan: Arc::new(plan),
             kind,
             local: local_regions,
             prepared,
@@ -255,16 +284,30 @@ impl TransferPlan {
     /// gets the notification once its bytes have moved. A block table that
     /// does not fit the plan is refused, naming the table, the side and
     /// the position; nothing moves.
+    ///
+    /// The caller's thread only checks the tables and keeps a copy of
+    /// them: O(blocks). The descriptors (O(layers × blocks × heads)) are
+    /// expanded by the node's runtime at the first post, once: a
+    /// scheduler's step pays microseconds per request, not the
+    /// milliseconds a large hand-off's tens of thousands of descriptors
+    /// take to make.
     pub fn request(&self, tables: &[TableRequest<'_>]) -> Result<Xfer, PlanError> {
-        let mut expansion = Expansion::new();
-        self.plan.expand(tables, &mut expansion)?;
-        let (local, remote, _) = expansion.into_parts();
-        let n = local.len();
-        let local = LocalDescList::new(self.local.clone(), local)?;
-        let remote = self.prepared.with_descs(remote)?;
+        self.plan.check(tables)?;
+        let tables: Vec<OwnedTable> = tables.iter().map(OwnedTable::from).collect();
+        let (plan, local) = (self.plan.clone(), self.local.clone());
+        let prepared = self.prepared.clone();
+        let expand = move || {
+            let tables: Vec<TableRequest<'_>> = tables.iter().map(OwnedTable::borrow).collect();
+            let mut expansion = Expansion::new();
+            plan.expand(&tables, &mut expansion)
+                .expect("tables checked when the request was made");
+            let (local_descs, remote_descs, _) = expansion.into_parts();
+            let local = LocalDescList::new(local.clone(), local_descs)?;
+            Ok((local, prepared.with_descs(remote_descs)?))
+        };
         Ok(self
             .node
-            .make_xfer(self.kind, &local, 0..n, &remote, 0..n)?)
+            .deferred_xfer(self.kind, &self.prepared, Arc::new(expand)))
     }
 
     /// The descriptors a request for `tables` moves, without making it:

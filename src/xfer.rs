@@ -18,13 +18,12 @@
 //! as for a timeout; nothing else moves.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_core::{
     DescError, DescIndices, Indices, LocalDescList, OpKind, RdmaTransportLevel, SubmitError,
-    check_pairs,
 };
 use kameo::message::{Context, Message};
 use tokio::sync::watch;
@@ -40,7 +39,8 @@ use crate::router::Router;
 
 mod drive;
 
-use drive::{Job, drive};
+pub(crate) use drive::Expand;
+use drive::{Job, Ops, drive};
 
 /// The most ops in one slice of a request.
 pub const SLICE_OPS: usize = 1024;
@@ -162,10 +162,12 @@ pub struct Xfer {
 
 impl std::fmt::Debug for Xfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Without expanding a request from a plan: `None` until posted.
+        let ops = self.job.ops_made();
         f.debug_struct("Xfer")
             .field("kind", &self.job.kind)
-            .field("ops", &self.job.count)
-            .field("bytes", &self.job.bytes)
+            .field("ops", &ops.map(|o| o.count))
+            .field("bytes", &ops.map(|o| o.bytes))
             .field("status", &self.status())
             .finish()
     }
@@ -201,6 +203,17 @@ impl Node {
         )
     }
 
+    /// A request whose ops `expand` makes at its first post, on the node's
+    /// runtime (see [`deferred_xfer`]).
+    pub(crate) fn deferred_xfer(
+        &self,
+        kind: OpKind,
+        remote: &PreparedRemote,
+        expand: Arc<Expand>,
+    ) -> Xfer {
+        deferred_xfer(&self.0.router, kind, remote, expand)
+    }
+
     /// What `xfer` is expected to take, from the requests to its peer over
     /// its transport that completed, or the configured defaults before any
     /// did ([`crate::EstimateMethod`]).
@@ -218,10 +231,8 @@ impl Node {
     pub fn estimate(&self, xfer: &Xfer) -> Estimate {
         let job = &xfer.job;
         let (peer, level) = job.path();
-        self.0
-            .router
-            .estimates
-            .estimate(peer, level, job.count, job.bytes)
+        let (count, bytes) = (xfer.len(), xfer.bytes());
+        self.0.router.estimates.estimate(peer, level, count, bytes)
     }
 }
 
@@ -233,34 +244,53 @@ fn make_xfer(
     remote: &PreparedRemote,
     remote_idx: Indices,
 ) -> Result<Xfer, DescError> {
-    check_pairs(local, &local_idx, remote.list(), &remote_idx)?;
-    let descs = local.descs();
-    let bytes = match descs.lens_in(&local_idx) {
-        Some(lens) => lens.iter().sum(),
-        None => (0..local_idx.count())
-            .map(|k| descs.get(local_idx.at(k) as usize).map_or(0, |d| d.len))
-            .sum(),
-    };
+    let ops = Ops::new(local.clone(), local_idx, remote.clone(), remote_idx)?;
+    Ok(new_xfer(
+        router,
+        kind,
+        remote,
+        OnceLock::from(Ok(ops)),
+        None,
+    ))
+}
+
+/// A request whose ops `expand` makes when they are first needed: at its
+/// first post, on the node's runtime (or on the caller's thread, if it
+/// asks for [`Xfer::len`] or [`Xfer::bytes`] first). `remote` names the
+/// regions the ops may use, routed and connected.
+pub(crate) fn deferred_xfer(
+    router: &Arc<Router>,
+    kind: OpKind,
+    remote: &PreparedRemote,
+    expand: Arc<Expand>,
+) -> Xfer {
+    new_xfer(router, kind, remote, OnceLock::new(), Some(expand))
+}
+
+fn new_xfer(
+    router: &Arc<Router>,
+    kind: OpKind,
+    remote: &PreparedRemote,
+    ops: OnceLock<Result<Ops, DescError>>,
+    expand: Option<Arc<Expand>>,
+) -> Xfer {
     let (status, _) = watch::channel(XferStatus::Ready);
-    Ok(Xfer {
+    Xfer {
         job: Arc::new(Job {
             router: router.clone(),
             kind,
-            local: local.clone(),
-            count: local_idx.count(),
-            local_idx,
             remote: remote.clone(),
-            remote_idx,
+            ops: Arc::new(ops),
+            expand,
             notification: None,
             outcome: None,
-            bytes,
         }),
         state: Arc::new(State {
             status,
             cancel: Mutex::new(CancellationToken::new()),
             completed: AtomicUsize::new(0),
         }),
-    })
+    }
 }
 
 impl Xfer {
@@ -300,19 +330,22 @@ impl Xfer {
         }
     }
 
-    /// Ops in the request.
+    /// Ops in the request. A request from a plan
+    /// ([`TransferPlan::request`](crate::TransferPlan::request)) that was
+    /// not posted yet expands its descriptors here, on this thread; one
+    /// whose expansion failed has none (its posts fail, saying why).
     pub fn len(&self) -> usize {
-        self.job.count
+        self.job.ops().map_or(0, |ops| ops.count)
     }
 
     /// Whether it has no ops.
     pub fn is_empty(&self) -> bool {
-        self.job.count == 0
+        self.len() == 0
     }
 
-    /// Bytes it moves.
+    /// Bytes it moves (expanding as [`Xfer::len`] does).
     pub fn bytes(&self) -> u64 {
-        self.job.bytes
+        self.job.ops().map_or(0, |ops| ops.bytes)
     }
 
     /// Posts it, to be done within `timeout`: the node moves it from here
@@ -366,8 +399,9 @@ impl Xfer {
         // The task polls it again with its own waker, so nothing that
         // became ready meanwhile is missed. Not over TCP: there the
         // connection's task is woken either way, and a second wake-up for
-        // the spawned driver made an 8-byte write slower.
-        if same_host {
+        // the spawned driver made an 8-byte write slower. Nor for a
+        // request from a plan not expanded yet: the runtime expands it.
+        if same_host && self.job.ops_made().is_some() {
             let _context = runtime.enter();
             let mut once = std::task::Context::from_waker(std::task::Waker::noop());
             if driving.as_mut().poll(&mut once).is_ready() {

@@ -4,14 +4,14 @@
 //! behind the last one, and settles the request's status once, whatever
 //! happens (see the [module docs](super)).
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_core::{
     DescError, DescIndices, Indices, LocalDescList, OpKind, RdmaOp, RdmaTransportLevel,
-    SubmitError, op_at,
+    SubmitError, check_pairs, op_at,
 };
 use futures_util::StreamExt;
 use futures_util::stream::FuturesOrdered;
@@ -29,18 +29,89 @@ use crate::router::Router;
 pub(super) struct Job {
     pub(super) router: Arc<Router>,
     pub(super) kind: OpKind,
+    /// The remote regions, routed and connected: where the ops go and whom
+    /// a notification or outcome reaches. Its descriptors may be a plan's
+    /// whole regions; the ops' own are in [`Ops::remote`].
+    pub(super) remote: PreparedRemote,
+    /// The ops, made with the request, or, for a request from a plan,
+    /// expanded once when first needed (shared by the request's clones).
+    pub(super) ops: Arc<OnceLock<Result<Ops, DescError>>>,
+    /// Makes the ops of a request from a plan.
+    pub(super) expand: Option<Arc<Expand>>,
+    pub(super) notification: Option<Bytes>,
+    /// The tag its outcome is told under to the owners, if any.
+    pub(super) outcome: Option<u64>,
+}
+
+/// Makes a request's two descriptor lists, in step (op `k` pairs
+/// descriptor `k` of each).
+pub(crate) type Expand =
+    dyn Fn() -> Result<(LocalDescList, PreparedRemote), DescError> + Send + Sync;
+
+/// A request's ops: the pairs of descriptors, checked.
+pub(super) struct Ops {
     pub(super) local: LocalDescList,
     pub(super) local_idx: Indices,
     pub(super) remote: PreparedRemote,
     pub(super) remote_idx: Indices,
-    pub(super) notification: Option<Bytes>,
-    /// The tag its outcome is told under to the owners, if any.
-    pub(super) outcome: Option<u64>,
     pub(super) count: usize,
     pub(super) bytes: u64,
 }
 
+impl Ops {
+    /// Pairs `local_idx[k]` with `remote_idx[k]`, checking every index and
+    /// every pair's lengths (the error names the position).
+    pub(super) fn new(
+        local: LocalDescList,
+        local_idx: Indices,
+        remote: PreparedRemote,
+        remote_idx: Indices,
+    ) -> Result<Ops, DescError> {
+        check_pairs(&local, &local_idx, remote.list(), &remote_idx)?;
+        let descs = local.descs();
+        let bytes = match descs.lens_in(&local_idx) {
+            Some(lens) => lens.iter().sum(),
+            None => (0..local_idx.count())
+                .map(|k| descs.get(local_idx.at(k) as usize).map_or(0, |d| d.len))
+                .sum(),
+        };
+        Ok(Ops {
+            count: local_idx.count(),
+            local,
+            local_idx,
+            remote,
+            remote_idx,
+            bytes,
+        })
+    }
+
+    /// Both lists whole, in step.
+    fn in_step(local: LocalDescList, remote: PreparedRemote) -> Result<Ops, DescError> {
+        let (n, m) = (local.descs().len(), remote.list().descs().len());
+        let range = |count| Indices::Range { start: 0, count };
+        Ops::new(local, range(n), remote, range(m))
+    }
+}
+
 impl Job {
+    /// The ops, expanded here if they were not yet. An expansion that
+    /// failed fails every post of the request the same way.
+    pub(super) fn ops(&self) -> Result<&Ops, DescError> {
+        let made = self.ops.get_or_init(|| {
+            let expand = self
+                .expand
+                .as_ref()
+                .expect("a request without ops has an expansion");
+            expand().and_then(|(local, remote)| Ops::in_step(local, remote))
+        });
+        made.as_ref().map_err(Clone::clone)
+    }
+
+    /// The ops if they are made; `None` if making them is work still to do.
+    pub(super) fn ops_made(&self) -> Option<&Ops> {
+        self.ops.get().and_then(|made| made.as_ref().ok())
+    }
+
     /// The peer and transport its estimate is for: its first region's.
     pub(super) fn path(&self) -> (ferry_core::NodeAddr, RdmaTransportLevel) {
         let regions = self.remote.list().regions();
@@ -62,6 +133,35 @@ impl Job {
         self.remote.owners().len() == 1 && levels.windows(2).all(|w| w[0] == w[1])
     }
 
+    /// Each region's transport for this post, routed once per post and
+    /// region (not per op): as prepared, unless a same-host owner closed
+    /// its socket since (stopped, or restarted under a new id), whose
+    /// regions then take the next transport, whose answer says what is at
+    /// the address now. Errors name the first position of `ops` whose
+    /// region has no transport left.
+    fn levels_now(&self, ops: &Ops) -> Result<Vec<RdmaTransportLevel>, SubmitError> {
+        let regions = self.remote.list().regions();
+        if let Some(memory) = &self.router.memory {
+            memory.forget_dead_owners_of(regions);
+        }
+        route_regions(&self.router, regions).map_err(|e| {
+            let DescError::Region { region, error } = e else {
+                unreachable!("routing names regions")
+            };
+            let descs = ops.remote.list().descs();
+            let index = (0..ops.count)
+                .find(|&k| {
+                    descs
+                        .get(ops.remote_idx.at(k) as usize)
+                        .is_some_and(|d| d.region as usize == region)
+                })
+                .unwrap_or(0);
+            SubmitError::Op { index, error }
+        })
+    }
+}
+
+impl Ops {
     /// The end of the slice starting at `start`, and its bytes.
     fn slice_end(&self, start: usize) -> (usize, u64) {
         let descs = self.local.descs();
@@ -80,11 +180,13 @@ impl Job {
         (end, bytes)
     }
 
-    /// The ops at positions `start..end`, and each one's transport. The
-    /// pairs were checked when the request was made; an error here would be
-    /// a list that changed under it, and fails the post instead of a task.
+    /// The ops of `kind` at positions `start..end`, and each one's
+    /// transport. The pairs were checked when the ops were made; an error
+    /// here would be a list that changed under them, and fails the post
+    /// instead of a task.
     fn slice(
         &self,
+        kind: OpKind,
         start: usize,
         end: usize,
         levels: &[RdmaTransportLevel],
@@ -94,39 +196,12 @@ impl Job {
         let mut op_levels = Vec::with_capacity(end - start);
         for k in start..end {
             let r = self.remote_idx.at(k);
-            let op = op_at(self.kind, &self.local, self.local_idx.at(k), remote, r, k)?;
+            let op = op_at(kind, &self.local, self.local_idx.at(k), remote, r, k)?;
             let region = remote.descs().get(r as usize).map_or(0, |d| d.region);
             ops.push(op);
             op_levels.push(levels[region as usize]);
         }
         Ok((ops, op_levels))
-    }
-
-    /// Each region's transport for this post, routed once per post and
-    /// region (not per op): as prepared, unless a same-host owner closed
-    /// its socket since (stopped, or restarted under a new id), whose
-    /// regions then take the next transport, whose answer says what is at
-    /// the address now. Errors name the first position whose region has
-    /// no transport left.
-    fn levels_now(&self) -> Result<Vec<RdmaTransportLevel>, SubmitError> {
-        let regions = self.remote.list().regions();
-        if let Some(memory) = &self.router.memory {
-            memory.forget_dead_owners_of(regions);
-        }
-        route_regions(&self.router, regions).map_err(|e| {
-            let DescError::Region { region, error } = e else {
-                unreachable!("routing names regions")
-            };
-            let descs = self.remote.list().descs();
-            let index = (0..self.count)
-                .find(|&k| {
-                    descs
-                        .get(self.remote_idx.at(k) as usize)
-                        .is_some_and(|d| d.region as usize == region)
-                })
-                .unwrap_or(0);
-            SubmitError::Op { index, error }
-        })
     }
 }
 
@@ -159,36 +234,41 @@ impl Drop for Settle {
 /// ([`MemoryBackend::submit_now`](ferry_memory::MemoryBackend::submit_now)).
 /// Settles the status and returns `true` then; otherwise returns `false`
 /// with the status untouched, for [`drive`] (which makes again a copy
-/// that failed here, and says why).
+/// that failed here, and says why). A request from a plan whose ops are
+/// not expanded yet is left to [`drive`] too: expanding is work for the
+/// node's runtime, not the caller's thread.
 pub(super) fn post_now(job: &Job, state: &State) -> bool {
     let router = &job.router;
     let Some(memory) = &router.memory else {
         return false;
     };
+    let Some(ops) = job.ops_made() else {
+        return false;
+    };
     if job.notification.is_some()
-        || job.count == 0
-        || job.slice_end(0).0 < job.count
+        || ops.count == 0
+        || ops.slice_end(0).0 < ops.count
         || router.is_shut_down()
     {
         return false;
     }
     let started = Instant::now();
-    let Ok(levels) = job.levels_now() else {
+    let Ok(levels) = job.levels_now(ops) else {
         return false;
     };
     if levels.iter().any(|l| *l != RdmaTransportLevel::Memory) {
         return false;
     }
-    let Ok((ops, _)) = job.slice(0, job.count, &levels) else {
+    let Ok((slice, _)) = ops.slice(job.kind, 0, ops.count, &levels) else {
         return false;
     };
-    let submitted = Submitted::new(&ops);
-    if memory.submit_now(ops).is_err() {
+    let submitted = Submitted::new(&slice);
+    if memory.submit_now(slice).is_err() {
         return false;
     }
     submitted.finish(&router.memory_meters, &Ok(()));
-    state.completed.store(job.count, Ordering::Relaxed);
-    learn(job, &levels, started.elapsed());
+    state.completed.store(ops.count, Ordering::Relaxed);
+    learn(job, ops, &levels, started.elapsed());
     tell_outcome(job, &Ok(()));
     state.set_status(XferStatus::Done);
     true
@@ -196,10 +276,10 @@ pub(super) fn post_now(job: &Job, state: &State) -> bool {
 
 /// Teaches the estimates a post that took `took`, when every op went to
 /// one peer over one transport.
-fn learn(job: &Job, levels: &[RdmaTransportLevel], took: Duration) {
+fn learn(job: &Job, ops: &Ops, levels: &[RdmaTransportLevel], took: Duration) {
     if job.single_path(levels) {
         let (peer, level) = job.path();
-        (job.router.estimates).record(peer, level, job.count, job.bytes, took);
+        (job.router.estimates).record(peer, level, ops.count, ops.bytes, took);
     }
 }
 
@@ -213,8 +293,8 @@ pub(super) async fn drive(
     let settle = Settle(Some(state.clone()));
     let started = Instant::now();
     let result = run(&job, &state, &cancel, started + timeout, timeout).await;
-    if let Ok(levels) = &result {
-        learn(&job, levels, started.elapsed());
+    if let (Ok(levels), Some(ops)) = (&result, job.ops_made()) {
+        learn(&job, ops, levels, started.elapsed());
     }
     let result = result.map(drop);
     tell_outcome(&job, &result);
@@ -229,9 +309,12 @@ pub(super) async fn drive(
 /// the request is done from the status finds its outcome on its way.
 pub(super) fn tell_outcome(job: &Job, result: &Result<(), XferError>) {
     if let Some(tag) = job.outcome {
-        let owners = match job.remote.owners() {
-            [one] => vec![*one],
-            _ => touched_owners(job),
+        let owners = match (job.remote.owners(), job.ops_made()) {
+            ([one], _) => vec![*one],
+            (_, Some(ops)) => touched_owners(ops),
+            // Ops that could not be made touched nobody's memory; every
+            // owner the request names hears that it failed.
+            (all, None) => all.to_vec(),
         };
         crate::outcome::tell(&job.router, owners, tag, crate::outcome::of(result));
     }
@@ -249,8 +332,9 @@ async fn run(
     if router.is_shut_down() {
         return Err(SubmitError::ShutDown.into());
     }
-    let levels = job.levels_now()?;
-    let total = job.count;
+    let ops = job.ops()?;
+    let levels = job.levels_now(ops)?;
+    let total = ops.count;
     if total == 0 {
         // No data for a notification to follow: it goes on its own to
         // each owner of the remote list, as NIXL's requests of no
@@ -266,7 +350,7 @@ async fn run(
     let owners = match job.remote.owners() {
         _ if job.notification.is_none() => Vec::new(),
         [one] => vec![*one],
-        _ => touched_owners(job),
+        _ => touched_owners(ops),
     };
     let behind_data = owners.len() == 1;
     let mut next = 0;
@@ -285,7 +369,7 @@ async fn run(
             && next < total
             && !cancel.is_cancelled()
         {
-            let (end, bytes) = *upcoming.get_or_insert_with(|| job.slice_end(next));
+            let (end, bytes) = *upcoming.get_or_insert_with(|| ops.slice_end(next));
             if in_flight.len() >= 2 && bytes_in_flight + bytes > WINDOW_BYTES {
                 break;
             }
@@ -302,7 +386,7 @@ async fn run(
                 timed_out = true;
                 break;
             }
-            let (ops, op_levels) = match job.slice(next, end, &levels) {
+            let (ops, op_levels) = match ops.slice(job.kind, next, end, &levels) {
                 Ok(slice) => slice,
                 Err(e) => {
                     failure = Some(e.into());
@@ -393,13 +477,13 @@ async fn run(
 
 /// The owners whose memory the request's ops name, each once, in order of
 /// first use.
-fn touched_owners(job: &Job) -> Vec<ferry_core::NodeAddr> {
-    let list = job.remote.list();
+fn touched_owners(ops: &Ops) -> Vec<ferry_core::NodeAddr> {
+    let list = ops.remote.list();
     let (regions, descs) = (list.regions(), list.descs());
     let mut seen = vec![false; regions.len()];
     let mut owners = Vec::new();
-    for k in 0..job.count {
-        let Some(desc) = descs.get(job.remote_idx.at(k) as usize) else {
+    for k in 0..ops.count {
+        let Some(desc) = descs.get(ops.remote_idx.at(k) as usize) else {
             continue;
         };
         let region = desc.region as usize;

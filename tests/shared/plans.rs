@@ -196,7 +196,7 @@ pub async fn a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(
             local: &decode_table,
             remote: &prefill_table,
         }];
-        let xfer = plan
+        let mut xfer = plan
             .request(&request)
             .unwrap()
             .with_notification(format!("decode {rank} done"));
@@ -205,22 +205,29 @@ pub async fn a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(
             .await
             .unwrap()
             .unwrap();
-
-        let mut wrong = 0;
-        let mut memories: HashMap<u32, Vec<u8>> = HashMap::new();
-        for t in &layout.tensors {
-            let elem = u64::from(t.tensor.elem_size);
-            for (x, global) in elements(t) {
-                let (region, offset) = t.locate(&x, Some(&decode_table)).unwrap();
-                let memory = memories
-                    .entry(region)
-                    .or_insert_with(|| regions[region as usize].to_vec());
-                for b in 0..elem {
-                    wrong += usize::from(memory[(offset + b) as usize] != tag(t, &global, b));
-                }
-            }
-        }
+        let wrong = wrong_bytes(&layout, &regions, &decode_table);
         assert_eq!(wrong, 0, "decode rank {rank}: {wrong} bytes differ");
+
+        // The request's descriptors were expanded once, at its first post:
+        // a second post (without the notification) moves the same ones
+        // into memory cleared meanwhile.
+        let expansion = plan.expand(&request).unwrap();
+        assert_eq!(xfer.len(), expansion.len());
+        assert_eq!(xfer.bytes(), expansion.local().iter().map(|d| d.len).sum::<u64>());
+        for region in &regions {
+            region.write_at(0, &vec![0; region.len() as usize]).unwrap();
+        }
+        xfer.set_notification(None);
+        xfer.post(DEADLINE).unwrap();
+        tokio::time::timeout(DEADLINE, xfer.wait())
+            .await
+            .unwrap()
+            .unwrap();
+        let wrong = wrong_bytes(&layout, &regions, &decode_table);
+        assert_eq!(
+            wrong, 0,
+            "decode rank {rank}, posted again: {wrong} bytes differ"
+        );
 
         // A block id past the pool is refused at the request, naming it;
         // nothing moves.
@@ -251,6 +258,25 @@ pub async fn a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(
             "prefill rank {rank}: a second notification"
         );
     }
+}
+
+/// How many bytes of `layout`'s tensors in `regions` differ from their tags.
+fn wrong_bytes(layout: &RankLayout, regions: &[Region], table: &[u64]) -> usize {
+    let mut wrong = 0;
+    let mut memories: HashMap<u32, Vec<u8>> = HashMap::new();
+    for t in &layout.tensors {
+        let elem = u64::from(t.tensor.elem_size);
+        for (x, global) in elements(t) {
+            let (region, offset) = t.locate(&x, Some(table)).unwrap();
+            let memory = memories
+                .entry(region)
+                .or_insert_with(|| regions[region as usize].to_vec());
+            for b in 0..elem {
+                wrong += usize::from(memory[(offset + b) as usize] != tag(t, &global, b));
+            }
+        }
+    }
+    wrong
 }
 
 /// Bad layouts are refused at plan time, naming what is wrong; a peer whose

@@ -257,6 +257,14 @@ impl Plan {
         Ok(())
     }
 
+    /// Checks a request's tables as [`Plan::expand`] does, without
+    /// expanding them: O(blocks). A request that passes expands without
+    /// error, so a caller can check on its own thread and leave the
+    /// O(descriptors) expansion to another.
+    pub fn check(&self, tables: &[TableRequest<'_>]) -> Result<(), RequestError> {
+        self.check_request(tables, &mut Vec::new())
+    }
+
     /// The descriptors of an unpaged plan, once: what to prepare ahead
     /// (a weight transfer moves them all every time).
     pub fn static_descs(&self) -> Result<Expansion, RequestError> {
