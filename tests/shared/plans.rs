@@ -213,7 +213,10 @@ pub async fn a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(
         // into memory cleared meanwhile.
         let expansion = plan.expand(&request).unwrap();
         assert_eq!(xfer.len(), expansion.len());
-        assert_eq!(xfer.bytes(), expansion.local().iter().map(|d| d.len).sum::<u64>());
+        assert_eq!(
+            xfer.bytes(),
+            expansion.local().iter().map(|d| d.len).sum::<u64>()
+        );
         for region in &regions {
             region.write_at(0, &vec![0; region.len() as usize]).unwrap();
         }
