@@ -84,8 +84,9 @@ FERRY_NIXL_PYTHON="$target_dir/nixl-venv/bin/python" "$target_dir/python-venv/bi
 scripts/perf-page.sh --smoke
 
 # Real RDMA: the ibverbs tests inside a soft-RoCE VM (no NIC or KVM needed;
-# downloads Debian's kernel, QEMU and rdma-core into ~/.cache/ferry-rxe once).
-tests/rxe/ferry-tests.sh
+# downloads Debian's kernel, QEMU and rdma-core into ~/.cache/ferry-rxe once),
+# and the wheel's `ferry` command there, over the guest's libibverbs.
+tests/rxe/ferry-tests.sh "$wheel"
 # Two machines: two soft-RoCE VMs joined by a wire the tests make lossy,
 # cut, flap, block TCP on, and whose owner they kill (tests/rxe_wire; about
 # 1.5 minutes).
