@@ -64,7 +64,7 @@ done
 wheel=$(scripts/wheel.sh | tail -n 1)
 # The Python package from the wheel, in a fresh virtual environment with
 # no cargo on the PATH: type-checked, and its pytest suite, which runs the
-# Python kv_handoff example, talks to the wheel's `ferry serve`, and runs
+# Python kv_handoff and weights examples, talks to the wheel's `ferry serve`, and runs
 # once more with libibverbs hidden.
 scripts/python-tests.sh "$wheel"
 # ferry as a NIXL backend: the wheel and its FERRY plugin installed into a

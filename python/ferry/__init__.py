@@ -14,7 +14,10 @@ prepares descriptor lists once and posts transfer requests over them
 connectors do; or each side declares how its tensors lie in memory
 (:class:`TensorLayout`, :class:`RankLayout`), the node plans once
 (:meth:`Node.plan_transfer`) and each request names only block tables
-(:meth:`TransferPlan.request`). Every error is a :class:`FerryError`.
+(:meth:`TransferPlan.request`). Weight sets go from a trainer's ranks
+to inference processes of another sharding, version after version, behind
+a fence (:class:`Publisher`, :class:`Subscriber`). Every error is a
+:class:`FerryError`.
 """
 
 import ctypes as _ctypes
@@ -40,6 +43,7 @@ from ._layout import MemorySpan, Paged, RankLayout, TensorLayout
 from ._nixl_plan import NixlPlan, nixl_plan
 from ._node import Delivery, Node, Op, TransportStatus
 from ._plan import TransferPlan
+from ._weights import Publisher, ReadGuard, Subscriber, Update, WriteGuard
 from ._region import Region, RemoteRegion
 from ._xfer import Estimate, LocalDescs, PreparedRemote, RemoteDescs, Strided, Xfer, XferStatus
 
@@ -65,5 +69,10 @@ __all__ = [
     "TransferPlan",
     "NixlPlan",
     "nixl_plan",
+    "Publisher",
+    "WriteGuard",
+    "Subscriber",
+    "ReadGuard",
+    "Update",
     *_errors_all,
 ]

@@ -42,6 +42,12 @@ __all__ = [
     "DiscoveryError",
     "LayoutError",
     "BlockTableError",
+    "WeightsError",
+    "NoCompleteVersion",
+    "Overwritten",
+    "PublisherLost",
+    "ReadersHold",
+    "VersionNotNewer",
 ]
 
 
@@ -190,3 +196,53 @@ class BlockTableError(InvalidArgument):
     for the tokens, a table missing, unknown or given twice, tokens past the
     paged axis (or, for NIXL's index arrays, not on a sub-block edge).
     Nothing moved."""
+
+
+class WeightsError(FerryError):
+    """A weight set's publisher or subscriber could not do what was asked
+    (``docs/weights.md``). Nothing half-done is left: a subscriber whose
+    update failed keeps the version it held. Layouts that do not plan and
+    transfers that fail raise their own classes (:class:`LayoutError`,
+    :class:`ConnectionLost`, ...)."""
+
+    #: The publisher rank concerned, when the error is about one.
+    rank: Optional[int] = None
+    #: The version concerned, when the error is about one.
+    version: Optional[int] = None
+
+
+class NoCompleteVersion(WeightsError, LookupError):
+    """No version is complete on every publisher rank now: a rank has
+    published none yet, or is writing the next one, or the ranks' newest
+    versions differ. Update again later."""
+
+
+class Overwritten(WeightsError):
+    """Publisher rank :attr:`rank` overwrote version :attr:`version` while
+    this subscriber read it (its write's timeout passed): nothing of the
+    update counts. Update again, which takes the next version."""
+
+
+class PublisherLost(WeightsError, ConnectionError):
+    """A publisher rank cannot be reached (its process died, its node
+    closed), or its node is not the one the subscriber planned against (it
+    restarted). The subscriber keeps its last version; a new
+    :class:`Subscriber` plans against the ranks as they are now.
+    :attr:`rank` is ``None`` when the rank was never reached."""
+
+
+class ReadersHold(WeightsError, TimeoutError):
+    """Readers held buffer :attr:`buffer`, which the update had to write,
+    until its deadline: release read guards sooner, or give the subscriber
+    two buffers."""
+
+    #: The buffer the readers held.
+    buffer: Optional[int] = None
+
+
+class VersionNotNewer(WeightsError, ValueError):
+    """A publish of :attr:`version`, which is not newer than :attr:`last`,
+    the last version this rank published: versions only grow."""
+
+    #: The last version the rank published.
+    last: Optional[int] = None

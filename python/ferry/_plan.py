@@ -201,6 +201,20 @@ def _peer_tuple(peer: RankLayout) -> Tuple[str, List[_ferry.NativeRemote]]:
     return (peer.to_json(), handles)
 
 
+def _local_regions(local: RankLayout) -> List[_ferry.NativeRegion]:
+    """The regions of this rank's layout, which a node plans over: ferry
+    regions, registered with the node."""
+    regions = []
+    for i, r in enumerate(local.regions):
+        if not isinstance(r, Region):
+            raise InvalidArgument(
+                f"rank {local.rank}'s region {i} is {type(r).__name__}, not a ferry Region: "
+                "register the memory with the node (node.register(array))"
+            )
+        regions.append(r._native)
+    return regions
+
+
 def _plan_transfer(
     node: _ferry.NativeNode,
     local: RankLayout,
@@ -210,17 +224,9 @@ def _plan_transfer(
     every_remote_tensor: bool,
     local_peers: Sequence[RankLayout],
 ) -> TransferPlan:
-    regions = []
-    for i, r in enumerate(local.regions):
-        if not isinstance(r, Region):
-            raise InvalidArgument(
-                f"rank {local.rank}'s region {i} is {type(r).__name__}, not a ferry Region: "
-                "register the memory with the node (node.register(array))"
-            )
-        regions.append(r._native)
     native = node.plan_transfer(
         local.to_json(),
-        regions,
+        _local_regions(local),
         [_peer_tuple(p) for p in peers],
         _direction(direction),
         every_remote_tensor,

@@ -6,6 +6,7 @@
 //! which PyO3's `create_exception!` cannot.
 
 use ferry::layout::{LayoutError, RequestError};
+use ferry::weights::WeightsError;
 use ferry::{
     DescError, LookupError, MessageError, MetadataError, NotifyError, OpError, PlanError,
     PostError, PrepareError, RegisterError, RpcError, SubmitError, XferError,
@@ -14,11 +15,13 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
 /// A ferry error on its way to Python: the class to raise, the message,
-/// and the failing op's or descriptor's index.
+/// the failing op's or descriptor's index, and the numbers a handler
+/// branches on (a weight set's rank and version) as attributes.
 pub struct Raise {
     class: &'static str,
     message: String,
     index: Option<usize>,
+    attrs: Vec<(&'static str, u64)>,
 }
 
 impl Raise {
@@ -28,7 +31,14 @@ impl Raise {
             class,
             message: message.to_string(),
             index: None,
+            attrs: Vec::new(),
         }
+    }
+
+    /// The same, with attribute `name` set to `value` on the exception.
+    pub fn with(mut self, name: &'static str, value: impl Into<u64>) -> Self {
+        self.attrs.push((name, value.into()));
+        self
     }
 
     /// The same class, with the text of the error that wraps it (which
@@ -57,7 +67,11 @@ impl Raise {
         let module =
             MODULE.get_or_try_init(py, || py.import("ferry._errors").map(|m| m.unbind()))?;
         let class = module.bind(py).getattr(self.class)?;
-        Ok(class.call1((self.message, self.index))?.unbind())
+        let value = class.call1((self.message, self.index))?;
+        for (name, number) in self.attrs {
+            value.setattr(name, number)?;
+        }
+        Ok(value.unbind())
     }
 }
 
@@ -235,6 +249,8 @@ pub fn plan(error: &PlanError) -> Raise {
         PlanError::Request(_) => Raise::new("BlockTableError", error),
         PlanError::Prepare(inner) => prepare(inner),
         PlanError::Desc(inner) => desc(inner),
+        // A peer that publishes no layout under the name.
+        PlanError::Lookup(_) => Raise::new("NotFound", error),
         PlanError::Layout(_)
         | PlanError::RegionCount { .. }
         | PlanError::RegionTooShort { .. }
@@ -257,4 +273,34 @@ pub fn request(error: &RequestError) -> Raise {
 /// A bad argument found here, before ferry saw it.
 pub fn invalid(message: impl ToString) -> Raise {
     Raise::new("InvalidArgument", message)
+}
+
+/// A weight set's error. Layouts that do not plan and transfers that fail
+/// keep their own classes (`LayoutError`, `ConnectionLost`, ...): a caller
+/// handles them as it does for any plan or transfer.
+pub fn weights(error: &WeightsError) -> Raise {
+    match error {
+        WeightsError::NoCompleteVersion => Raise::new("NoCompleteVersion", error),
+        WeightsError::Overwritten { rank, version } => Raise::new("Overwritten", error)
+            .with("rank", *rank)
+            .with("version", *version),
+        // u32::MAX: a publisher not reached yet, whose rank is unknown.
+        WeightsError::PublisherLost { rank, .. } if *rank == u32::MAX => {
+            Raise::new("PublisherLost", error)
+        }
+        WeightsError::PublisherLost { rank, .. } => {
+            Raise::new("PublisherLost", error).with("rank", *rank)
+        }
+        WeightsError::ReadersHold { buffer } => {
+            Raise::new("ReadersHold", error).with("buffer", *buffer as u64)
+        }
+        WeightsError::VersionNotNewer { version, last } => Raise::new("VersionNotNewer", error)
+            .with("version", *version)
+            .with("last", *last),
+        WeightsError::Plan(inner) => plan(inner),
+        WeightsError::Xfer(inner) => xfer(inner),
+        WeightsError::Protocol(_) => Raise::new("ProtocolError", error),
+        WeightsError::ShutDown => Raise::new("ShutDown", error),
+        _ => Raise::new("WeightsError", error),
+    }
 }

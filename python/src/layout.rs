@@ -169,11 +169,7 @@ impl NativeNode {
         timeout: f64,
     ) -> PyResult<NativePlan> {
         let timeout = seconds(timeout)?;
-        let regions = local_regions
-            .iter()
-            .map(|r| r.get().region())
-            .collect::<PyResult<Vec<_>>>()?;
-        let local = LocalLayout::new(rank_layout(local)?, regions).map_err(|e| errors::plan(&e))?;
+        let local = local_layout(local, &local_regions)?;
         let peers = peer_layouts(peers)?;
         let local_peers = local_peers
             .iter()
@@ -193,6 +189,15 @@ impl NativeNode {
             node: self.node.clone(),
         })
     }
+}
+
+/// This rank's layout (JSON) over its regions, as a node plans it.
+pub(crate) fn local_layout(json: &str, regions: &[Py<NativeRegion>]) -> PyResult<LocalLayout> {
+    let regions = regions
+        .iter()
+        .map(|r| r.get().region())
+        .collect::<PyResult<Vec<_>>>()?;
+    LocalLayout::new(rank_layout(json)?, regions).map_err(|e| errors::plan(&e).into())
 }
 
 fn peer_layouts(peers: Vec<PeerTuple>) -> PyResult<Vec<PeerLayout>> {

@@ -17,6 +17,7 @@ mod layout;
 mod memory;
 mod node;
 mod talk;
+mod weights;
 mod xfer;
 
 /// How often a blocking wait looks for a signal (Ctrl-C) to deliver. A wait
@@ -99,6 +100,10 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<xfer::NativeXfer>()?;
     m.add_class::<layout::NativePlan>()?;
     m.add_class::<layout::NativeLayoutPlan>()?;
+    m.add_class::<weights::NativePublisher>()?;
+    m.add_class::<weights::NativeWriteGuard>()?;
+    m.add_class::<weights::NativeSubscriber>()?;
+    m.add_class::<weights::NativeReadGuard>()?;
     m.add_function(wrap_pyfunction!(layout::plan_layouts, m)?)?;
     m.add_function(wrap_pyfunction!(layout::rank_layout_json, m)?)?;
     Ok(())

@@ -82,6 +82,19 @@ def test_kv_handoff_layouts_example(args: list) -> None:
     assert f"over {transport}" in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize("args", [[], ["--tcp"]], ids=["default", "tcp"])
+def test_weights_example(args: list) -> None:
+    """python/examples/weights.py: 2 trainer processes (rows split) publish
+    10 versions to 4 inference processes (columns split), each of which
+    checks every byte of every version."""
+    done = run_script([str(PYTHON_DIR / "examples" / "weights.py"), *args], timeout=120.0)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert "every byte checked by each of the 4 subscribers" in done.stdout, done.stdout
+    assert done.stdout.count(", checked") == 10, done.stdout
+    transport = "tcp" if args else "memory"
+    assert f"over {transport}" in done.stdout, done.stdout
+
+
 def mypy_strict(*args: str) -> None:
     """``mypy --strict`` on ``args`` (from python/), which must pass."""
     proc = subprocess.run(
