@@ -232,6 +232,11 @@ class ReadGuard:
         return self._native.buffer
 
     @property
+    def version(self) -> int:
+        """The version the buffer holds."""
+        return self._native.version
+
+    @property
     def released(self) -> bool:
         """Whether :meth:`release` ran."""
         return self._native.released
@@ -344,16 +349,15 @@ class Subscriber:
     def read(self, timeout: float = 30.0) -> ReadGuard:
         """Holds the buffer that holds the newest complete version, for as
         long as the guard lives: ``with subscriber.read() as buffer:`` then
-        read ``subscriber.buffers[buffer]``'s arrays. Waits, up to
-        ``timeout`` seconds (:class:`Timeout` past it), only for an update
-        writing the only buffer. Any thread may read while another
-        updates.
+        read ``subscriber.buffers[buffer]``'s arrays. Any thread may read
+        while another updates.
 
-        Before the first update the buffer holds what its arrays held. With
-        one buffer, an update that fails after it began writing
-        (:class:`Overwritten`, a transfer error) leaves no one version
-        there, and :attr:`version` is ``None`` until the next update:
-        readers that cannot wait for it check :attr:`version` first."""
+        Waits, up to ``timeout`` seconds (:class:`Timeout` past it), for an
+        update writing the only buffer, and for a complete version where
+        no buffer holds one: before the first update, and, with one
+        buffer, after an update that failed once it began writing
+        (:class:`Overwritten`, a transfer error), until the next update
+        succeeds. A reader never gets a buffer that holds a mix."""
         refuse_in_child("this subscriber")
         return ReadGuard(self._native.read(timeout))
 

@@ -256,6 +256,7 @@ pub struct NativeSubscriber {
 pub struct NativeReadGuard {
     guard: Mutex<Option<ReadGuard>>,
     buffer: usize,
+    version: u64,
 }
 
 #[pymethods]
@@ -299,14 +300,21 @@ impl NativeSubscriber {
     }
 
     /// Holds the buffer that holds the newest complete version, waiting up
-    /// to `timeout` seconds (for an update writing the only buffer).
+    /// to `timeout` seconds (for an update writing the only buffer, or for
+    /// a complete version where there is none).
     fn read(&self, py: Python<'_>, timeout: f64) -> PyResult<NativeReadGuard> {
         let timeout = seconds(timeout)?;
         let _guard = runtime().enter();
         let guard = block_on(py, tokio::time::timeout(timeout, self.readers.read()))?
-            .map_err(|_| Raise::new("Timeout", "an update held the buffer until the deadline"))?;
+            .map_err(|_| {
+                Raise::new(
+                    "Timeout",
+                    "no buffer held a complete version before the deadline",
+                )
+            })?;
         Ok(NativeReadGuard {
             buffer: guard.buffer(),
+            version: guard.version(),
             guard: Mutex::new(Some(guard)),
         })
     }
@@ -336,6 +344,11 @@ impl NativeReadGuard {
     #[getter]
     fn buffer(&self) -> usize {
         self.buffer
+    }
+
+    #[getter]
+    fn version(&self) -> u64 {
+        self.version
     }
 
     /// Lets the buffer go: an update may write it again.

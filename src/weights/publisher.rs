@@ -173,6 +173,12 @@ impl Publisher {
         self.state.state().version
     }
 
+    /// How many subscribers hold a lease on the rank's version now (are
+    /// reading it): what a [`Publisher::write`] would wait for.
+    pub fn readers(&self) -> usize {
+        self.state.live_leases(&self.state.state())
+    }
+
     /// Takes the rank's memory for writing the next version: new leases
     /// are refused from now on, and this waits, up to `timeout`, for the
     /// readers of the current version to finish. Past `timeout` it takes

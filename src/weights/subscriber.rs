@@ -2,7 +2,7 @@
 //! every publisher rank's, and updated to the newest complete version.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -38,12 +38,21 @@ pub struct Subscriber {
 pub struct Readers {
     locks: Arc<[Arc<tokio::sync::RwLock<()>>]>,
     active: Arc<AtomicUsize>,
+    /// The version each buffer holds whole ([`NO_VERSION`]: none, before
+    /// the first update, or after one that failed while writing it).
+    versions: Arc<[AtomicU64]>,
+    /// Woken when an update completes.
+    updated: Arc<tokio::sync::Notify>,
 }
+
+/// A buffer's version when it holds no version whole.
+const NO_VERSION: u64 = u64::MAX;
 
 /// A buffer held for reading ([`Readers::read`]): it holds one complete
 /// version until this drops.
 pub struct ReadGuard {
     buffer: usize,
+    version: u64,
     _held: tokio::sync::OwnedRwLockReadGuard<()>,
 }
 
@@ -52,22 +61,43 @@ impl ReadGuard {
     pub fn buffer(&self) -> usize {
         self.buffer
     }
+
+    /// The version it holds.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
 }
 
 impl Readers {
-    /// Holds the buffer that holds the newest complete version (waiting,
-    /// with one buffer, for an update under way).
+    /// Holds the buffer that holds the newest complete version. Waits for
+    /// an update under way that writes the only buffer, and for a
+    /// complete version: before the first update, and, with one buffer,
+    /// after an update that failed once it had begun writing (what the
+    /// buffer holds then is no version). Bound it with a timeout where
+    /// the updates may stop.
     pub async fn read(&self) -> ReadGuard {
         loop {
+            // Listening before looking: an update that completes after
+            // the look wakes this.
+            let updated = self.updated.notified();
+            tokio::pin!(updated);
+            updated.as_mut().enable();
             let buffer = self.active.load(Ordering::Acquire);
             let held = self.locks[buffer].clone().read_owned().await;
             // Swapped while it waited: take the newer one.
-            if self.active.load(Ordering::Acquire) == buffer || self.locks.len() == 1 {
+            if self.active.load(Ordering::Acquire) != buffer && self.locks.len() > 1 {
+                continue;
+            }
+            let version = self.versions[buffer].load(Ordering::Acquire);
+            if version != NO_VERSION {
                 return ReadGuard {
                     buffer,
+                    version,
                     _held: held,
                 };
             }
+            drop(held);
+            updated.await;
         }
     }
 }
@@ -144,8 +174,10 @@ impl Subscriber {
             plans,
             buffers,
             readers: Readers {
+                versions: locks.iter().map(|_| AtomicU64::new(NO_VERSION)).collect(),
                 locks: locks.into(),
                 active: Arc::new(AtomicUsize::new(0)),
+                updated: Arc::new(tokio::sync::Notify::new()),
             },
             version: None,
         })
@@ -174,9 +206,13 @@ impl Subscriber {
 
     /// Moves the newest version complete on every publisher rank into this
     /// subscriber's memory, within `timeout`, unless it holds it already:
-    /// leases it on every rank (a rank being written, or holding another
-    /// version, is asked again until the deadline), pulls every byte
-    /// through the plan, and releases the leases. A rank that overwrote
+    /// leases it on every rank (a rank that moved on between the look and
+    /// the lease is asked again until the deadline), pulls every byte
+    /// through the plan, and releases the leases. When no version is
+    /// complete on every rank now (one holds none, or is being written, or
+    /// they differ), it fails at once with
+    /// [`WeightsError::NoCompleteVersion`] and the subscriber keeps what
+    /// it holds: call it again after the publishers' next step. A rank that overwrote
     /// the version meanwhile fails the update
     /// ([`WeightsError::Overwritten`]): the subscriber keeps its last
     /// version (double-buffered: readers saw nothing of it), and the next
@@ -214,6 +250,9 @@ impl Subscriber {
                     return Err(WeightsError::ReadersHold { buffer });
                 }
             };
+            // From here until it is filled whole, the buffer holds no
+            // version: readers wait rather than read it.
+            self.readers.versions[buffer].store(NO_VERSION, Ordering::Release);
             let left = deadline.saturating_duration_since(Instant::now());
             let moved = async {
                 let xfer = self.plans[buffer].request(&[])?;
@@ -235,8 +274,10 @@ impl Subscriber {
                 intact?;
             }
             self.version = Some(version);
+            self.readers.versions[buffer].store(version, Ordering::Release);
             self.readers.active.store(buffer, Ordering::Release);
             drop(written);
+            self.readers.updated.notify_waiters();
             return Ok(Update {
                 version,
                 changed: true,

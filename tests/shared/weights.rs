@@ -315,3 +315,63 @@ pub async fn a_lost_publisher_leaves_the_last_version_and_a_restart_is_planned_a
     assert_eq!(sub.update(DEADLINE).await.unwrap().version, 1);
     assert_eq!(held(&memory[0]), Some(1));
 }
+
+/// With one buffer, an update that fails once it began writing (a
+/// publisher rank overran its lease) leaves a mix of versions there:
+/// readers wait for the next complete version instead of reading it.
+pub async fn a_failed_update_in_place_leaves_readers_waiting_not_reading_a_mix(
+    make: &impl AsyncFn() -> Node,
+) {
+    let publishers = publishers(make, "in-place").await;
+    let node = make().await;
+    let memory = local(&node, layout(0, 1, 1)).await;
+    let buffers = vec![memory.clone()];
+    let mut sub = Subscriber::new(&node, "in-place", &addrs(&publishers), buffers, DEADLINE)
+        .await
+        .unwrap();
+    sub.update(DEADLINE).await.unwrap();
+    publish(&publishers, 2).await;
+    let readers = sub.readers();
+    let reading = readers.read().await;
+    assert_eq!(reading.version(), 1);
+    // The update leases version 2 on both ranks, then waits for the reader.
+    let update = tokio::spawn(async move {
+        let result = sub.update(DEADLINE).await;
+        (sub, result)
+    });
+    let leased = tokio::time::Instant::now() + DEADLINE;
+    while publishers.iter().any(|(_, p, _)| p.readers() == 0) {
+        assert!(tokio::time::Instant::now() < leased, "no lease taken");
+        tokio::task::yield_now().await;
+    }
+    // Rank 0 writes version 3 without waiting: it overruns the lease, and
+    // the update moves rank 0's version 3 beside rank 1's version 2.
+    let (_, rank0, memory0) = &publishers[0];
+    let (guard, overrun) = rank0.write(Duration::ZERO).await;
+    assert_eq!(overrun, 1);
+    fill(memory0, 3);
+    guard.publish(3).unwrap();
+    drop(reading);
+    let (mut sub, result) = update.await.unwrap();
+    assert_eq!(
+        result,
+        Err(WeightsError::Overwritten {
+            rank: 0,
+            version: 2
+        })
+    );
+    assert_eq!(sub.version(), None);
+    assert_eq!(held(&memory), None, "the buffer holds a mix");
+    let waiting = tokio::spawn({
+        let readers = readers.clone();
+        async move { readers.read().await.version() }
+    });
+    let early = tokio::time::timeout(Duration::from_millis(200), readers.read()).await;
+    assert!(early.is_err(), "a reader got the mixed buffer");
+    // The next complete version releases the waiting reader.
+    publish(&publishers[1..], 3).await;
+    assert_eq!(sub.update(DEADLINE).await.unwrap().version, 3);
+    let version = tokio::time::timeout(DEADLINE, waiting).await.unwrap();
+    assert_eq!(version.unwrap(), 3);
+    assert_eq!(held(&memory), Some(3));
+}
