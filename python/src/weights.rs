@@ -305,8 +305,8 @@ impl NativeSubscriber {
     fn read(&self, py: Python<'_>, timeout: f64) -> PyResult<NativeReadGuard> {
         let timeout = seconds(timeout)?;
         let _guard = runtime().enter();
-        let guard = block_on(py, tokio::time::timeout(timeout, self.readers.read()))?
-            .map_err(|_| {
+        let guard =
+            block_on(py, tokio::time::timeout(timeout, self.readers.read()))?.map_err(|_| {
                 Raise::new(
                     "Timeout",
                     "no buffer held a complete version before the deadline",
