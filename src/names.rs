@@ -261,6 +261,27 @@ impl Node {
         removed
     }
 
+    /// Withdraws the layout published as `name` and its regions
+    /// (`name/0`, ...): peers that load this node's metadata from now on
+    /// plan without it, and the name may be published again. Whether it
+    /// was published.
+    pub fn unpublish_layout(&self, name: &str) -> bool {
+        let names = &self.0.router.names;
+        let removed = {
+            let mut published = names.published();
+            let mut layouts = names.layouts.lock().unwrap_or_else(|e| e.into_inner());
+            let removed = layouts.remove(name);
+            for region in removed.iter().flat_map(|l| &l.regions) {
+                published.remove(region);
+            }
+            removed.is_some()
+        };
+        if removed {
+            names.republish();
+        }
+        removed
+    }
+
     /// This node's metadata: identity, transports, published regions.
     pub fn metadata(&self) -> NodeMetadata {
         self.0.router.names.metadata(None)

@@ -196,8 +196,9 @@ class Publisher:
                 self._open = None
 
     def close(self) -> None:
-        """Stops serving the set (a write still open is abandoned):
-        subscribers' next updates fail with :class:`PublisherLost`.
+        """Stops serving the set (a write still open is abandoned) and
+        withdraws its layout: subscribers' next updates fail with
+        :class:`PublisherLost`, and the node may publish the set again.
         Closing twice does nothing."""
         with self._lock:
             guard, self._open = self._open, None

@@ -15,7 +15,7 @@ use super::{Answer, Ask, LEASE_LIMIT, WeightsError, handler_name};
 use crate::{LocalLayout, Node};
 
 /// One publisher rank of a weight set (see [`crate::weights`]). Dropping
-/// it stops serving the set.
+/// it stops serving the set and withdraws its published layout.
 pub struct Publisher {
     node: Node,
     set: String,
@@ -140,7 +140,7 @@ impl Publisher {
         });
         let shared = state.clone();
         let endpoint = node.0.router.endpoint.clone();
-        node.serve_rpc(&handler_name(set), move |request| {
+        let served = node.serve_rpc(&handler_name(set), move |request| {
             let ask: Result<Ask, _> = serde_json::from_slice(&request.body);
             let (shared, endpoint, from) = (shared.clone(), endpoint.clone(), request.from);
             async move {
@@ -153,8 +153,11 @@ impl Publisher {
                     .map(Bytes::from)
                     .map_err(|e| e.to_string())
             }
-        })
-        .map_err(|e| WeightsError::Protocol(e.to_string()))?;
+        });
+        if let Err(e) = served {
+            node.unpublish_layout(set);
+            return Err(WeightsError::Protocol(e.to_string()));
+        }
         Ok(Publisher {
             node: node.clone(),
             set: set.to_string(),
@@ -230,8 +233,13 @@ impl Publisher {
 }
 
 impl Drop for Publisher {
+    /// Stops serving the set and withdraws its layout: the node may start
+    /// another publisher of the set (a trainer that restarts a rank in
+    /// place), and subscribers made from now on do not plan against this
+    /// one.
     fn drop(&mut self) {
         self.node.unserve_rpc(&handler_name(&self.set));
+        self.node.unpublish_layout(&self.set);
     }
 }
 

@@ -41,3 +41,8 @@ async fn a_lost_publisher_leaves_the_last_version_and_a_restart_is_planned_again
 async fn a_failed_update_in_place_leaves_readers_waiting_not_reading_a_mix() {
     shared::a_failed_update_in_place_leaves_readers_waiting_not_reading_a_mix(&memory_node).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_started_again_in_place_serves_the_set() {
+    shared::a_publisher_started_again_in_place_serves_the_set(&memory_node).await;
+}

@@ -375,3 +375,31 @@ pub async fn a_failed_update_in_place_leaves_readers_waiting_not_reading_a_mix(
     assert_eq!(version.unwrap(), 3);
     assert_eq!(held(&memory), Some(3));
 }
+
+/// A publisher rank dropped and started again on the same node (a trainer
+/// that restarts a rank in place) serves the set again, and a subscriber
+/// made then gets its versions.
+pub async fn a_publisher_started_again_in_place_serves_the_set(make: &impl AsyncFn() -> Node) {
+    let mut publishers = publishers(make, "again").await;
+    let (node, publisher, memory) = publishers.remove(0);
+    // Its layout is taken while it lives.
+    let twice = Publisher::start(&node, "again", memory.clone());
+    assert!(twice.is_err(), "a second publisher of the set on one node");
+    drop(publisher);
+    let publisher = Publisher::start(&node, "again", memory.clone()).unwrap();
+    publishers.insert(0, (node, publisher, memory));
+    publish(&publishers, 2).await;
+    let sub_node = make().await;
+    let buffer = local(&sub_node, layout(0, 1, 1)).await;
+    let mut sub = Subscriber::new(
+        &sub_node,
+        "again",
+        &addrs(&publishers),
+        vec![buffer.clone()],
+        DEADLINE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(sub.update(DEADLINE).await.unwrap().version, 2);
+    assert_eq!(held(&buffer), Some(2));
+}
