@@ -15,7 +15,7 @@ use ferry::layout::{
     TensorLayout, TokenOrder,
 };
 use ferry::prelude::*;
-use ferry::{LocalLayout, PlanError};
+use ferry::{LocalLayout, PlanError, Xfer};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 /// Tokens the request moves: not a whole number of either side's blocks.
@@ -200,11 +200,7 @@ pub async fn a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(
             .request(&request)
             .unwrap()
             .with_notification(format!("decode {rank} done"));
-        xfer.post(DEADLINE).unwrap();
-        tokio::time::timeout(DEADLINE, xfer.wait())
-            .await
-            .unwrap()
-            .unwrap();
+        post_and_wait(&xfer).await;
         let wrong = wrong_bytes(&layout, &regions, &decode_table);
         assert_eq!(wrong, 0, "decode rank {rank}: {wrong} bytes differ");
 
@@ -221,11 +217,7 @@ pub async fn a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(
             region.write_at(0, &vec![0; region.len() as usize]).unwrap();
         }
         xfer.set_notification(None);
-        xfer.post(DEADLINE).unwrap();
-        tokio::time::timeout(DEADLINE, xfer.wait())
-            .await
-            .unwrap()
-            .unwrap();
+        post_and_wait(&xfer).await;
         let wrong = wrong_bytes(&layout, &regions, &decode_table);
         assert_eq!(
             wrong, 0,
@@ -261,6 +253,15 @@ pub async fn a_kv_cache_moves_from_tp4_to_tp2_byte_for_byte(
             "prefill rank {rank}: a second notification"
         );
     }
+}
+
+/// Posts `xfer` and waits for it, which must succeed.
+async fn post_and_wait(xfer: &Xfer) {
+    xfer.post(DEADLINE).unwrap();
+    tokio::time::timeout(DEADLINE, xfer.wait())
+        .await
+        .unwrap()
+        .unwrap();
 }
 
 /// How many bytes of `layout`'s tensors in `regions` differ from their tags.
