@@ -42,8 +42,10 @@
 //! `iperf3 -P 1` processes in parallel carry (iperf3 before 3.16 runs a
 //! process's streams on one thread), when `iperf3` is installed; the
 //! memcpy bound otherwise, said so. Publishers serve every byte once per
-//! subscriber (no relays yet): `--scaling` runs S = 1, 2 and 4 and prints
-//! the update time per S.
+//! subscriber (relays would not help on one host, where the same cores
+//! copy every subscriber's bytes; `examples/relay_bench.rs` measures them
+//! behind a slow publisher link): `--scaling` runs S = 1, 2 and 4 and
+//! prints the update time per S.
 //!
 //! ```sh
 //! cargo run --release --example weights_bench -- --transport tcp|memory [--mib 1024] [--subscribers 4] [--versions 5] [--buffers 1] [--scaling]

@@ -290,29 +290,67 @@ class Subscriber:
         *,
         timeout: float = 30.0,
     ) -> None:
+        if isinstance(publishers, (str, NodeAddr)):
+            raise InvalidArgument("publishers is a list of addresses, one per publisher rank")
+        endpoints = [_endpoint(p, "publisher") for p in publishers]
+        if not endpoints:
+            raise InvalidArgument("a subscriber needs the address of every publisher rank")
+        self._start(node, set_name, endpoints, None, buffers, timeout)
+
+    @classmethod
+    def from_relay(
+        cls,
+        node: "Node",
+        set_name: str,
+        relay: PublisherAddr,
+        buffers: Union[RankLayout, Sequence[RankLayout]],
+        *,
+        timeout: float = 30.0,
+    ) -> "Subscriber":
+        """A subscriber that takes its versions from another subscriber, the
+        one whose node is at ``relay`` (it called :meth:`serve_relay`),
+        instead of from the publishers, so that the publishers' links carry
+        each version once however many subscribers there are. Its buffers
+        hold the relay's shard of the tensors, or part of it; a relay may
+        itself relay (a tree). A relay holds a version only once it has it
+        whole: after the publishers' step, call
+        ``update(at_least=version)``. Raises as the constructor does
+        (:class:`NotFound` when ``relay`` serves no relay of the set)."""
+        subscriber = cls.__new__(cls)
+        endpoint = _endpoint(relay, "relay")
+        subscriber._start(node, set_name, [], endpoint, buffers, timeout)
+        return subscriber
+
+    def _start(
+        self,
+        node: "Node",
+        set_name: str,
+        endpoints: List[str],
+        relay: Optional[str],
+        buffers: Union[RankLayout, Sequence[RankLayout]],
+        timeout: float,
+    ) -> None:
         layouts = [buffers] if isinstance(buffers, RankLayout) else list(buffers)
         if not 1 <= len(layouts) <= 2:
             raise InvalidArgument(f"a subscriber takes one buffer or two, not {len(layouts)}")
-        if isinstance(publishers, (str, NodeAddr)):
-            raise InvalidArgument("publishers is a list of addresses, one per publisher rank")
-        endpoints = []
-        for p in publishers:
-            if isinstance(p, NodeAddr):
-                endpoints.append(p.endpoint)
-            elif isinstance(p, str):
-                endpoints.append(NodeAddr.parse(p).endpoint if "/" in p else p)
-            else:
-                raise InvalidArgument(f"publisher {p!r} is neither a NodeAddr nor an ip:port")
-        if not endpoints:
-            raise InvalidArgument("a subscriber needs the address of every publisher rank")
         native = [(b.to_json(), _local_regions(b)) for b in layouts]
-        self._native = node._node().subscribe(str(set_name), endpoints, native, timeout)
+        self._native = node._node().subscribe(str(set_name), endpoints, native, timeout, relay)
         #: The set's name.
         self.set_name = str(set_name)
         #: The buffers' layouts, in the order given: ``buffers[i]`` is
         #: buffer ``i`` of :attr:`active`, :class:`Update` and
         #: :class:`ReadGuard`.
         self.buffers: List[RankLayout] = layouts
+
+    def serve_relay(self) -> None:
+        """Serves this subscriber's buffers on to subscribers made with
+        :meth:`from_relay` naming this node: each version it holds whole,
+        it lends them as a publisher rank does, and its updates wait (up to
+        half their time, then overrun, failing those readers with
+        :class:`Overwritten`) for their reads of the buffer they write.
+        Serving stops when the subscriber closes."""
+        refuse_in_child("this subscriber")
+        self._native.serve_relay()
 
     @property
     def version(self) -> Optional[int]:
@@ -330,11 +368,14 @@ class Subscriber:
         """Whether :meth:`close` ran."""
         return self._native.closed
 
-    def update(self, timeout: float = 30.0) -> Update:
+    def update(self, timeout: float = 30.0, *, at_least: Optional[int] = None) -> Update:
         """Moves the newest version complete on every publisher rank into
         this subscriber's memory, within ``timeout`` seconds, unless it
         holds it already: a subscriber several versions behind gets the
-        newest, never each one between.
+        newest, never each one between. With ``at_least``, updates again
+        until it holds that version or a newer one (what a subscriber
+        behind a relay waits for), raising :class:`NoCompleteVersion` past
+        the deadline.
 
         Raises, leaving the subscriber on the version it held (with two
         buffers, its readers saw nothing of the attempt):
@@ -345,7 +386,7 @@ class Subscriber:
         new subscriber, which plans again); :class:`ReadersHold` when
         readers held the buffer to write until the deadline."""
         refuse_in_child("this subscriber")
-        return Update(*self._native.update(timeout))
+        return Update(*self._native.update(timeout, at_least))
 
     def read(self, timeout: float = 30.0) -> ReadGuard:
         """Holds the buffer that holds the newest complete version, for as
@@ -379,3 +420,12 @@ class Subscriber:
             f"<ferry.Subscriber {self.set_name!r}, version {self.version}, "
             f"{len(self.buffers)} buffer(s), active {self.active}>"
         )
+
+
+def _endpoint(address: PublisherAddr, what: str) -> str:
+    """A :class:`NodeAddr`, its ``str()`` or an ``"ip:port"``, as ``"ip:port"``."""
+    if isinstance(address, NodeAddr):
+        return address.endpoint
+    if isinstance(address, str):
+        return NodeAddr.parse(address).endpoint if "/" in address else address
+    raise InvalidArgument(f"{what} {address!r} is neither a NodeAddr nor an ip:port")

@@ -179,6 +179,7 @@ impl NativeNode {
             direction: direction(push),
             every_remote_tensor,
             local_peers: &local_peers,
+            ..PlanOptions::default()
         };
         let node = &self.node;
         let _guard = runtime().enter();
@@ -345,6 +346,7 @@ pub fn plan_layouts(
         direction: direction(push),
         every_remote_tensor,
         local_peers: &local_peers,
+        ..PlanOptions::default()
     };
     let plan = ferry::layout::plan(&local, &peers, options).map_err(|e| errors::layout(&e))?;
     Ok(NativeLayoutPlan { plan })

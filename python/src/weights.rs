@@ -81,8 +81,10 @@ impl NativeNode {
         })
     }
 
-    /// A subscriber of `set` at `publishers` (ip:port each), into one or
-    /// two buffers, planned within `timeout` seconds.
+    /// A subscriber of `set` at `publishers` (ip:port each), or at the
+    /// relaying subscriber `relay` (ip:port), into one or two buffers,
+    /// planned within `timeout` seconds.
+    #[pyo3(signature = (set, publishers, buffers, timeout, relay = None))]
     fn subscribe(
         &self,
         py: Python<'_>,
@@ -90,6 +92,7 @@ impl NativeNode {
         publishers: Vec<String>,
         buffers: Vec<BufferTuple>,
         timeout: f64,
+        relay: Option<String>,
     ) -> PyResult<NativeSubscriber> {
         let timeout = seconds(timeout)?;
         if buffers.is_empty() || buffers.len() > 2 {
@@ -99,23 +102,29 @@ impl NativeNode {
             ))
             .into());
         }
+        let parse = |text: &String| {
+            text.parse::<SocketAddr>()
+                .map_err(|_| errors::invalid(format!("{text:?} is not an ip:port address")))
+        };
         let addresses = publishers
             .iter()
-            .map(|text| {
-                text.parse::<SocketAddr>()
-                    .map_err(|_| errors::invalid(format!("{text:?} is not an ip:port address")))
-            })
+            .map(parse)
             .collect::<Result<Vec<_>, _>>()?;
+        let relay = relay.as_ref().map(parse).transpose()?;
         let locals = buffers
             .iter()
             .map(|(json, regions)| local_layout(json, regions))
             .collect::<PyResult<Vec<_>>>()?;
         let count = locals.len();
         let _guard = runtime().enter();
-        let subscriber = block_on(
-            py,
-            Subscriber::new(&self.node, set, &addresses, locals, timeout),
-        )?
+        let subscriber = block_on(py, async {
+            match relay {
+                Some(relay) => {
+                    Subscriber::from_relay(&self.node, set, relay, locals, timeout).await
+                }
+                None => Subscriber::new(&self.node, set, &addresses, locals, timeout).await,
+            }
+        })?
         .map_err(|e| errors::weights(&e))?;
         Ok(NativeSubscriber {
             readers: subscriber.readers(),
@@ -277,8 +286,15 @@ impl NativeSubscriber {
     }
 
     /// Moves the newest complete version in, within `timeout` seconds:
-    /// (version, changed, buffer).
-    fn update(&self, py: Python<'_>, timeout: f64) -> PyResult<(u64, bool, usize)> {
+    /// (version, changed, buffer); with `at_least`, updates until it holds
+    /// that version or a newer one.
+    #[pyo3(signature = (timeout, at_least = None))]
+    fn update(
+        &self,
+        py: Python<'_>,
+        timeout: f64,
+        at_least: Option<u64>,
+    ) -> PyResult<(u64, bool, usize)> {
         let deadline = Instant::now() + seconds(timeout)?;
         let _guard = runtime().enter();
         let update = block_on(py, async {
@@ -292,7 +308,10 @@ impl NativeSubscriber {
                 })?;
             let subscriber = held.as_mut().ok_or_else(|| closed("subscriber"))?;
             let left = deadline.saturating_duration_since(Instant::now());
-            let result = subscriber.update(left).await;
+            let result = match at_least {
+                Some(version) => subscriber.update_to(version, left).await,
+                None => subscriber.update(left).await,
+            };
             *lock(&self.state) = (subscriber.version(), subscriber.active());
             result.map_err(|e| errors::weights(&e))
         })??;
@@ -317,6 +336,17 @@ impl NativeSubscriber {
             version: guard.version(),
             guard: Mutex::new(Some(guard)),
         })
+    }
+
+    /// Serves this subscriber's buffers on to subscribers made with
+    /// `relay` naming this node.
+    fn serve_relay(&self, py: Python<'_>) -> PyResult<()> {
+        let _guard = runtime().enter();
+        block_on(py, async {
+            let mut held = self.subscriber.lock().await;
+            let subscriber = held.as_mut().ok_or_else(|| closed("subscriber"))?;
+            subscriber.serve_relay().map_err(|e| errors::weights(&e))
+        })?
     }
 
     /// Drops the subscriber (its plans and the buffers' registrations it

@@ -142,6 +142,42 @@ def test_each_version_arrives_resharded_byte_for_byte(node: ferry.Node, trainer:
             n.close()
 
 
+def test_relays_carry_each_version_so_the_publishers_serve_it_once(
+    node: ferry.Node, trainer: Trainer
+) -> None:
+    """A pulls from the publisher processes and serves on; B (the same
+    column half, one buffer) and C (a quarter inside that half) pull from A
+    only: every version reaches both whole, and a relay that closes fails
+    its downstream typed."""
+    ranks = trainer.start("relayed")
+    publish(ranks, 1)
+    nodes = [node, ferry.Node(), ferry.Node()]
+    try:
+        a_buffers = subscriber_buffers(nodes[0], 0, 2, 2)
+        a = ferry.Subscriber(nodes[0], "relayed", addrs(ranks), layouts(a_buffers))
+        a.serve_relay()
+        downstream = []
+        for n, (rank, parts, count) in zip(nodes[1:], [(0, 2, 1), (0, 4, 2)]):
+            buffers = subscriber_buffers(n, rank, parts, count)
+            sub = ferry.Subscriber.from_relay(n, "relayed", nodes[0].addr, layouts(buffers))
+            downstream.append((sub, buffers))
+        for version in range(1, 4):
+            if version > 1:
+                publish(ranks, version)
+            assert a.update(timeout=TIMEOUT).version == version
+            for sub, buffers in downstream:
+                update = sub.update(timeout=TIMEOUT, at_least=version)
+                assert update == ferry.Update(version, True, sub.active)
+                assert buffers[update.buffer].holds(version), (version, update)
+        a.close()
+        with pytest.raises(ferry.PublisherLost):
+            downstream[0][0].update(timeout=5.0)
+        assert downstream[0][0].version == 3
+    finally:
+        for n in nodes[1:]:
+            n.close()
+
+
 def test_a_subscriber_behind_gets_the_newest_and_a_late_joiner_the_current(
     node: ferry.Node, trainer: Trainer
 ) -> None:

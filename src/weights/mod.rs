@@ -32,7 +32,9 @@
 //! every one in between. The publishers serve leases and bytes; they keep
 //! no per-subscriber state past a lease.
 
+mod leases;
 mod publisher;
+mod relay;
 mod subscriber;
 
 use std::time::Duration;
@@ -106,7 +108,19 @@ fn handler_name(set: &str) -> String {
     format!("ferry.weights:{set}")
 }
 
-/// What a subscriber asks a publisher rank.
+/// The RPC handler a subscriber serves when it relays set `set` to other
+/// subscribers (see [`Subscriber::serve_relay`]).
+fn relay_handler_name(set: &str) -> String {
+    format!("ferry.weights-relay:{set}")
+}
+
+/// The name a relaying subscriber publishes its buffer `buffer`'s layout
+/// under.
+fn relay_layout_name(set: &str, buffer: usize) -> String {
+    format!("{set}#relay{buffer}")
+}
+
+/// What a subscriber asks a publisher rank (or a relay).
 #[derive(Debug, Serialize, Deserialize)]
 enum Ask {
     /// Which version its memory holds, if any.
@@ -127,6 +141,10 @@ enum Answer {
     },
     Leased {
         lease: u64,
+        /// The buffer leased, of a relay's (a publisher rank has one,
+        /// and leaves it out).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        buffer: usize,
     },
     /// Not now: the rank holds `version` (or none), or is being written.
     Refused {
@@ -136,6 +154,10 @@ enum Answer {
     Released {
         intact: bool,
     },
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// How long one lease may last at most: a reader that neither finishes nor

@@ -9,23 +9,30 @@ use bytes::Bytes;
 use ferry_core::NodeAddr;
 use tokio::time::Instant;
 
-use super::{Answer, Ask, WeightsError, handler_name};
+use super::relay::Relay;
+use super::{Answer, Ask, WeightsError, handler_name, relay_handler_name, relay_layout_name};
 use crate::layout::{Direction, PlanOptions};
-use crate::{LocalLayout, Node, TransferPlan};
+use crate::{LocalLayout, Node, PeerLayout, TransferPlan};
 
 /// A subscriber of a weight set (see [`crate::weights`]).
 pub struct Subscriber {
     node: Node,
     set: String,
-    /// The publisher ranks: each one's node and rank id.
+    /// Where versions come from: the publisher ranks (each one's node and
+    /// rank id), or one relaying subscriber (rank 0).
     ranks: Vec<(NodeAddr, u32)>,
-    /// One plan per buffer (one: in place; two: double-buffered).
-    plans: Vec<TransferPlan>,
+    /// The RPC handler the sources answer on.
+    handler: String,
+    /// One plan per buffer (one: in place; two: double-buffered) and per
+    /// source buffer (a publisher rank has one; a relay one or two).
+    plans: Vec<Vec<TransferPlan>>,
     /// The buffers, kept registered.
     buffers: Vec<LocalLayout>,
     /// Who reads which buffer, and which one is current.
     readers: Readers,
     version: Option<u64>,
+    /// Serving its buffers on to other subscribers, once asked.
+    relay: Option<Relay>,
 }
 
 /// The readers' side of a [`Subscriber`]'s fence: cheap to clone, for the
@@ -128,12 +135,7 @@ impl Subscriber {
         buffers: Vec<LocalLayout>,
         timeout: Duration,
     ) -> Result<Subscriber, WeightsError> {
-        if buffers.is_empty() || buffers.len() > 2 {
-            return Err(WeightsError::Protocol(format!(
-                "a subscriber takes one buffer or two, not {}",
-                buffers.len()
-            )));
-        }
+        check_buffers(&buffers)?;
         let deadline = Instant::now() + timeout;
         let mut peers = Vec::new();
         let mut ranks = Vec::new();
@@ -162,15 +164,93 @@ impl Subscriber {
                 direction: Direction::Pull,
                 ..Default::default()
             };
-            plans.push(node.plan_transfer(buffer, &peers, options, left).await?);
+            plans.push(vec![
+                node.plan_transfer(buffer, &peers, options, left).await?,
+            ]);
         }
+        Ok(Subscriber::assemble(
+            node,
+            set,
+            (ranks, handler_name(set)),
+            plans,
+            buffers,
+        ))
+    }
+
+    /// A subscriber of set `set` that takes its versions from another
+    /// subscriber, the one at `relay` (which called
+    /// [`Subscriber::serve_relay`]), instead of from the publishers: so
+    /// that the publishers' links carry each version once however many
+    /// subscribers there are. Its buffers must hold the tensors as the
+    /// relay's do, or part of them (another replica of the same shard, a
+    /// sub-shard); a relay can itself relay, which makes a tree. Plans
+    /// once per buffer against each of the relay's, within `timeout`. The
+    /// fence holds as with publishers: the relay does not write a buffer
+    /// this subscriber is reading (it waits, bounded by half its update's
+    /// time, then this update fails [`WeightsError::Overwritten`]).
+    pub async fn from_relay(
+        node: &Node,
+        set: &str,
+        relay: std::net::SocketAddr,
+        buffers: Vec<LocalLayout>,
+        timeout: Duration,
+    ) -> Result<Subscriber, WeightsError> {
+        check_buffers(&buffers)?;
+        let deadline = Instant::now() + timeout;
+        let lost = |reason: String| WeightsError::PublisherLost { rank: 0, reason };
+        let (name, _) = node
+            .fetch_metadata(relay, timeout)
+            .await
+            .map_err(|e| lost(e.to_string()))?;
+        let addr = node
+            .peer_metadata(&name)
+            .map(|m| m.node)
+            .ok_or_else(|| lost("its metadata went".into()))?;
+        let mut sources: Vec<PeerLayout> =
+            vec![node.peer_layout(&name, &relay_layout_name(set, 0))?];
+        if let Ok(second) = node.peer_layout(&name, &relay_layout_name(set, 1)) {
+            sources.push(second);
+        }
+        let options = PlanOptions {
+            direction: Direction::Pull,
+            remote_covers_local_only: true,
+            ..Default::default()
+        };
+        let mut plans = Vec::new();
+        for buffer in &buffers {
+            let mut per_source = Vec::new();
+            for source in &sources {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let peer = std::slice::from_ref(source);
+                per_source.push(node.plan_transfer(buffer, peer, options, left).await?);
+            }
+            plans.push(per_source);
+        }
+        let ranks = vec![(addr, 0)];
+        Ok(Subscriber::assemble(
+            node,
+            set,
+            (ranks, relay_handler_name(set)),
+            plans,
+            buffers,
+        ))
+    }
+
+    fn assemble(
+        node: &Node,
+        set: &str,
+        (ranks, handler): (Vec<(NodeAddr, u32)>, String),
+        plans: Vec<Vec<TransferPlan>>,
+        buffers: Vec<LocalLayout>,
+    ) -> Subscriber {
         let locks: Vec<_> = (0..buffers.len())
             .map(|_| Arc::new(tokio::sync::RwLock::new(())))
             .collect();
-        Ok(Subscriber {
+        Subscriber {
             node: node.clone(),
             set: set.to_string(),
             ranks,
+            handler,
             plans,
             buffers,
             readers: Readers {
@@ -180,7 +260,29 @@ impl Subscriber {
                 updated: Arc::new(tokio::sync::Notify::new()),
             },
             version: None,
-        })
+            relay: None,
+        }
+    }
+
+    /// Serves this subscriber's buffers on to other subscribers
+    /// ([`Subscriber::from_relay`]): each version it holds whole, it leases
+    /// to them as a publisher rank does, and its updates wait for their
+    /// leases on the buffer they write (up to half the update's time; past
+    /// it, the readers it overran fail and retry). Serving stops when the
+    /// subscriber drops.
+    pub fn serve_relay(&mut self) -> Result<(), WeightsError> {
+        if self.relay.is_some() {
+            return Ok(());
+        }
+        let relay = Relay::start(&self.node, &self.set, &self.buffers)?;
+        for (b, served) in relay.buffers.iter().enumerate() {
+            let version = self.readers.versions[b].load(Ordering::Acquire);
+            if version != NO_VERSION {
+                served.publish(version)?;
+            }
+        }
+        self.relay = Some(relay);
+        Ok(())
     }
 
     /// The version the subscriber holds, if any.
@@ -228,7 +330,7 @@ impl Subscriber {
                     buffer: self.active(),
                 });
             }
-            let Some(leases) = self.lease(version, deadline).await? else {
+            let Some((leases, source)) = self.lease(version, deadline).await? else {
                 // Some rank moved on (or is writing): look again.
                 if Instant::now() >= deadline {
                     return Err(WeightsError::NoCompleteVersion);
@@ -250,12 +352,22 @@ impl Subscriber {
                     return Err(WeightsError::ReadersHold { buffer });
                 }
             };
+            // Relaying, downstream readers let go of it too, or are overrun
+            // past half the time left.
+            let served = self.relay.as_ref().map(|r| r.buffers[buffer].clone());
+            if let Some(served) = &served {
+                let left = deadline.saturating_duration_since(Instant::now());
+                served.take(Instant::now() + left / 2, &self.set).await;
+            }
             // From here until it is filled whole, the buffer holds no
             // version: readers wait rather than read it.
             self.readers.versions[buffer].store(NO_VERSION, Ordering::Release);
             let left = deadline.saturating_duration_since(Instant::now());
             let moved = async {
-                let xfer = self.plans[buffer].request(&[])?;
+                let plan = self.plans[buffer].get(source).ok_or_else(|| {
+                    WeightsError::Protocol(format!("the source leased its buffer {source}"))
+                })?;
+                let xfer = plan.request(&[])?;
                 // A request made here is never in progress already.
                 xfer.post(left)
                     .map_err(|e| WeightsError::Protocol(e.to_string()))?;
@@ -265,6 +377,9 @@ impl Subscriber {
             .await;
             let intact = self.release(&leases, version).await;
             if moved.is_err() || intact.is_err() {
+                if let Some(served) = &served {
+                    served.abandon();
+                }
                 // What the buffer holds now is no version: with one buffer
                 // the subscriber holds none.
                 if self.plans.len() == 1 {
@@ -274,6 +389,11 @@ impl Subscriber {
                 intact?;
             }
             self.version = Some(version);
+            if let Some(served) = &served
+                && served.publish(version).is_err()
+            {
+                served.abandon();
+            }
             self.readers.versions[buffer].store(version, Ordering::Release);
             self.readers.active.store(buffer, Ordering::Release);
             drop(written);
@@ -286,6 +406,32 @@ impl Subscriber {
         }
     }
 
+    /// Updates until the subscriber holds `version` or a newer one, within
+    /// `timeout`: what a subscriber behind a relay calls after the
+    /// publishers' step, since the relay holds a version only once it has
+    /// pulled it whole (before that, [`Subscriber::update`] finds the
+    /// version it already holds, or none). Past the deadline,
+    /// [`WeightsError::NoCompleteVersion`]; other errors at once.
+    pub async fn update_to(
+        &mut self,
+        version: u64,
+        timeout: Duration,
+    ) -> Result<Update, WeightsError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.update(left).await {
+                Ok(update) if update.version >= version => return Ok(update),
+                Ok(_) | Err(WeightsError::NoCompleteVersion) => {}
+                Err(e) => return Err(e),
+            }
+            if Instant::now() >= deadline {
+                return Err(WeightsError::NoCompleteVersion);
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     async fn ask(&self, rank: usize, ask: &Ask, deadline: Instant) -> Result<Answer, WeightsError> {
         let (addr, id) = self.ranks[rank];
         let lost = |reason: String| WeightsError::PublisherLost { rank: id, reason };
@@ -293,7 +439,7 @@ impl Subscriber {
         let body = Bytes::from(serde_json::to_vec(ask).expect("asks serialize"));
         let answer = self
             .node
-            .call(addr, &handler_name(&self.set), body, left)
+            .call(addr, &self.handler, body, left)
             .await
             .map_err(|e| lost(e.to_string()))?;
         serde_json::from_slice(&answer).map_err(|e| WeightsError::Protocol(e.to_string()))
@@ -314,17 +460,24 @@ impl Subscriber {
         common.ok_or(WeightsError::NoCompleteVersion)
     }
 
-    /// Leases `version` on every rank; `None` (and the leases taken
-    /// released) if some rank refuses.
+    /// Leases `version` on every rank, with the buffer the (first) source
+    /// leased; `None` (and the leases taken released) if some rank
+    /// refuses.
     async fn lease(
         &self,
         version: u64,
         deadline: Instant,
-    ) -> Result<Option<Vec<u64>>, WeightsError> {
+    ) -> Result<Option<(Vec<u64>, usize)>, WeightsError> {
         let mut leases = Vec::with_capacity(self.ranks.len());
+        let mut source = 0;
         for rank in 0..self.ranks.len() {
             match self.ask(rank, &Ask::Lease { version }, deadline).await {
-                Ok(Answer::Leased { lease }) => leases.push(lease),
+                Ok(Answer::Leased { lease, buffer }) => {
+                    if rank == 0 {
+                        source = buffer;
+                    }
+                    leases.push(lease);
+                }
                 Ok(Answer::Refused { .. }) => {
                     let _ = self.release(&leases, version).await;
                     return Ok(None);
@@ -336,7 +489,7 @@ impl Subscriber {
                 }
             }
         }
-        Ok(Some(leases))
+        Ok(Some((leases, source)))
     }
 
     /// Ends the leases; an error if a rank overwrote the version under one.
@@ -359,4 +512,15 @@ impl Subscriber {
         }
         result
     }
+}
+
+/// A subscriber takes one buffer or two.
+fn check_buffers(buffers: &[LocalLayout]) -> Result<(), WeightsError> {
+    if buffers.is_empty() || buffers.len() > 2 {
+        return Err(WeightsError::Protocol(format!(
+            "a subscriber takes one buffer or two, not {}",
+            buffers.len()
+        )));
+    }
+    Ok(())
 }

@@ -403,3 +403,82 @@ pub async fn a_publisher_started_again_in_place_serves_the_set(make: &impl Async
     assert_eq!(sub.update(DEADLINE).await.unwrap().version, 2);
     assert_eq!(held(&buffer), Some(2));
 }
+
+/// Relays: subscriber A pulls from the publishers and serves on; B (the
+/// same shard) pulls from A and serves on; C (the same shard, in place)
+/// pulls from B; D (a quarter of the columns, inside A's half) pulls from
+/// A. Every version reaches all four whole, the publishers serving it
+/// once. A downstream reader that holds a relay's buffer too long is
+/// overrun and told; a relay that goes fails its downstream typed.
+pub async fn relays_carry_each_version_down_a_tree_of_subscribers(make: &impl AsyncFn() -> Node) {
+    let publishers = publishers(make, "relay").await;
+    let subscriber = async |layout: RankLayout, buffers: usize, from: Option<&Node>| {
+        let node = make().await;
+        let mut memory = Vec::new();
+        for _ in 0..buffers {
+            memory.push(local(&node, layout.clone()).await);
+        }
+        let sub = match from {
+            None => Subscriber::new(&node, "relay", &addrs(&publishers), memory, DEADLINE).await,
+            Some(relay) => {
+                Subscriber::from_relay(&node, "relay", relay.addr().endpoint, memory, DEADLINE)
+                    .await
+            }
+        };
+        (node, sub.unwrap())
+    };
+    let (a_node, mut a) = subscriber(layout(0, 2, 1), 2, None).await;
+    a.serve_relay().unwrap();
+    let (b_node, mut b) = subscriber(layout(0, 2, 1), 2, Some(&a_node)).await;
+    b.serve_relay().unwrap();
+    let (_c_node, mut c) = subscriber(layout(0, 2, 1), 1, Some(&b_node)).await;
+    let (_d_node, mut d) = subscriber(layout(0, 4, 1), 2, Some(&a_node)).await;
+    for version in 1..=5 {
+        if version > 1 {
+            publish(&publishers, version).await;
+        }
+        let update = a.update(DEADLINE).await.unwrap();
+        assert_eq!(update.version, version);
+        for sub in [&mut b, &mut c, &mut d] {
+            let update = sub.update_to(version, DEADLINE).await.unwrap();
+            assert_eq!((update.version, update.changed), (version, true));
+            assert_eq!(held(&sub.buffers()[update.buffer]), Some(version));
+        }
+    }
+    // A downstream reader holding A's current buffer (version 5) while A
+    // updates twice: the first update fills the other buffer; the second
+    // must write the held one, waits half its time, then overruns it.
+    let reader = make().await;
+    let ask = |body: String| {
+        reader.call(
+            a_node.addr(),
+            "ferry.weights-relay:relay",
+            Bytes::from(body),
+            DEADLINE,
+        )
+    };
+    let leased = ask(r#"{"Lease":{"version":5}}"#.into()).await.unwrap();
+    let leased: serde_json::Value = serde_json::from_slice(&leased).unwrap();
+    let lease = leased["Leased"]["lease"].as_u64().expect("leased");
+    for version in [6, 7] {
+        publish(&publishers, version).await;
+        let update = a.update(Duration::from_millis(600)).await.unwrap();
+        assert_eq!(update.version, version);
+    }
+    let released = ask(format!(r#"{{"Release":{{"lease":{lease}}}}}"#))
+        .await
+        .unwrap();
+    let released: serde_json::Value = serde_json::from_slice(&released).unwrap();
+    assert_eq!(released["Released"]["intact"], false, "{released}");
+    assert_eq!(b.update_to(7, DEADLINE).await.unwrap().version, 7);
+    assert_eq!(held(&b.buffers()[b.active()]), Some(7));
+    // The relay goes: its downstream fails typed and keeps version 7.
+    drop(a);
+    a_node.shutdown().await;
+    let lost = d.update(Duration::from_secs(5)).await.unwrap_err();
+    assert!(
+        matches!(lost, WeightsError::PublisherLost { .. }),
+        "{lost:?}"
+    );
+    assert_eq!(d.version(), Some(5));
+}

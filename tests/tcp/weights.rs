@@ -46,3 +46,8 @@ async fn a_failed_update_in_place_leaves_readers_waiting_not_reading_a_mix() {
 async fn a_publisher_started_again_in_place_serves_the_set() {
     shared::a_publisher_started_again_in_place_serves_the_set(&tcp_node).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_carry_each_version_down_a_tree_of_subscribers() {
+    shared::relays_carry_each_version_down_a_tree_of_subscribers(&tcp_node).await;
+}

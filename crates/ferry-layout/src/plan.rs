@@ -11,7 +11,9 @@ use std::ops::Range;
 use crate::error::{LayoutError, Side};
 use crate::fingerprint::side_fingerprint;
 use crate::layout::RankLayout;
-use crate::validate::{Piece, SideIndex, boxes_meet, check_rank, check_side, tensor_diff};
+use crate::validate::{
+    Piece, SideIndex, boxes_meet, check_piece_cover, check_rank, check_side, tensor_diff,
+};
 
 /// Which way the bytes go; decides who must be served, not the geometry.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -41,6 +43,14 @@ pub struct PlanOptions<'a> {
     /// local replicas share the writes instead of each writing every byte.
     /// Empty: every local replica writes everything it holds.
     pub local_peers: &'a [RankLayout],
+    /// The remote ranks need hold only what the local rank holds, not
+    /// every element of each tensor: a subscriber that pulls its shard
+    /// from a relay holding the same shard, or a decode rank planning
+    /// against just the prefill ranks it reads. Off by default: a remote
+    /// side with a gap is then most often a rank missing
+    /// ([`LayoutError::Gap`]), which is still refused here for any element
+    /// the local rank holds.
+    pub remote_covers_local_only: bool,
 }
 
 /// A remote region a plan touches: region `region` of remote rank `rank`.
@@ -226,7 +236,15 @@ pub fn plan(
     opts: PlanOptions<'_>,
 ) -> Result<Plan, LayoutError> {
     let local_pieces = check_rank(local)?;
-    let remote_index = check_side(remote, true)?;
+    let remote_index = check_side(remote, !opts.remote_covers_local_only)?;
+    if opts.remote_covers_local_only {
+        for piece in &local_pieces {
+            let name = piece.layout.tensor.name.as_str();
+            if let Some(tensor) = remote_index.get(name) {
+                check_piece_cover(piece, tensor)?;
+            }
+        }
+    }
     let peers = local_side(local, opts)?;
     let peer_index = match &peers {
         Some(peers) => Some(check_side(peers, false)?),

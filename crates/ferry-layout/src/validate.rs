@@ -396,6 +396,48 @@ fn check_cover(name: &str, tensor: &SideTensor<'_>) -> Result<(), LayoutError> {
     }
 }
 
+/// Errors with an element of `piece` (a local rank's) that no group of
+/// the remote `tensor` holds, if there is one.
+pub(crate) fn check_piece_cover(
+    piece: &Piece<'_>,
+    tensor: &SideTensor<'_>,
+) -> Result<(), LayoutError> {
+    let lo = piece.lo.clone();
+    let hi: Vec<u64> = piece
+        .lo
+        .iter()
+        .zip(&piece.len)
+        .map(|(l, n)| l + n)
+        .collect();
+    // Each group's box, cut to the piece's (find_gap takes boxes inside
+    // its space); groups are disjoint, so their cuts are too.
+    let boxes: Vec<(Vec<u64>, Vec<u64>)> = tensor
+        .groups
+        .iter()
+        .map(|g| &g.replicas[0])
+        .filter(|p| boxes_meet(&p.lo, &p.len, &piece.lo, &piece.len))
+        .map(|p| {
+            let cut_lo = p.lo.iter().zip(&lo).map(|(a, b)| *a.max(b)).collect();
+            let cut_hi = (p.lo.iter().zip(&p.len).map(|(l, n)| l + n))
+                .zip(&hi)
+                .map(|(a, b)| a.min(*b))
+                .collect();
+            (cut_lo, cut_hi)
+        })
+        .collect();
+    let refs: Vec<(&[u64], &[u64])> = boxes
+        .iter()
+        .map(|(l, h)| (l.as_slice(), h.as_slice()))
+        .collect();
+    match find_gap(&lo, &hi, &refs) {
+        Some(index) => Err(LayoutError::Gap {
+            tensor: piece.layout.tensor.name.clone(),
+            index,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// An element of the box `lo..hi` that none of the disjoint `boxes` (each
 /// `(lo, hi)`, already inside the space) holds. Sums of volumes decide
 /// whether a box is covered; only an uncovered slab is searched further,

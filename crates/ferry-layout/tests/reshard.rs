@@ -6,8 +6,10 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::{Req, check_pull, check_push};
-use ferry_layout::{Part, RankLayout, Tensor, TensorLayout, tp_part};
+use common::{Req, check_pull, check_pull_with, check_push};
+use ferry_layout::{
+    LayoutError, Part, PlanOptions, RankLayout, Tensor, TensorLayout, plan, tp_part,
+};
 
 /// MLA: one latent per token, the same on every rank. Each decode rank
 /// reads it from exactly one prefill rank, and different decode ranks
@@ -163,6 +165,48 @@ fn weight_rows_against_columns() {
     }
     check_push(&rows, &cols, &[], false);
     check_push(&cols, &rows, &[], false);
+}
+
+/// A relay of weights: an engine rank pulls its column shard from another
+/// engine process holding the same shard (which covers only that shard of
+/// the tensor), or from just the trainer ranks that hold its rows. The
+/// default plan refuses a remote side with a gap; asking for local cover
+/// only, it plans, still refusing a remote side that misses a local byte.
+#[test]
+fn a_shard_plans_against_a_relay_holding_just_that_shard() {
+    let w = Tensor::new("w", 4, &[("out", 8), ("in", 12)]);
+    let shard = |rank: u32, tp: u64, index: u64, axis: usize| {
+        let mut parts = vec![Part::Full; 2];
+        parts[axis] = Part::Split { parts: tp, index };
+        let t = TensorLayout::contiguous(w.clone(), parts, &["out", "in"], 0, 8).expect("layout");
+        RankLayout {
+            rank,
+            region_lens: vec![8 + 8 * 12 * 4 / tp],
+            tensors: vec![t],
+        }
+    };
+    let local_only = PlanOptions {
+        remote_covers_local_only: true,
+        ..PlanOptions::default()
+    };
+    let engine = shard(1, 3, 1, 1);
+    let relay = [shard(0, 3, 1, 1)];
+    let e = plan(&engine, &relay, PlanOptions::default()).expect_err("a gap");
+    assert!(matches!(e, LayoutError::Gap { .. }), "{e:?}");
+    let outcome = check_pull_with(&engine, &relay, &[], local_only);
+    // The same layout on both sides: one run.
+    assert_eq!(outcome.descs, 1);
+    assert_eq!(outcome.bytes_by_rank.values().sum::<u64>(), 8 * 4 * 4);
+    // Rows: an engine holding rows 0..4 (TP 2, rank 0) needs trainer rank
+    // 0 of TP 2 only, and is refused against rank 1 alone.
+    let top = shard(0, 2, 0, 0);
+    let outcome = check_pull_with(&top, &[shard(0, 2, 0, 0)], &[], local_only);
+    assert_eq!(outcome.bytes_by_rank.values().sum::<u64>(), 4 * 12 * 4);
+    let e = plan(&top, &[shard(1, 2, 1, 0)], local_only).expect_err("rows missing");
+    assert!(
+        matches!(e, LayoutError::Gap { ref index, .. } if index[0] < 4),
+        "{e:?}"
+    );
 }
 
 /// Two uneven pipeline stages (layers 0..3 and 3..5, `Part::Range`) into

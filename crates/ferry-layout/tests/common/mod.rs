@@ -277,7 +277,17 @@ fn fill(r: &RankLayout, reqs: &[Req], local: bool, regions: &mut [Vec<u64>]) {
 /// Plans `local` reading from `remote`, expands `reqs`, applies the
 /// descriptors and checks every local byte.
 pub fn check_pull(local: &RankLayout, remote: &[RankLayout], reqs: &[Req]) -> Outcome {
-    let plan = plan(local, remote, PlanOptions::default()).expect("plan");
+    check_pull_with(local, remote, reqs, PlanOptions::default())
+}
+
+/// As [`check_pull`], planned with `opts`.
+pub fn check_pull_with(
+    local: &RankLayout,
+    remote: &[RankLayout],
+    reqs: &[Req],
+    opts: PlanOptions<'_>,
+) -> Outcome {
+    let plan = plan(local, remote, opts).expect("plan");
     let mut out = Expansion::new();
     plan.expand(&borrow(reqs), &mut out).expect("expand");
     let pairs = expansion_pairs(&plan, &out);
