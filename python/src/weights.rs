@@ -346,7 +346,8 @@ impl NativeSubscriber {
             let mut held = self.subscriber.lock().await;
             let subscriber = held.as_mut().ok_or_else(|| closed("subscriber"))?;
             subscriber.serve_relay().map_err(|e| errors::weights(&e))
-        })?
+        })??;
+        Ok(())
     }
 
     /// Drops the subscriber (its plans and the buffers' registrations it

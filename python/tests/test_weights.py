@@ -215,6 +215,9 @@ class Reader(threading.Thread):
         super().__init__(daemon=True)
         self.sub, self.buffers = sub, buffers
         self.stop = threading.Event()
+        #: Set once the first check is done: the test waits for it before
+        #: versions move, so that the reader sees version 1.
+        self.checked = threading.Event()
         self.checks = 0
         self.seen: List[int] = []
         self.problems: List[str] = []
@@ -231,6 +234,7 @@ class Reader(threading.Thread):
                 elif not self.seen or version != self.seen[-1]:
                     self.seen.append(version)
                 self.checks += 1
+                self.checked.set()
         except Exception as error:  # noqa: BLE001 - reported by the test
             self.problems.append(repr(error))
 
@@ -251,6 +255,7 @@ def test_a_reader_never_sees_two_versions_mixed(node: ferry.Node, trainer: Train
     assert sub.update(timeout=TIMEOUT).version == 1
     reader = Reader(sub, buffers)
     reader.start()
+    assert reader.checked.wait(timeout=TIMEOUT), reader.problems
     write_timeout = 30.0 if count == 1 else 0.0
     for p in ranks:
         p.send(op="run", first=2, last=last, gap=0.002, write_timeout=write_timeout)
@@ -436,9 +441,11 @@ def test_bad_input_is_refused_typed() -> None:
             ferry.Subscriber(sub_node, "no-such-set", addr, buffers[0].layout)
         # Only part of the set's ranks: rows 32.. are nobody's.
         half = PublisherRank(pub_node, 0, 2)
-        ferry.Publisher(pub_node, "half", half.layout)
+        # Kept: a publisher dropped withdraws its layout.
+        half_publisher = ferry.Publisher(pub_node, "half", half.layout)
         with pytest.raises(ferry.LayoutError, match="no remote rank holds"):
             ferry.Subscriber(sub_node, "half", addr, buffers[0].layout)
+        half_publisher.close()
         # Other tensors on this side.
         other = np.zeros((ROWS, COLS + 1), dtype=np.uint32)
         wider = ferry.RankLayout(0, [
