@@ -374,26 +374,7 @@ fn check_cover(name: &str, tensor: &SideTensor<'_>) -> Result<(), LayoutError> {
     let axes = &first.replicas[0].layout.tensor.axes;
     let lo = vec![0; axes.len()];
     let hi: Vec<u64> = axes.iter().map(|a| a.size).collect();
-    let boxes: Vec<(Vec<u64>, Vec<u64>)> = tensor
-        .groups
-        .iter()
-        .map(|g| {
-            let p = &g.replicas[0];
-            let hi = p.lo.iter().zip(&p.len).map(|(l, n)| l + n).collect();
-            (p.lo.clone(), hi)
-        })
-        .collect();
-    let refs: Vec<(&[u64], &[u64])> = boxes
-        .iter()
-        .map(|(l, h)| (l.as_slice(), h.as_slice()))
-        .collect();
-    match find_gap(&lo, &hi, &refs) {
-        Some(index) => Err(LayoutError::Gap {
-            tensor: name.to_owned(),
-            index,
-        }),
-        None => Ok(()),
-    }
+    check_box_cover(name, &lo, &hi, tensor)
 }
 
 /// Errors with an element of `piece` (a local rank's) that no group of
@@ -402,36 +383,43 @@ pub(crate) fn check_piece_cover(
     piece: &Piece<'_>,
     tensor: &SideTensor<'_>,
 ) -> Result<(), LayoutError> {
-    let lo = piece.lo.clone();
-    let hi: Vec<u64> = piece
-        .lo
-        .iter()
-        .zip(&piece.len)
+    let hi: Vec<u64> = (piece.lo.iter().zip(&piece.len))
         .map(|(l, n)| l + n)
         .collect();
-    // Each group's box, cut to the piece's (find_gap takes boxes inside
-    // its space); groups are disjoint, so their cuts are too.
+    check_box_cover(&piece.layout.tensor.name, &piece.lo, &hi, tensor)
+}
+
+/// Errors with an element of the box `lo..hi` of tensor `name` that no
+/// group of `tensor` holds, if there is one.
+fn check_box_cover(
+    name: &str,
+    lo: &[u64],
+    hi: &[u64],
+    tensor: &SideTensor<'_>,
+) -> Result<(), LayoutError> {
+    // Each group's box, cut to this one (find_gap takes boxes inside its
+    // space); groups are disjoint, so their cuts are too.
     let boxes: Vec<(Vec<u64>, Vec<u64>)> = tensor
         .groups
         .iter()
         .map(|g| &g.replicas[0])
-        .filter(|p| boxes_meet(&p.lo, &p.len, &piece.lo, &piece.len))
         .map(|p| {
-            let cut_lo = p.lo.iter().zip(&lo).map(|(a, b)| *a.max(b)).collect();
-            let cut_hi = (p.lo.iter().zip(&p.len).map(|(l, n)| l + n))
-                .zip(&hi)
+            let cut_lo: Vec<u64> = p.lo.iter().zip(lo).map(|(a, b)| *a.max(b)).collect();
+            let cut_hi: Vec<u64> = (p.lo.iter().zip(&p.len).map(|(l, n)| l + n))
+                .zip(hi)
                 .map(|(a, b)| a.min(*b))
                 .collect();
             (cut_lo, cut_hi)
         })
+        .filter(|(l, h)| l.iter().zip(h).all(|(a, b)| a < b))
         .collect();
     let refs: Vec<(&[u64], &[u64])> = boxes
         .iter()
         .map(|(l, h)| (l.as_slice(), h.as_slice()))
         .collect();
-    match find_gap(&lo, &hi, &refs) {
+    match find_gap(lo, hi, &refs) {
         Some(index) => Err(LayoutError::Gap {
-            tensor: piece.layout.tensor.name.clone(),
+            tensor: name.to_owned(),
             index,
         }),
         None => Ok(()),
