@@ -45,10 +45,11 @@
 //! subscriber (relays would not help on one host, where the same cores
 //! copy every subscriber's bytes; `examples/relay_bench.rs` measures them
 //! behind a slow publisher link): `--scaling` runs S = 1, 2 and 4 and
-//! prints the update time per S.
+//! prints the update time per S. `--verify` has the subscribers check
+//! every update's checksums (`Subscriber::verify_checksums`).
 //!
 //! ```sh
-//! cargo run --release --example weights_bench -- --transport tcp|memory [--mib 1024] [--subscribers 4] [--versions 5] [--buffers 1] [--scaling]
+//! cargo run --release --example weights_bench -- --transport tcp|memory [--mib 1024] [--subscribers 4] [--versions 5] [--buffers 1] [--verify] [--scaling]
 //! ```
 
 use std::io::{BufRead, BufReader, Write};
@@ -285,7 +286,7 @@ async fn publisher(rank: u32, memory: bool, mib: u64) -> Result<(), String> {
 async fn subscriber(
     memory: bool,
     mib: u64,
-    buffers: usize,
+    (buffers, verify): (usize, bool),
     publishers: Vec<SocketAddr>,
 ) -> Result<(), String> {
     let node = spawn_node(memory).await?;
@@ -310,6 +311,7 @@ async fn subscriber(
     let mut sub = Subscriber::new(&node, SET, &publishers, locals, DEADLINE)
         .await
         .map_err(|e| e.to_string())?;
+    sub.verify_checksums(verify);
     say("READY")?;
     let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
     while let Some(line) = lines.next_line().await.map_err(|e| e.to_string())? {
@@ -507,6 +509,8 @@ struct Config {
     mib: u64,
     versions: u64,
     buffers: usize,
+    /// Subscribers check checksums (`--verify`).
+    verify: bool,
 }
 
 /// What one configuration measured.
@@ -565,6 +569,9 @@ fn run(config: &Config, subscribers: usize) -> Result<Measured, String> {
             "--publishers".into(),
             addresses.join(","),
         ]);
+        if config.verify {
+            args.push("--verify".into());
+        }
         subs.push(Peer::spawn(format!("subscriber {i}"), &args)?);
     }
     for sub in &mut subs {
@@ -790,6 +797,7 @@ fn main() -> ExitCode {
         mib: number("--mib", 1024).max(1),
         versions: number("--versions", 5).max(1),
         buffers: number("--buffers", 1).clamp(1, 2) as usize,
+        verify: has("--verify"),
     };
     let child = |future: std::pin::Pin<Box<dyn Future<Output = Result<(), String>>>>| {
         tokio::runtime::Builder::new_multi_thread()
@@ -809,7 +817,10 @@ fn main() -> ExitCode {
             .map(str::parse)
             .collect();
         match publishers {
-            Ok(p) => child(Box::pin(subscriber(memory, config.mib, config.buffers, p))),
+            Ok(p) => {
+                let shape = (config.buffers, config.verify);
+                child(Box::pin(subscriber(memory, config.mib, shape, p)))
+            }
             Err(e) => Err(format!("--publishers: {e}")),
         }
     } else if has("--scaling") {

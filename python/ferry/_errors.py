@@ -45,6 +45,7 @@ __all__ = [
     "WeightsError",
     "NoCompleteVersion",
     "Overwritten",
+    "ChecksumMismatch",
     "PublisherLost",
     "ReadersHold",
     "VersionNotNewer",
@@ -221,6 +222,17 @@ class Overwritten(WeightsError):
     """Publisher rank :attr:`rank` overwrote version :attr:`version` while
     this subscriber read it (its write's timeout passed): nothing of the
     update counts. Update again, which takes the next version."""
+
+
+class ChecksumMismatch(WeightsError):
+    """``update(verify=True)`` found that the bytes of tensor
+    :attr:`tensor` this subscriber holds from publisher rank :attr:`rank`
+    (0 for a relay) are not those the rank held for version
+    :attr:`version`: nothing of the update counts, and with one buffer the
+    subscriber holds no version until the next update succeeds."""
+
+    #: The tensor whose checksums differ.
+    tensor: Optional[str] = None
 
 
 class PublisherLost(WeightsError, ConnectionError):

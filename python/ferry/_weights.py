@@ -368,14 +368,20 @@ class Subscriber:
         """Whether :meth:`close` ran."""
         return self._native.closed
 
-    def update(self, timeout: float = 30.0, *, at_least: Optional[int] = None) -> Update:
+    def update(
+        self, timeout: float = 30.0, *, at_least: Optional[int] = None, verify: bool = False
+    ) -> Update:
         """Moves the newest version complete on every publisher rank into
         this subscriber's memory, within ``timeout`` seconds, unless it
         holds it already: a subscriber several versions behind gets the
         newest, never each one between. With ``at_least``, updates again
         until it holds that version or a newer one (what a subscriber
         behind a relay waits for), raising :class:`NoCompleteVersion` past
-        the deadline.
+        the deadline. With ``verify``, each source (a publisher rank, or
+        the relay) hashes the elements it shares with this subscriber
+        (XXH3-64, in the tensors' logical order) and the update checks this
+        subscriber's bytes against the sums: a second read of the version
+        on both sides.
 
         Raises, leaving the subscriber on the version it held (with two
         buffers, its readers saw nothing of the attempt):
@@ -384,9 +390,11 @@ class Subscriber:
         :class:`Overwritten` when a rank overran the read (update again);
         :class:`PublisherLost` when a rank is gone or was restarted (make a
         new subscriber, which plans again); :class:`ReadersHold` when
-        readers held the buffer to write until the deadline."""
+        readers held the buffer to write until the deadline;
+        :class:`ChecksumMismatch` when ``verify`` found bytes that differ
+        from a source's."""
         refuse_in_child("this subscriber")
-        return Update(*self._native.update(timeout, at_least))
+        return Update(*self._native.update(timeout, at_least, verify))
 
     def read(self, timeout: float = 30.0) -> ReadGuard:
         """Holds the buffer that holds the newest complete version, for as

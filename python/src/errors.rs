@@ -22,6 +22,8 @@ pub struct Raise {
     message: String,
     index: Option<usize>,
     attrs: Vec<(&'static str, u64)>,
+    /// Attributes that are names (a tensor's).
+    texts: Vec<(&'static str, String)>,
 }
 
 impl Raise {
@@ -32,12 +34,19 @@ impl Raise {
             message: message.to_string(),
             index: None,
             attrs: Vec::new(),
+            texts: Vec::new(),
         }
     }
 
     /// The same, with attribute `name` set to `value` on the exception.
     pub fn with(mut self, name: &'static str, value: impl Into<u64>) -> Self {
         self.attrs.push((name, value.into()));
+        self
+    }
+
+    /// The same, with attribute `name` set to the string `value`.
+    pub fn with_text(mut self, name: &'static str, value: &str) -> Self {
+        self.texts.push((name, value.to_string()));
         self
     }
 
@@ -70,6 +79,9 @@ impl Raise {
         let value = class.call1((self.message, self.index))?;
         for (name, number) in self.attrs {
             value.setattr(name, number)?;
+        }
+        for (name, text) in self.texts {
+            value.setattr(name, text)?;
         }
         Ok(value.unbind())
     }
@@ -291,6 +303,14 @@ pub fn weights(error: &WeightsError) -> Raise {
         WeightsError::PublisherLost { rank, .. } => {
             Raise::new("PublisherLost", error).with("rank", *rank)
         }
+        WeightsError::ChecksumMismatch {
+            tensor,
+            rank,
+            version,
+        } => Raise::new("ChecksumMismatch", error)
+            .with("rank", *rank)
+            .with("version", *version)
+            .with_text("tensor", tensor),
         WeightsError::ReadersHold { buffer } => {
             Raise::new("ReadersHold", error).with("buffer", *buffer as u64)
         }

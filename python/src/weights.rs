@@ -287,13 +287,14 @@ impl NativeSubscriber {
 
     /// Moves the newest complete version in, within `timeout` seconds:
     /// (version, changed, buffer); with `at_least`, updates until it holds
-    /// that version or a newer one.
-    #[pyo3(signature = (timeout, at_least = None))]
+    /// that version or a newer one; with `verify`, checks checksums.
+    #[pyo3(signature = (timeout, at_least = None, verify = false))]
     fn update(
         &self,
         py: Python<'_>,
         timeout: f64,
         at_least: Option<u64>,
+        verify: bool,
     ) -> PyResult<(u64, bool, usize)> {
         let deadline = Instant::now() + seconds(timeout)?;
         let _guard = runtime().enter();
@@ -308,6 +309,7 @@ impl NativeSubscriber {
                 })?;
             let subscriber = held.as_mut().ok_or_else(|| closed("subscriber"))?;
             let left = deadline.saturating_duration_since(Instant::now());
+            subscriber.verify_checksums(verify);
             let result = match at_least {
                 Some(version) => subscriber.update_to(version, left).await,
                 None => subscriber.update(left).await,

@@ -113,7 +113,8 @@ def addrs(ranks: List[PublisherProcess]) -> List[ferry.NodeAddr]:
 def test_each_version_arrives_resharded_byte_for_byte(node: ferry.Node, trainer: Trainer) -> None:
     """Rows split over two publisher processes; here, two subscribers that
     split the columns (two buffers each) and one that holds it whole (one
-    buffer), each on a node of its own: every version, every byte."""
+    buffer), each on a node of its own: every version, every byte, the
+    whole one checking checksums against each rank's."""
     ranks = trainer.start("policy")
     publish(ranks, 1)
     nodes = [node, ferry.Node(), ferry.Node()]
@@ -125,8 +126,8 @@ def test_each_version_arrives_resharded_byte_for_byte(node: ferry.Node, trainer:
         for version in range(1, 5):
             if version > 1:
                 publish(ranks, version)
-            for sub, buffers in subs:
-                update = sub.update(timeout=TIMEOUT)
+            for k, (sub, buffers) in enumerate(subs):
+                update = sub.update(timeout=TIMEOUT, verify=k == 2)
                 assert update == ferry.Update(version, True, sub.active)
                 assert sub.version == version
                 assert buffers[update.buffer].holds(version), (version, update)

@@ -97,6 +97,14 @@ impl Shared {
                 let leased = Answer::Leased { lease, buffer: 0 };
                 (leased, Some((lease, ended)))
             }
+            // Answered with the memory by its server (`checksum::serve`).
+            Ask::Checksums { .. } => (
+                Answer::Refused {
+                    version: state.version,
+                    writing: state.writing,
+                },
+                None,
+            ),
             Ask::Release { lease } => {
                 let intact = state.leases.remove(&lease).is_some_and(|l| {
                     l.ended.cancel();
@@ -107,6 +115,11 @@ impl Shared {
                 (Answer::Released { intact }, None)
             }
         }
+    }
+
+    /// Whether `lease` holds the memory: granted, not ended, not overrun.
+    pub(super) fn holds(&self, lease: u64) -> bool {
+        self.state().leases.get(&lease).is_some_and(|l| l.intact)
     }
 
     /// Ends `lease` (its reader's session ended) if it is still held.

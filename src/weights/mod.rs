@@ -32,8 +32,10 @@
 //! every one in between. The publishers serve leases and bytes; they keep
 //! no per-subscriber state past a lease.
 
+mod checksum;
 mod leases;
 mod publisher;
+mod readers;
 mod relay;
 mod subscriber;
 
@@ -42,7 +44,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use publisher::{Publisher, WriteGuard};
-pub use subscriber::{ReadGuard, Readers, Subscriber, Update};
+pub use readers::{ReadGuard, Readers};
+pub use subscriber::{Subscriber, Update};
 
 use crate::{PlanError, XferError};
 
@@ -74,6 +77,19 @@ pub enum WeightsError {
         rank: u32,
         /// What was seen.
         reason: String,
+    },
+    /// Checksums were asked for ([`Subscriber::verify_checksums`]) and
+    /// the bytes of `tensor` this subscriber holds from publisher rank
+    /// `rank` (a relay: 0) are not those the rank held under the lease:
+    /// the update counts for nothing, as if the rank had overwritten them.
+    #[error("version {version} of tensor {tensor:?} from rank {rank} does not match its checksum")]
+    ChecksumMismatch {
+        /// The tensor.
+        tensor: String,
+        /// The rank.
+        rank: u32,
+        /// The version read.
+        version: u64,
     },
     /// Readers held the buffer an update had to write until its deadline.
     #[error("readers held buffer {buffer} until the update's deadline")]
@@ -130,6 +146,12 @@ enum Ask {
     Lease { version: u64 },
     /// The lease ends; the answer says whether the version stayed intact.
     Release { lease: u64 },
+    /// The checksums of these boxes of the leased memory (refused if the
+    /// lease is not held intact).
+    Checksums {
+        lease: u64,
+        boxes: Vec<checksum::TensorBox>,
+    },
 }
 
 /// A publisher rank's answers.
@@ -153,6 +175,10 @@ enum Answer {
     },
     Released {
         intact: bool,
+    },
+    /// One per box asked, in order.
+    Checksums {
+        sums: Vec<u64>,
     },
 }
 

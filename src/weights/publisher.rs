@@ -8,7 +8,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::leases::{Shared, watch_reader};
-use super::{Ask, WeightsError, handler_name};
+use super::{Ask, WeightsError, checksum, handler_name};
 use crate::{LocalLayout, Node};
 
 /// One publisher rank of a weight set (see [`crate::weights`]). Dropping
@@ -39,16 +39,26 @@ impl Publisher {
             .map_err(|e| WeightsError::Protocol(e.to_string()))?;
         let state = Arc::new(Shared::new(local.layout().rank));
         let shared = state.clone();
+        let memory = local.clone();
         let endpoint = node.0.router.endpoint.clone();
         let served = node.serve_rpc(&handler_name(set), move |request| {
             let ask: Result<Ask, _> = serde_json::from_slice(&request.body);
             let (shared, endpoint, from) = (shared.clone(), endpoint.clone(), request.from);
+            let memory = memory.clone();
             async move {
                 let ask = ask.map_err(|e| format!("not a weights request: {e}"))?;
-                let (answer, lease) = shared.answer(ask);
-                if let Some((lease, ended)) = lease {
-                    watch_reader(&shared, &endpoint, from, lease, ended);
-                }
+                let answer = match ask {
+                    Ask::Checksums { lease, boxes } => {
+                        checksum::serve(&shared, &memory, lease, boxes).await?
+                    }
+                    ask => {
+                        let (answer, lease) = shared.answer(ask);
+                        if let Some((lease, ended)) = lease {
+                            watch_reader(&shared, &endpoint, from, lease, ended);
+                        }
+                        answer
+                    }
+                };
                 serde_json::to_vec(&answer)
                     .map(Bytes::from)
                     .map_err(|e| e.to_string())

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::leases::{Shared, watch_reader};
-use super::{Answer, Ask, WeightsError, relay_handler_name, relay_layout_name};
+use super::{Answer, Ask, WeightsError, checksum, relay_handler_name, relay_layout_name};
 use crate::{LocalLayout, Node};
 
 /// What a relaying subscriber serves: each buffer's layout, published, and
@@ -43,15 +43,27 @@ impl Relay {
             .map(|b| Arc::new(Shared::new(b as u32)))
             .collect();
         let served = shared.clone();
+        let memory: Arc<[LocalLayout]> = buffers.into();
         let endpoint = node.0.router.endpoint.clone();
         let serving = node.serve_rpc(&relay_handler_name(set), move |request| {
             let ask: Result<Ask, _> = serde_json::from_slice(&request.body);
             let (shared, endpoint, from) = (served.clone(), endpoint.clone(), request.from);
+            let memory = memory.clone();
             async move {
                 let ask = ask.map_err(|e| format!("not a weights request: {e}"))?;
-                let answer = answer(&shared, ask, |b, lease, ended| {
-                    watch_reader(&shared[b], &endpoint, from, lease, ended)
-                });
+                let answer = match ask {
+                    // The lease's buffer is in its low bit, as in `answer`.
+                    Ask::Checksums { lease, boxes } => {
+                        let b = (lease & 1) as usize;
+                        let (Some(buffer), Some(memory)) = (shared.get(b), memory.get(b)) else {
+                            return Err(format!("no buffer {b}"));
+                        };
+                        checksum::serve(buffer, memory, lease >> 1, boxes).await?
+                    }
+                    ask => answer(&shared, ask, |b, lease, ended| {
+                        watch_reader(&shared[b], &endpoint, from, lease, ended)
+                    }),
+                };
                 serde_json::to_vec(&answer)
                     .map(Bytes::from)
                     .map_err(|e| e.to_string())
@@ -101,6 +113,11 @@ fn answer(
                 (other, _) => other,
             }
         }
+        // Served with the memory by the handler (`checksum::serve`).
+        Ask::Checksums { .. } => Answer::Refused {
+            version: newest(),
+            writing: false,
+        },
         Ask::Release { lease } => match buffers.get((lease & 1) as usize) {
             Some(buffer) => buffer.answer(Ask::Release { lease: lease >> 1 }).0,
             None => Answer::Released { intact: false },

@@ -9,9 +9,12 @@ use bytes::Bytes;
 use ferry_core::NodeAddr;
 use tokio::time::Instant;
 
+use super::Readers;
+use super::checksum::{TensorBox, checksums, shared_boxes};
+use super::readers::NO_VERSION;
 use super::relay::Relay;
 use super::{Answer, Ask, WeightsError, handler_name, relay_handler_name, relay_layout_name};
-use crate::layout::{Direction, PlanOptions};
+use crate::layout::{Direction, PlanOptions, RankLayout};
 use crate::{LocalLayout, Node, PeerLayout, TransferPlan};
 
 /// A subscriber of a weight set (see [`crate::weights`]).
@@ -33,80 +36,11 @@ pub struct Subscriber {
     version: Option<u64>,
     /// Serving its buffers on to other subscribers, once asked.
     relay: Option<Relay>,
-}
-
-/// The readers' side of a [`Subscriber`]'s fence: cheap to clone, for the
-/// tasks that read the weights. [`Readers::read`] holds the buffer that
-/// holds the newest complete version for as long as its guard lives, and
-/// an update never writes a buffer a reader holds: it waits for it. With
-/// two buffers readers hold the older one while the newer fills; with one,
-/// readers and updates take turns.
-#[derive(Clone)]
-pub struct Readers {
-    locks: Arc<[Arc<tokio::sync::RwLock<()>>]>,
-    active: Arc<AtomicUsize>,
-    /// The version each buffer holds whole ([`NO_VERSION`]: none, before
-    /// the first update, or after one that failed while writing it).
-    versions: Arc<[AtomicU64]>,
-    /// Woken when an update completes.
-    updated: Arc<tokio::sync::Notify>,
-}
-
-/// A buffer's version when it holds no version whole.
-const NO_VERSION: u64 = u64::MAX;
-
-/// A buffer held for reading ([`Readers::read`]): it holds one complete
-/// version until this drops.
-pub struct ReadGuard {
-    buffer: usize,
-    version: u64,
-    _held: tokio::sync::OwnedRwLockReadGuard<()>,
-}
-
-impl ReadGuard {
-    /// The buffer held (its index in [`Subscriber::buffers`]).
-    pub fn buffer(&self) -> usize {
-        self.buffer
-    }
-
-    /// The version it holds.
-    pub fn version(&self) -> u64 {
-        self.version
-    }
-}
-
-impl Readers {
-    /// Holds the buffer that holds the newest complete version. Waits for
-    /// an update under way that writes the only buffer, and for a
-    /// complete version: before the first update, and, with one buffer,
-    /// after an update that failed once it had begun writing (what the
-    /// buffer holds then is no version). Bound it with a timeout where
-    /// the updates may stop.
-    pub async fn read(&self) -> ReadGuard {
-        loop {
-            // Listening before looking: an update that completes after
-            // the look wakes this.
-            let updated = self.updated.notified();
-            tokio::pin!(updated);
-            updated.as_mut().enable();
-            let buffer = self.active.load(Ordering::Acquire);
-            let held = self.locks[buffer].clone().read_owned().await;
-            // Swapped while it waited: take the newer one.
-            if self.active.load(Ordering::Acquire) != buffer && self.locks.len() > 1 {
-                continue;
-            }
-            let version = self.versions[buffer].load(Ordering::Acquire);
-            if version != NO_VERSION {
-                return ReadGuard {
-                    buffer,
-                    version,
-                    _held: held,
-                };
-            }
-            drop(held);
-            updated.await;
-        }
-    }
+    /// The boxes of elements this subscriber shares with each source: per
+    /// publisher rank, or per relay buffer.
+    boxes: Vec<Vec<TensorBox>>,
+    /// Whether updates check checksums ([`Subscriber::verify_checksums`]).
+    verify: bool,
 }
 
 /// What [`Subscriber::update`] did.
@@ -168,11 +102,12 @@ impl Subscriber {
                 node.plan_transfer(buffer, &peers, options, left).await?,
             ]);
         }
+        let sources: Vec<_> = peers.iter().map(|p| p.layout().clone()).collect();
         Ok(Subscriber::assemble(
             node,
             set,
             (ranks, handler_name(set)),
-            plans,
+            (plans, &sources),
             buffers,
         ))
     }
@@ -227,11 +162,12 @@ impl Subscriber {
             plans.push(per_source);
         }
         let ranks = vec![(addr, 0)];
+        let sources: Vec<_> = sources.iter().map(|p| p.layout().clone()).collect();
         Ok(Subscriber::assemble(
             node,
             set,
             (ranks, relay_handler_name(set)),
-            plans,
+            (plans, &sources),
             buffers,
         ))
     }
@@ -240,9 +176,14 @@ impl Subscriber {
         node: &Node,
         set: &str,
         (ranks, handler): (Vec<(NodeAddr, u32)>, String),
-        plans: Vec<Vec<TransferPlan>>,
+        (plans, sources): (Vec<Vec<TransferPlan>>, &[RankLayout]),
         buffers: Vec<LocalLayout>,
     ) -> Subscriber {
+        // The buffers hold the same tensors (checked by planning), so
+        // share the same boxes with each source.
+        let boxes = (sources.iter())
+            .map(|source| shared_boxes(buffers[0].layout(), source))
+            .collect();
         let locks: Vec<_> = (0..buffers.len())
             .map(|_| Arc::new(tokio::sync::RwLock::new(())))
             .collect();
@@ -261,7 +202,21 @@ impl Subscriber {
             },
             version: None,
             relay: None,
+            boxes,
+            verify: false,
         }
+    }
+
+    /// Whether each update also checks, per tensor, that the bytes this
+    /// subscriber holds are those its sources held under its leases (off
+    /// by default): each source hashes the boxes of elements it shares
+    /// with this subscriber (XXH3-64, in the tensor's logical order), this
+    /// subscriber the same boxes of its buffer, and an update whose sums
+    /// differ fails [`WeightsError::ChecksumMismatch`], holding no
+    /// version in that buffer. It costs each source a second read of what
+    /// it served, and this subscriber one of what it received.
+    pub fn verify_checksums(&mut self, on: bool) {
+        self.verify = on;
     }
 
     /// Serves this subscriber's buffers on to other subscribers
@@ -375,6 +330,13 @@ impl Subscriber {
                 Ok::<(), WeightsError>(())
             }
             .await;
+            let moved = match moved {
+                Ok(()) if self.verify => {
+                    self.check_sums(&leases, (source, buffer), version, deadline)
+                        .await
+                }
+                moved => moved,
+            };
             let intact = self.release(&leases, version).await;
             if moved.is_err() || intact.is_err() {
                 if let Some(served) = &served {
@@ -384,6 +346,12 @@ impl Subscriber {
                 // the subscriber holds none.
                 if self.plans.len() == 1 {
                     self.version = None;
+                }
+                // A rank that overwrote the version explains a mismatch.
+                if let (Err(WeightsError::ChecksumMismatch { .. }), Err(overwritten)) =
+                    (&moved, &intact)
+                {
+                    return Err(overwritten.clone());
                 }
                 moved?;
                 intact?;
@@ -490,6 +458,52 @@ impl Subscriber {
             }
         }
         Ok(Some((leases, source)))
+    }
+
+    /// Compares each source's checksums of the boxes it shares with this
+    /// subscriber (under `leases`, `source` the relay buffer leased) with
+    /// this subscriber's of `buffer`.
+    async fn check_sums(
+        &self,
+        leases: &[u64],
+        (source, buffer): (usize, usize),
+        version: u64,
+        deadline: Instant,
+    ) -> Result<(), WeightsError> {
+        let relayed = self.handler == relay_handler_name(&self.set);
+        for (rank, &lease) in leases.iter().enumerate() {
+            let boxes = &self.boxes[if relayed { source } else { rank }];
+            if boxes.is_empty() {
+                continue;
+            }
+            let ask = Ask::Checksums {
+                lease,
+                boxes: boxes.clone(),
+            };
+            let (memory, mine) = (self.buffers[buffer].clone(), boxes.clone());
+            let local = tokio::task::spawn_blocking(move || checksums(&memory, &mine));
+            let (theirs, local) = tokio::join!(self.ask(rank, &ask, deadline), local);
+            let id = self.ranks[rank].1;
+            let theirs = match theirs? {
+                Answer::Checksums { sums } if sums.len() == boxes.len() => sums,
+                // The lease ended or was overrun: release says which.
+                Answer::Refused { .. } => {
+                    return Err(WeightsError::Overwritten { rank: id, version });
+                }
+                other => return Err(WeightsError::Protocol(format!("{other:?}"))),
+            };
+            let local = local
+                .map_err(|e| WeightsError::Protocol(format!("the checksum thread failed: {e}")))?
+                .map_err(WeightsError::Protocol)?;
+            if let Some(k) = (0..boxes.len()).find(|&k| theirs[k] != local[k]) {
+                return Err(WeightsError::ChecksumMismatch {
+                    tensor: boxes[k].tensor.clone(),
+                    rank: id,
+                    version,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Ends the leases; an error if a rank overwrote the version under one.

@@ -51,3 +51,9 @@ async fn a_publisher_started_again_in_place_serves_the_set() {
 async fn relays_carry_each_version_down_a_tree_of_subscribers() {
     shared::relays_carry_each_version_down_a_tree_of_subscribers(&memory_node).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checksums_pass_what_each_rank_served_and_catch_a_source_that_differs() {
+    shared::checksums_pass_what_each_rank_served_and_catch_a_source_that_differs(&memory_node)
+        .await;
+}

@@ -408,7 +408,7 @@ pub async fn a_publisher_started_again_in_place_serves_the_set(make: &impl Async
 /// same shard) pulls from A and serves on; C (the same shard, in place)
 /// pulls from B; D (a quarter of the columns, inside A's half) pulls from
 /// A. Every version reaches all four whole, the publishers serving it
-/// once. A downstream reader that holds a relay's buffer too long is
+/// once, C and D checking checksums. A downstream reader that holds a relay's buffer too long is
 /// overrun and told; a relay that goes fails its downstream typed.
 pub async fn relays_carry_each_version_down_a_tree_of_subscribers(make: &impl AsyncFn() -> Node) {
     let publishers = publishers(make, "relay").await;
@@ -433,6 +433,10 @@ pub async fn relays_carry_each_version_down_a_tree_of_subscribers(make: &impl As
     b.serve_relay().unwrap();
     let (_c_node, mut c) = subscriber(layout(0, 2, 1), 1, Some(&b_node)).await;
     let (_d_node, mut d) = subscriber(layout(0, 4, 1), 2, Some(&a_node)).await;
+    // Checksums through relays too: C's against B's buffers, D's (a
+    // sub-shard) against A's.
+    c.verify_checksums(true);
+    d.verify_checksums(true);
     for version in 1..=5 {
         if version > 1 {
             publish(&publishers, version).await;
@@ -481,4 +485,94 @@ pub async fn relays_carry_each_version_down_a_tree_of_subscribers(make: &impl As
         "{lost:?}"
     );
     assert_eq!(d.version(), Some(5));
+}
+
+/// A stand-in for publisher rank 1 of set `set` on `node`: it publishes
+/// the rank's layout over memory that holds version 1, and answers the
+/// weights protocol as a rank holding it does, except that it claims the
+/// checksums of a zeroed tensor: a source whose bytes arrive other than it
+/// holds them, as far as the subscriber can tell.
+async fn lying_rank(node: &Node, set: &str) -> LocalLayout {
+    let memory = local(node, layout(1, 2, 0)).await;
+    fill(&memory, 1);
+    node.publish_layout(set, &memory).unwrap();
+    node.serve_rpc(&format!("ferry.weights:{set}"), |request| async move {
+        let ask: serde_json::Value = serde_json::from_slice(&request.body).unwrap();
+        let answer = match &ask {
+            serde_json::Value::String(s) if s == "State" => {
+                serde_json::json!({"State": {"rank": 1, "version": 1}})
+            }
+            _ if ask.get("Lease").is_some() => serde_json::json!({"Leased": {"lease": 7}}),
+            _ if ask.get("Release").is_some() => serde_json::json!({"Released": {"intact": true}}),
+            _ => {
+                let boxes = ask["Checksums"]["boxes"].as_array().unwrap().len();
+                serde_json::json!({"Checksums": {"sums": vec![0u64; boxes]}})
+            }
+        };
+        Ok(Bytes::from(serde_json::to_vec(&answer).unwrap()))
+    })
+    .unwrap();
+    memory
+}
+
+pub async fn checksums_pass_what_each_rank_served_and_catch_a_source_that_differs(
+    make: &impl AsyncFn() -> Node,
+) {
+    // Honest ranks, rows split, into columns: three versions, each checked
+    // by the checksums of the boxes each rank shares with the subscriber.
+    let publishers = publishers(make, "wsum").await;
+    let node = make().await;
+    let buffers = vec![local(&node, layout(1, 4, 1)).await];
+    let mut sub = Subscriber::new(&node, "wsum", &addrs(&publishers), buffers, DEADLINE)
+        .await
+        .unwrap();
+    sub.verify_checksums(true);
+    for version in 1..=3 {
+        if version > 1 {
+            publish(&publishers, version).await;
+        }
+        assert_eq!(sub.update(DEADLINE).await.unwrap().version, version);
+        assert_eq!(held(&sub.buffers()[0]), Some(version));
+    }
+    // Rank 1 replaced by one whose checksums differ from its bytes.
+    let honest = publishers.into_iter().next().unwrap();
+    let liar = make().await;
+    let _liar_memory = lying_rank(&liar, "wsum2").await;
+    let rank0 = Publisher::start(&honest.0, "wsum2", honest.2.clone()).unwrap();
+    let (guard, _) = rank0.write(DEADLINE).await;
+    fill(&honest.2, 1);
+    guard.publish(1).unwrap();
+    let sources = [honest.0.addr().endpoint, liar.addr().endpoint];
+    let buffers = vec![local(&node, layout(0, 1, 1)).await];
+    let mut sub = Subscriber::new(&node, "wsum2", &sources, buffers, DEADLINE)
+        .await
+        .unwrap();
+    // Unasked, the update takes the bytes: they are version 1's.
+    assert_eq!(sub.update(DEADLINE).await.unwrap().version, 1);
+    assert_eq!(held(&sub.buffers()[0]), Some(1));
+    let buffers = vec![local(&node, layout(0, 1, 1)).await];
+    let mut sub = Subscriber::new(&node, "wsum2", &sources, buffers, DEADLINE)
+        .await
+        .unwrap();
+    sub.verify_checksums(true);
+    match sub.update(DEADLINE).await {
+        Err(WeightsError::ChecksumMismatch {
+            tensor,
+            rank: 1,
+            version: 1,
+        }) => assert_eq!(tensor, "w"),
+        other => panic!("expected a checksum mismatch from rank 1, got {other:?}"),
+    }
+    // One buffer, written and not verified: it holds no version, and
+    // readers wait rather than read it.
+    assert_eq!(sub.version(), None);
+    let read = tokio::time::timeout(Duration::from_millis(100), sub.readers().read()).await;
+    assert!(
+        read.is_err(),
+        "a reader got a buffer that failed its checksum"
+    );
+    // The honest rank's lease was released: it writes without waiting.
+    let (_, overrun) = rank0.write(Duration::from_millis(1)).await;
+    assert_eq!(overrun, 0);
+    assert_eq!(rank0.readers(), 0);
 }

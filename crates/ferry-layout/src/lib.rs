@@ -82,6 +82,7 @@ mod fingerprint;
 mod helpers;
 mod layout;
 mod nixl;
+mod order;
 mod plan;
 mod validate;
 
@@ -91,4 +92,5 @@ pub use fingerprint::side_fingerprint;
 pub use helpers::{KvCache, KvPlacement, LayerPlacement, TokenOrder, tp_part};
 pub use layout::{Axis, Paged, Part, Place, RankLayout, RegionMap, Tensor, TensorLayout};
 pub use nixl::{NixlIndices, NixlShape};
+pub use order::{WalkError, walk_box};
 pub use plan::{Direction, Plan, PlanOptions, RemoteRegion, plan};
