@@ -11,7 +11,9 @@
 //! subscriber that does not ask costs the publisher nothing. One that
 //! asks costs the source a second read of what it served.
 
+use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use ferry_layout::{RankLayout, walk_box};
 use serde::{Deserialize, Serialize};
@@ -26,7 +28,7 @@ use crate::LocalLayout;
 const MAX_BOXES: usize = 1 << 16;
 
 /// A box of one tensor's elements: global index ranges, one per axis.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub(super) struct TensorBox {
     pub tensor: String,
     pub bounds: Vec<Range<u64>>,
@@ -58,30 +60,90 @@ pub(super) fn shared_boxes(local: &RankLayout, source: &RankLayout) -> Vec<Tenso
     boxes
 }
 
-/// A source's answer to a checksums ask for `lease`: the sums of `boxes`
-/// over `memory` (on a blocking thread) while `shared` holds the lease
-/// intact; refused, as a lease is, when it does not.
-pub(super) async fn serve(
-    shared: &Shared,
-    memory: &LocalLayout,
-    lease: u64,
-    boxes: Vec<TensorBox>,
-) -> Result<Answer, String> {
-    if boxes.len() > MAX_BOXES {
-        return Err(format!("{} boxes asked; at most {MAX_BOXES}", boxes.len()));
+/// A source's memory (a publisher rank's, a relay buffer's) as checksums
+/// are served from it, with the sums of its current version computed so
+/// far: subscribers that shard alike ask for the same boxes, and each box
+/// is hashed once per version, not once per subscriber.
+pub(super) struct Served {
+    memory: LocalLayout,
+    /// The version the sums are of, and each box's sum.
+    cache: Mutex<(u64, HashMap<TensorBox, u64>)>,
+    /// Held while boxes are hashed: subscribers updating together ask at
+    /// once, and the later ones wait for the sums the first one computes
+    /// rather than hash the same bytes beside it.
+    hashing: tokio::sync::Mutex<()>,
+}
+
+impl Served {
+    pub(super) fn new(memory: LocalLayout) -> Served {
+        Served {
+            memory,
+            cache: Mutex::new((0, HashMap::new())),
+            hashing: tokio::sync::Mutex::new(()),
+        }
     }
-    if !shared.holds(lease) {
-        let refused = super::Ask::Checksums {
-            lease,
-            boxes: Vec::new(),
+
+    /// The answer to a checksums ask for `lease`: the sums of `boxes` over
+    /// the memory (those not known yet hashed on a blocking thread) while
+    /// `shared` holds the lease intact; refused, as a lease is, when it
+    /// does not. Versions only grow, and a version is never written while
+    /// a lease on it is intact, so sums cached for a version stay true of
+    /// it (a writer that overruns a lease meanwhile fails its reader
+    /// `Overwritten` whatever the sums say).
+    pub(super) async fn answer(
+        self: &Arc<Self>,
+        shared: &Shared,
+        lease: u64,
+        boxes: Vec<TensorBox>,
+    ) -> Result<Answer, String> {
+        if boxes.len() > MAX_BOXES {
+            return Err(format!("{} boxes asked; at most {MAX_BOXES}", boxes.len()));
+        }
+        let Some(version) = shared.holds(lease) else {
+            let refused = super::Ask::Checksums {
+                lease,
+                boxes: Vec::new(),
+            };
+            return Ok(shared.answer(refused).0);
         };
-        return Ok(shared.answer(refused).0);
+        let known = |cache: &mut (u64, HashMap<TensorBox, u64>)| {
+            if cache.0 != version {
+                *cache = (version, HashMap::new());
+            }
+            boxes
+                .iter()
+                .map(|b| cache.1.get(b).copied())
+                .collect::<Vec<_>>()
+        };
+        let _hashing = self.hashing.lock().await;
+        let mut sums = known(&mut self.lock());
+        let missing: Vec<TensorBox> = (boxes.iter().zip(&sums))
+            .filter(|(_, sum)| sum.is_none())
+            .map(|(b, _)| b.clone())
+            .collect();
+        if !missing.is_empty() {
+            let served = self.clone();
+            let hashed = tokio::task::spawn_blocking(move || checksums(&served.memory, &missing))
+                .await
+                .map_err(|e| format!("the checksum thread failed: {e}"))??;
+            let mut fresh = hashed.into_iter();
+            let mut cache = self.lock();
+            for (sum, b) in sums.iter_mut().zip(&boxes).filter(|(s, _)| s.is_none()) {
+                let value = fresh.next().expect("one sum per missing box");
+                *sum = Some(value);
+                if cache.0 == version {
+                    cache.1.insert(b.clone(), value);
+                }
+            }
+        }
+        Ok(Answer::Checksums {
+            sums: sums.into_iter().map(|s| s.expect("filled")).collect(),
+        })
     }
-    let memory = memory.clone();
-    let sums = tokio::task::spawn_blocking(move || checksums(&memory, &boxes))
-        .await
-        .map_err(|e| format!("the checksum thread failed: {e}"))??;
-    Ok(Answer::Checksums { sums })
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (u64, HashMap<TensorBox, u64>)> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// Bytes staged per hash update: runs are copied out of the memory first

@@ -97,7 +97,7 @@ impl Shared {
                 let leased = Answer::Leased { lease, buffer: 0 };
                 (leased, Some((lease, ended)))
             }
-            // Answered with the memory by its server (`checksum::serve`).
+            // Answered with the memory by its server (`checksum::Served::answer`).
             Ask::Checksums { .. } => (
                 Answer::Refused {
                     version: state.version,
@@ -117,9 +117,12 @@ impl Shared {
         }
     }
 
-    /// Whether `lease` holds the memory: granted, not ended, not overrun.
-    pub(super) fn holds(&self, lease: u64) -> bool {
-        self.state().leases.get(&lease).is_some_and(|l| l.intact)
+    /// The version `lease` holds, if it holds the memory: granted, not
+    /// ended, not overrun.
+    pub(super) fn holds(&self, lease: u64) -> Option<u64> {
+        let state = self.state();
+        let intact = state.leases.get(&lease).is_some_and(|l| l.intact);
+        state.version.filter(|_| intact)
     }
 
     /// Ends `lease` (its reader's session ended) if it is still held.

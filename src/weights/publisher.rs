@@ -39,7 +39,7 @@ impl Publisher {
             .map_err(|e| WeightsError::Protocol(e.to_string()))?;
         let state = Arc::new(Shared::new(local.layout().rank));
         let shared = state.clone();
-        let memory = local.clone();
+        let memory = Arc::new(checksum::Served::new(local.clone()));
         let endpoint = node.0.router.endpoint.clone();
         let served = node.serve_rpc(&handler_name(set), move |request| {
             let ask: Result<Ask, _> = serde_json::from_slice(&request.body);
@@ -48,9 +48,7 @@ impl Publisher {
             async move {
                 let ask = ask.map_err(|e| format!("not a weights request: {e}"))?;
                 let answer = match ask {
-                    Ask::Checksums { lease, boxes } => {
-                        checksum::serve(&shared, &memory, lease, boxes).await?
-                    }
+                    Ask::Checksums { lease, boxes } => memory.answer(&shared, lease, boxes).await?,
                     ask => {
                         let (answer, lease) = shared.answer(ask);
                         if let Some((lease, ended)) = lease {

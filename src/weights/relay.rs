@@ -43,7 +43,9 @@ impl Relay {
             .map(|b| Arc::new(Shared::new(b as u32)))
             .collect();
         let served = shared.clone();
-        let memory: Arc<[LocalLayout]> = buffers.into();
+        let memory: Arc<[Arc<checksum::Served>]> = (buffers.iter())
+            .map(|b| Arc::new(checksum::Served::new(b.clone())))
+            .collect();
         let endpoint = node.0.router.endpoint.clone();
         let serving = node.serve_rpc(&relay_handler_name(set), move |request| {
             let ask: Result<Ask, _> = serde_json::from_slice(&request.body);
@@ -58,7 +60,7 @@ impl Relay {
                         let (Some(buffer), Some(memory)) = (shared.get(b), memory.get(b)) else {
                             return Err(format!("no buffer {b}"));
                         };
-                        checksum::serve(buffer, memory, lease >> 1, boxes).await?
+                        memory.answer(buffer, lease >> 1, boxes).await?
                     }
                     ask => answer(&shared, ask, |b, lease, ended| {
                         watch_reader(&shared[b], &endpoint, from, lease, ended)
@@ -113,7 +115,7 @@ fn answer(
                 (other, _) => other,
             }
         }
-        // Served with the memory by the handler (`checksum::serve`).
+        // Served with the memory by the handler (`checksum::Served::answer`).
         Ask::Checksums { .. } => Answer::Refused {
             version: newest(),
             writing: false,
