@@ -128,6 +128,11 @@ impl Served {
                 .map_err(|e| format!("the checksum thread failed: {e}"))??;
             let mut fresh = hashed.into_iter();
             let mut cache = self.lock();
+            // Bounded: a version's boxes are one per tensor per way of
+            // sharding it; past this, someone asks for arbitrary boxes.
+            if cache.1.len() > MAX_BOXES {
+                cache.1.clear();
+            }
             for (sum, b) in sums.iter_mut().zip(&boxes).filter(|(s, _)| s.is_none()) {
                 let value = fresh.next().expect("one sum per missing box");
                 *sum = Some(value);

@@ -19,6 +19,7 @@ mod notified_batches;
 mod peer;
 mod rails;
 mod transfers;
+mod weights;
 
 use std::time::Duration;
 

@@ -20,6 +20,9 @@ use tokio::process::{Child, Command};
 /// The peer process's side: its node, driven by the commands.
 #[path = "peer_side.rs"]
 mod peer_side;
+/// Peer commands that publish and subscribe to weights.
+#[path = "peer_weights.rs"]
+pub mod peer_weights;
 /// Peer commands on memory ferry did not allocate (`MemoryBlock::from_raw`).
 #[path = "raw.rs"]
 pub mod raw;

@@ -66,6 +66,7 @@ pub fn peer_main() {
         };
         let mut regions: Vec<Option<Region>> = Vec::new();
         let mut raws = raw::Raws::default();
+        let mut weights = peer_weights::Weights::default();
         for line in stdin.lock().lines() {
             let line = line.expect("stdin");
             let words: Vec<&str> = line.split_whitespace().collect();
@@ -147,6 +148,11 @@ pub fn peer_main() {
                         Ok(()) => "ok".to_string(),
                         Err(error) => error.to_string().replace('\n', " "),
                     }
+                }
+                [word, ..] if word.starts_with("weights-") => {
+                    peer_weights::command(&node, &mut weights, &words)
+                        .await
+                        .unwrap_or_else(|| panic!("bad weights command {line:?}"))
                 }
                 other => raw::command(&node, &mut regions, &mut raws, other, &line)
                     .await

@@ -56,3 +56,48 @@ async fn relays_carry_each_version_down_a_tree_of_subscribers() {
 async fn checksums_pass_what_each_rank_served_and_catch_a_source_that_differs() {
     shared::checksums_pass_what_each_rank_served_and_catch_a_source_that_differs(&tcp_node).await;
 }
+
+/// The two-VM test's scenario (tests/rxe_wire/weights.rs) on one host:
+/// publisher ranks in peer processes, a subscriber here and one in a
+/// third process, checksums on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_published_by_peer_processes_reach_subscribers_in_others() {
+    use crate::common::PeerProcess;
+    use crate::common::peer_weights::data::{held, layout, local};
+    use ferry::weights::Subscriber;
+
+    let deadline = std::time::Duration::from_secs(30);
+    let mut ranks = Vec::new();
+    let mut addrs = Vec::new();
+    for rank in 0..2 {
+        let mut peer = PeerProcess::spawn().await;
+        assert_eq!(peer.weights_publish("procs", rank, 2, 1).await, 0);
+        addrs.push(peer.node_addr().await.unwrap().endpoint);
+        ranks.push(peer);
+    }
+    let node = tcp_node().await;
+    let buffer = vec![local(&node, layout(1, 2, 1)).await];
+    let mut here = Subscriber::new(&node, "procs", &addrs, buffer, deadline)
+        .await
+        .unwrap();
+    here.verify_checksums(true);
+    let mut there = PeerProcess::spawn().await;
+    there.weights_subscribe("procs", 0, 1, &addrs).await;
+    for version in 1..=3 {
+        if version > 1 {
+            for (rank, peer) in ranks.iter_mut().enumerate() {
+                assert_eq!(
+                    peer.weights_publish("procs", rank as u32, 2, version).await,
+                    0
+                );
+            }
+        }
+        let update = here.update(deadline).await.unwrap();
+        assert_eq!(update.version, version);
+        assert_eq!(held(&here.buffers()[0]), Some(version));
+        assert_eq!(
+            there.weights_update("procs").await,
+            (version, Some(version))
+        );
+    }
+}

@@ -35,12 +35,21 @@ pub enum WalkError {
     /// block table: there is no one order of its memory to walk.
     #[error("the tensor has a paged axis")]
     Paged,
+    /// The layout places no byte for the element at this rank-local index
+    /// (a region map shorter than the piece: a layout not validated).
+    #[error("the layout places no element at rank-local index {index:?}")]
+    Unplaced {
+        /// The rank-local index.
+        index: Vec<u64>,
+    },
 }
 
 /// Calls `run(region, offset, len)` for the bytes of the elements of
 /// `bounds` (global index ranges, one per axis) in `layout`'s memory, in
 /// row-major logical order, elements adjacent in memory in one run.
-/// Checks the box first: nothing is called for a box that is refused.
+/// Checks the box first: nothing is called for a box that is refused
+/// (short of a layout that places no byte for some element, which ends
+/// the walk where it is found).
 pub fn walk_box(
     layout: &TensorLayout,
     bounds: &[Range<u64>],
@@ -88,13 +97,16 @@ pub fn walk_box(
     };
     let mut x: Vec<u64> = local.iter().map(|r| r.start).collect();
     loop {
+        let place = |x: &[u64]| {
+            (layout.locate(x, None)).ok_or_else(|| WalkError::Unplaced { index: x.to_vec() })
+        };
         if contiguous {
-            let (region, offset) = layout.locate(&x, None).expect("checked in range");
+            let (region, offset) = place(&x)?;
             emit(region, offset, row * elem);
         } else {
             for i in local[last].clone() {
                 x[last] = i;
-                let (region, offset) = layout.locate(&x, None).expect("checked in range");
+                let (region, offset) = place(&x)?;
                 emit(region, offset, elem);
             }
             x[last] = local[last].start;
