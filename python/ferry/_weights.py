@@ -262,7 +262,9 @@ class Subscriber:
     """A subscriber of the weight set ``set_name``, published by the nodes
     at ``publishers`` (one per rank, in any order: a :class:`NodeAddr`, its
     ``str()``, or its ``"ip:port"``: the subscriber asks whatever node
-    listens there for the set's layout), into ``buffers``: this process's
+    listens there for the set's layout; or else every rank's node name,
+    looked up through ``node``'s names: in etcd, or among the peers whose
+    metadata it fetched), into ``buffers``: this process's
     layout of the same tensors (another sharding is fine; the same element
     sizes), over arrays registered with ``node``.
 
@@ -431,7 +433,8 @@ class Subscriber:
 
 
 def _endpoint(address: PublisherAddr, what: str) -> str:
-    """A :class:`NodeAddr`, its ``str()`` or an ``"ip:port"``, as ``"ip:port"``."""
+    """A :class:`NodeAddr`, its ``str()`` or an ``"ip:port"``, as ``"ip:port"``;
+    any other string is a node's name, passed on as it is."""
     if isinstance(address, NodeAddr):
         return address.endpoint
     if isinstance(address, str):

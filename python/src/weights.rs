@@ -106,10 +106,19 @@ impl NativeNode {
             text.parse::<SocketAddr>()
                 .map_err(|_| errors::invalid(format!("{text:?} is not an ip:port address")))
         };
-        let addresses = publishers
-            .iter()
-            .map(parse)
-            .collect::<Result<Vec<_>, _>>()?;
+        // Addresses, or else node names (looked up through the node's
+        // names), not a mix.
+        let addresses: Vec<SocketAddr> = publishers.iter().filter_map(|p| p.parse().ok()).collect();
+        let names: Vec<&str> = match addresses.len() {
+            n if n == publishers.len() => Vec::new(),
+            0 => publishers.iter().map(String::as_str).collect(),
+            _ => {
+                return Err(errors::invalid(
+                    "publishers are all ip:port addresses or all node names, not a mix",
+                )
+                .into());
+            }
+        };
         let relay = relay.as_ref().map(parse).transpose()?;
         let locals = buffers
             .iter()
@@ -122,7 +131,10 @@ impl NativeNode {
                 Some(relay) => {
                     Subscriber::from_relay(&self.node, set, relay, locals, timeout).await
                 }
-                None => Subscriber::new(&self.node, set, &addresses, locals, timeout).await,
+                None if names.is_empty() => {
+                    Subscriber::new(&self.node, set, &addresses, locals, timeout).await
+                }
+                None => Subscriber::by_names(&self.node, set, &names, locals, timeout).await,
             }
         })?
         .map_err(|e| errors::weights(&e))?;

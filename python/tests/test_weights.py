@@ -407,6 +407,28 @@ def test_an_overrun_reader_is_counted() -> None:
             assert 0.15 < time.monotonic() - started < 5.0
 
 
+def test_publisher_ranks_may_be_named() -> None:
+    """Ranks given by their nodes' names, looked up among the peers whose
+    metadata the subscriber's node fetched (through etcd on a node that
+    uses it)."""
+    with ferry.Node(name="rank-a") as a, ferry.Node(name="rank-b") as b, ferry.Node() as sub_node:
+        ranks = [PublisherRank(a, 0, 2), PublisherRank(b, 1, 2)]
+        publishers = [ferry.Publisher(n, "named", r.layout) for n, r in zip((a, b), ranks)]
+        for publisher, rank in zip(publishers, ranks):
+            with publisher.write() as w:
+                rank.fill(3)
+                w.publish(3)
+        for n in (a, b):
+            sub_node.fetch_metadata(n.addr.endpoint)
+        buffer = subscriber_buffers(sub_node, 0, 1, 1)[0]
+        sub = ferry.Subscriber(sub_node, "named", ["rank-b", "rank-a"], buffer.layout)
+        assert sub.update(timeout=TIMEOUT, verify=True) == ferry.Update(3, True, 0)
+        assert buffer.holds(3)
+        sub.close()
+        for publisher in publishers:
+            publisher.close()
+
+
 def test_bad_input_is_refused_typed() -> None:
     with ferry.Node() as pub_node, ferry.Node() as sub_node:
         me = PublisherRank(pub_node, 0, 1)
@@ -434,8 +456,11 @@ def test_bad_input_is_refused_typed() -> None:
         for wrong in ([], layouts(buffers)):
             with pytest.raises(ferry.InvalidArgument, match="one buffer or two"):
                 ferry.Subscriber(sub_node, "bad", addr, wrong)
-        with pytest.raises(ferry.InvalidArgument, match="not an ip:port"):
+        # Not an address: a node name, which nobody here has.
+        with pytest.raises(ferry.PublisherLost, match="nowhere"):
             ferry.Subscriber(sub_node, "bad", ["nowhere"], buffers[0].layout)
+        with pytest.raises(ferry.InvalidArgument, match="not a mix"):
+            ferry.Subscriber(sub_node, "bad", ["nowhere", pub_node.addr], buffers[0].layout)
         with pytest.raises(ferry.InvalidArgument, match="a list of addresses"):
             ferry.Subscriber(sub_node, "bad", pub_node.addr.endpoint, buffers[0].layout)
         with pytest.raises(ferry.NotFound):

@@ -112,6 +112,33 @@ impl Subscriber {
         ))
     }
 
+    /// [`Subscriber::new`] with the publisher ranks' nodes named rather
+    /// than addressed: each name is looked up through this node's names
+    /// ([`Node::lookup`]: in etcd, on a node that uses it, or among the
+    /// peers whose metadata it holds), all within `timeout`. A name not
+    /// found by then fails [`WeightsError::PublisherLost`] naming it.
+    pub async fn by_names(
+        node: &Node,
+        set: &str,
+        publishers: &[&str],
+        buffers: Vec<LocalLayout>,
+        timeout: Duration,
+    ) -> Result<Subscriber, WeightsError> {
+        let deadline = Instant::now() + timeout;
+        let mut addresses = Vec::with_capacity(publishers.len());
+        for name in publishers {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let found = node.lookup(name, left).await;
+            let metadata = found.map_err(|e| WeightsError::PublisherLost {
+                rank: u32::MAX,
+                reason: format!("{name:?} was not found: {e}"),
+            })?;
+            addresses.push(metadata.node.endpoint);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        Subscriber::new(node, set, &addresses, buffers, left).await
+    }
+
     /// A subscriber of set `set` that takes its versions from another
     /// subscriber, the one at `relay` (which called
     /// [`Subscriber::serve_relay`]), instead of from the publishers: so

@@ -185,7 +185,8 @@ mod tests {
         let rows = piece(0, 1, false);
         let refused = walk_box(&rows, &[0..3, 0..6], |_, _, _| panic!("nothing walked"));
         assert!(matches!(refused, Err(WalkError::NotHeld { axis: 0, .. })));
-        let refused = walk_box(&rows, &[2..4], |_, _, _| panic!("nothing walked"));
+        let one_axis = std::slice::from_ref(&(2..4));
+        let refused = walk_box(&rows, one_axis, |_, _, _| panic!("nothing walked"));
         assert!(matches!(
             refused,
             Err(WalkError::Axes { given: 1, axes: 2 })

@@ -326,3 +326,43 @@ fn sigterm_withdraws_a_served_node() {
         listed(&url).is_empty()
     });
 }
+
+/// The weight publication tests' matrix (the workspace's tests share it).
+#[path = "../../../../tests/shared/weights_data.rs"]
+mod weights_data;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_finds_the_publisher_ranks_by_name() {
+    use ferry::weights::{Publisher, Subscriber, WeightsError};
+    use weights_data::{fill, held, layout, local};
+
+    let etcd = EtcdServer::start();
+    // Two publisher ranks (rows split), each a node named in etcd.
+    let mut ranks = Vec::new();
+    for rank in 0..2 {
+        let node = node(&etcd, Some(&format!("trainer-{rank}"))).await;
+        let memory = local(&node, layout(rank, 2, 0)).await;
+        let publisher = Publisher::start(&node, "policy", memory.clone()).unwrap();
+        let (guard, _) = publisher.write(LOOKUP).await;
+        fill(&memory, 1);
+        guard.publish(1).unwrap();
+        ranks.push((node, publisher));
+    }
+    let me = node(&etcd, None).await;
+    let buffer = vec![local(&me, layout(1, 2, 1)).await];
+    let names = ["trainer-0", "trainer-1"];
+    let mut sub = Subscriber::by_names(&me, "policy", &names, buffer, LOOKUP)
+        .await
+        .unwrap();
+    assert_eq!(sub.update(LOOKUP).await.unwrap().version, 1);
+    assert_eq!(held(&sub.buffers()[0]), Some(1));
+    // A rank nobody published: typed, at the deadline, naming it.
+    let buffer = vec![local(&me, layout(0, 1, 1)).await];
+    let names = ["trainer-0", "trainer-9"];
+    let missing = Subscriber::by_names(&me, "policy", &names, buffer, Duration::from_millis(300));
+    match missing.await {
+        Err(WeightsError::PublisherLost { reason, .. }) => assert!(reason.contains("trainer-9")),
+        Err(other) => panic!("expected PublisherLost naming trainer-9, got {other:?}"),
+        Ok(_) => panic!("a subscriber of a rank nobody published"),
+    }
+}
