@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use ferry_control::Channel;
-use ferry_control::auth::FrameMac;
+use ferry_control::auth::{FRAME_TAG_LEN, FrameMac};
 use ferry_control::hello::Authenticated;
 use ferry_core::{NodeAddr, OpError};
 use tokio::net::TcpStream;
@@ -151,7 +151,9 @@ async fn run_connection(
     // answer: while set, the owner has read nothing sent since it was idle.
     let unanswered = AtomicBool::new(false);
     let room = Semaphore::new(window as usize);
-    let mut reader = FrameReader::new(config.busy_poll);
+    // Sealed, each response's tag follows its header.
+    let trailer = if recv_mac.is_some() { FRAME_TAG_LEN } else { 0 };
+    let mut reader = FrameReader::new(config.busy_poll).with_trailer(trailer);
     let busy_poll = config.busy_poll;
     let writing = async {
         let r = write_loop(

@@ -94,6 +94,17 @@ async fn recv_raw(
 #[error("a frame's authentication tag is wrong: altered or injected on the way")]
 pub struct ForgedFrame;
 
+/// Checks `tag`, read with the frame's last part, over `parts` with `mac`
+/// (the connection's receiving direction): a tag that fails is a
+/// [`forged`] error, which ends the connection.
+pub fn open_tag(mac: &mut FrameMac, parts: &[&[u8]], tag: &[u8]) -> io::Result<()> {
+    if mac.open(parts, tag) {
+        Ok(())
+    } else {
+        Err(forged())
+    }
+}
+
 /// The I/O error of a [`ForgedFrame`].
 pub fn forged() -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, ForgedFrame)
@@ -266,6 +277,9 @@ pub struct FrameReader {
     start: usize,
     end: usize,
     after_large_payload: bool,
+    /// Bytes that follow every header on this stream (a sealed response's
+    /// tag): an exact-length header read takes them in the same `recv`.
+    trailer: usize,
     /// How long each read polls before it sleeps (see `recv_raw`).
     busy_poll: Duration,
     /// The accepted connection's place (owner side only).
@@ -307,9 +321,20 @@ impl FrameReader {
             start: 0,
             end: 0,
             after_large_payload: false,
+            trailer: 0,
             busy_poll,
             permit: None,
         }
+    }
+
+    /// The same reader, for a stream whose every header is followed by
+    /// `len` bytes of its own (a sealed connection's responses, each with
+    /// its tag): a header read after a large payload asks for them too, so
+    /// that the tag's check finds it buffered instead of waiting on the
+    /// socket once more (a `recv` and often a sleep in `epoll_wait`).
+    pub fn with_trailer(mut self, len: usize) -> Self {
+        self.trailer = len;
+        self
     }
 
     /// How long each read polls from now on (see [`poll_for`]).
@@ -347,7 +372,7 @@ impl FrameReader {
             let missing = N - self.buffered();
             let spare = &mut self.buf[self.end..];
             let want = if self.after_large_payload {
-                missing
+                (missing + self.trailer).min(spare.len())
             } else {
                 spare.len()
             };
@@ -500,11 +525,7 @@ impl FrameReader {
         // SAFETY: `tag` is FRAME_TAG_LEN bytes on this frame, alive across
         // the call.
         unsafe { self.exact(stream, tag.as_mut_ptr(), FRAME_TAG_LEN).await? };
-        if mac.open(parts, &tag) {
-            Ok(())
-        } else {
-            Err(forged())
-        }
+        open_tag(mac, parts, &tag)
     }
 
     /// Skips the next `len` stream bytes (the payload of a refused write).

@@ -16,7 +16,7 @@ use crate::frame::{
     ClientFrame, Notify, NotifyOutcome, REQUEST_LEN, RESPONSE_LEN, Range, Ranges, Refusal,
     RequestKind, Response, SCOPE_LEN,
 };
-use crate::io::{FrameReader, IoVecs, MAX_IOV};
+use crate::io::{FrameReader, IoVecs, MAX_IOV, open_tag};
 use crate::table::{Credentials, RegionTable, ScopeCache};
 use ferry_control::auth::{FRAME_TAG_LEN, FrameMac};
 
@@ -408,21 +408,24 @@ async fn check_ranges(
         cache,
         scopes,
     } = scratch;
-    bytes.resize(req.table_len(), 0);
-    // Exactly the table: the ranges' payloads behind it, if large, go
-    // straight from the socket to their places.
-    // SAFETY: `bytes` is `table_len` bytes long and lives across the call.
+    let table_len = req.table_len();
+    let tag_len = if check.is_some() { FRAME_TAG_LEN } else { 0 };
+    bytes.resize(table_len + tag_len, 0);
+    // Exactly the table, and its tag when sealed, in one read (a second
+    // read for the tag alone cost a `recv`, and often a sleep, per frame):
+    // the ranges' payloads behind it, if large, go straight from the
+    // socket to their places.
+    // SAFETY: `bytes` is that long and lives across the call.
     unsafe {
         reader
             .exact(stream, bytes.as_mut_ptr(), bytes.len())
             .await?
     };
+    let (entries, tag) = bytes.split_at(table_len);
     if let Some(mac) = check {
-        reader
-            .check_tag(stream, mac, &[header, &scopes[..scoped], bytes])
-            .await?;
+        open_tag(mac, &[header, &scopes[..scoped], entries], tag)?;
     }
-    if let Err(e) = req.decode_table(bytes, ranges) {
+    if let Err(e) = req.decode_table(entries, ranges) {
         // The payload can no longer be delimited: refuse and hang up.
         out.refuse(req.id, 0, Refusal::Malformed, 0);
         out.flush(stream, permit).await?;
