@@ -378,7 +378,9 @@ class Subscriber:
         holds it already: a subscriber several versions behind gets the
         newest, never each one between. With ``at_least``, updates again
         until it holds that version or a newer one (what a subscriber
-        behind a relay waits for), raising :class:`NoCompleteVersion` past
+        behind a relay waits for, or one waiting for the publishers' next
+        step: each source is asked once to answer when it has the
+        version, not polled), raising :class:`NoCompleteVersion` past
         the deadline. With ``verify``, each source (a publisher rank, or
         the relay) hashes the elements it shares with this subscriber
         (XXH3-64, in the tensors' logical order) and the update checks this

@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{Answer, Ask, LEASE_LIMIT, WeightsError};
+use super::{AWAIT_LIMIT, Answer, Ask, LEASE_LIMIT, WeightsError};
 
 /// A buffer served to readers: the version it holds and their leases.
 pub(super) struct Shared {
@@ -21,6 +21,8 @@ pub(super) struct Shared {
     inner: Mutex<State>,
     /// Woken when a lease ends.
     released: Notify,
+    /// Woken when a version is published (shared by a relay's buffers).
+    published: Arc<Notify>,
 }
 
 #[derive(Default)]
@@ -46,11 +48,23 @@ struct Lease {
 
 impl Shared {
     pub(super) fn new(rank: u32) -> Shared {
+        Shared::waking(rank, Arc::default())
+    }
+
+    /// A buffer whose publications wake `published`'s waiters: a relay's
+    /// buffers share one, so that a wait for a version watches them all.
+    pub(super) fn waking(rank: u32, published: Arc<Notify>) -> Shared {
         Shared {
             rank,
             inner: Mutex::default(),
             released: Notify::new(),
+            published,
         }
+    }
+
+    /// What wakes when this buffer publishes a version.
+    pub(super) fn published(&self) -> &Notify {
+        &self.published
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -68,7 +82,9 @@ impl Shared {
     pub(super) fn answer(&self, ask: Ask) -> (Answer, Option<(u64, CancellationToken)>) {
         let mut state = self.state();
         match ask {
-            Ask::State => (
+            // An await is answered by its server (`wait_for`); one that
+            // reaches here is answered now.
+            Ask::State | Ask::Await { .. } => (
                 Answer::State {
                     rank: self.rank,
                     version: state.version,
@@ -198,6 +214,8 @@ impl Shared {
         state.version = Some(version);
         state.last = Some(version);
         state.writing = false;
+        drop(state);
+        self.published.notify_waiters();
         Ok(())
     }
 
@@ -206,6 +224,32 @@ impl Shared {
         let mut state = self.state();
         state.writing = false;
         state.version = None;
+    }
+}
+
+/// The version `newest` says is held, once it is `version` or newer, or
+/// when `wait` (at most [`AWAIT_LIMIT`]) has passed: the answer to an
+/// [`Ask::Await`]. `published` wakes the wait when a version is published.
+pub(super) async fn wait_for(
+    published: &Notify,
+    newest: impl Fn() -> Option<u64>,
+    version: u64,
+    wait: Duration,
+) -> Option<u64> {
+    let deadline = Instant::now() + wait.min(AWAIT_LIMIT);
+    loop {
+        let woken = published.notified();
+        tokio::pin!(woken);
+        // Enabled before the look, so that a publication between the look
+        // and the wait is not missed.
+        woken.as_mut().enable();
+        let held = newest();
+        if held.is_some_and(|v| v >= version) {
+            return held;
+        }
+        if tokio::time::timeout_at(deadline, woken).await.is_err() {
+            return newest();
+        }
     }
 }
 

@@ -141,6 +141,10 @@ fn relay_layout_name(set: &str, buffer: usize) -> String {
 enum Ask {
     /// Which version its memory holds, if any.
     State,
+    /// Which version its memory holds, answered once it holds `version`
+    /// or a newer one, or after `wait_ms` (at most [`AWAIT_LIMIT`]): a
+    /// subscriber waiting for a version asks once instead of polling.
+    Await { version: u64, wait_ms: u64 },
     /// A lease on `version` for reading; refused if the rank holds another
     /// version or is being written.
     Lease { version: u64 },
@@ -185,6 +189,10 @@ enum Answer {
 fn is_zero(n: &usize) -> bool {
     *n == 0
 }
+
+/// The longest an [`Ask::Await`] waits on the serving side: a caller that
+/// waits longer asks again.
+const AWAIT_LIMIT: Duration = Duration::from_secs(10);
 
 /// How long one lease may last at most: a reader that neither finishes nor
 /// goes away (a stopped process) holds a writer up no longer than the

@@ -7,8 +7,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::leases::{Shared, watch_reader};
-use super::{Ask, WeightsError, checksum, handler_name};
+use super::leases::{Shared, wait_for, watch_reader};
+use super::{Answer, Ask, WeightsError, checksum, handler_name};
 use crate::{LocalLayout, Node};
 
 /// One publisher rank of a weight set (see [`crate::weights`]). Dropping
@@ -49,6 +49,15 @@ impl Publisher {
                 let ask = ask.map_err(|e| format!("not a weights request: {e}"))?;
                 let answer = match ask {
                     Ask::Checksums { lease, boxes } => memory.answer(&shared, lease, boxes).await?,
+                    Ask::Await { version, wait_ms } => {
+                        let wait = Duration::from_millis(wait_ms);
+                        let held = || shared.version();
+                        let version = wait_for(shared.published(), held, version, wait).await;
+                        Answer::State {
+                            rank: shared.rank,
+                            version,
+                        }
+                    }
                     ask => {
                         let (answer, lease) = shared.answer(ask);
                         if let Some((lease, ended)) = lease {

@@ -3,10 +3,12 @@
 //! subscriber (see [`super::Subscriber::serve_relay`]).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
+use tokio::sync::Notify;
 
-use super::leases::{Shared, watch_reader};
+use super::leases::{Shared, wait_for, watch_reader};
 use super::{Answer, Ask, WeightsError, checksum, relay_handler_name, relay_layout_name};
 use crate::{LocalLayout, Node};
 
@@ -39,8 +41,9 @@ impl Relay {
                 return Err(WeightsError::Protocol(e.to_string()));
             }
         }
+        let published = Arc::new(Notify::new());
         let shared: Arc<[Arc<Shared>]> = (0..buffers.len())
-            .map(|b| Arc::new(Shared::new(b as u32)))
+            .map(|b| Arc::new(Shared::waking(b as u32, published.clone())))
             .collect();
         let served = shared.clone();
         let memory: Arc<[Arc<checksum::Served>]> = (buffers.iter())
@@ -50,7 +53,7 @@ impl Relay {
         let serving = node.serve_rpc(&relay_handler_name(set), move |request| {
             let ask: Result<Ask, _> = serde_json::from_slice(&request.body);
             let (shared, endpoint, from) = (served.clone(), endpoint.clone(), request.from);
-            let memory = memory.clone();
+            let (memory, published) = (memory.clone(), published.clone());
             async move {
                 let ask = ask.map_err(|e| format!("not a weights request: {e}"))?;
                 let answer = match ask {
@@ -61,6 +64,12 @@ impl Relay {
                             return Err(format!("no buffer {b}"));
                         };
                         memory.answer(buffer, lease >> 1, boxes).await?
+                    }
+                    Ask::Await { version, wait_ms } => {
+                        let wait = Duration::from_millis(wait_ms);
+                        let newest = || newest(&shared);
+                        let version = wait_for(&published, newest, version, wait).await;
+                        Answer::State { rank: 0, version }
                     }
                     ask => answer(&shared, ask, |b, lease, ended| {
                         watch_reader(&shared[b], &endpoint, from, lease, ended)
@@ -91,9 +100,11 @@ fn answer(
     ask: Ask,
     watch: impl FnOnce(usize, u64, tokio_util::sync::CancellationToken),
 ) -> Answer {
-    let newest = || buffers.iter().filter_map(|b| b.version()).max();
+    let newest = || newest(buffers);
     match ask {
-        Ask::State => Answer::State {
+        // An await is answered by the handler (`wait_for`); one that
+        // reaches here is answered now.
+        Ask::State | Ask::Await { .. } => Answer::State {
             rank: 0,
             version: newest(),
         },
@@ -125,6 +136,11 @@ fn answer(
             None => Answer::Released { intact: false },
         },
     }
+}
+
+/// The newest version whole in one of a relay's `buffers`.
+fn newest(buffers: &[Arc<Shared>]) -> Option<u64> {
+    buffers.iter().filter_map(|b| b.version()).max()
 }
 
 impl Drop for Relay {

@@ -17,6 +17,10 @@ use super::{Answer, Ask, WeightsError, handler_name, relay_handler_name, relay_l
 use crate::layout::{Direction, PlanOptions, RankLayout};
 use crate::{LocalLayout, Node, PeerLayout, TransferPlan};
 
+/// How long past the wait an [`Ask::Await`] call may take to come back:
+/// the source answers at the wait's end, and the answer has to travel.
+const AWAIT_SLACK: Duration = Duration::from_millis(500);
+
 /// A subscriber of a weight set (see [`crate::weights`]).
 pub struct Subscriber {
     node: Node,
@@ -405,7 +409,10 @@ impl Subscriber {
     /// `timeout`: what a subscriber behind a relay calls after the
     /// publishers' step, since the relay holds a version only once it has
     /// pulled it whole (before that, [`Subscriber::update`] finds the
-    /// version it already holds, or none). Past the deadline,
+    /// version it already holds, or none), and what any subscriber calls
+    /// to wait for the publishers' next version. Between tries it waits
+    /// for its sources to publish (each asked once, answering when they
+    /// do), not polling them. Past the deadline,
     /// [`WeightsError::NoCompleteVersion`]; other errors at once.
     pub async fn update_to(
         &mut self,
@@ -413,6 +420,10 @@ impl Subscriber {
         timeout: Duration,
     ) -> Result<Update, WeightsError> {
         let deadline = Instant::now() + timeout;
+        // The version every source must hold before the next try: the one
+        // asked for, or a newer one some source already holds (the ranks
+        // then differ until the others publish it too).
+        let mut wanted = version;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.update(left).await {
@@ -423,8 +434,30 @@ impl Subscriber {
             if Instant::now() >= deadline {
                 return Err(WeightsError::NoCompleteVersion);
             }
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            wanted = wanted.max(self.await_sources(wanted, deadline).await?);
         }
+    }
+
+    /// Waits until every source holds `version` or a newer one, or until
+    /// `deadline`, asking each once ([`Ask::Await`]: the source answers
+    /// when it publishes) rather than polling it. Returns the newest
+    /// version a source holds.
+    async fn await_sources(&self, version: u64, deadline: Instant) -> Result<u64, WeightsError> {
+        let mut newest = 0;
+        for rank in 0..self.ranks.len() {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            let ask = Ask::Await {
+                version,
+                wait_ms: wait.as_millis().try_into().unwrap_or(u64::MAX),
+            };
+            // The call's own deadline leaves the source time to answer.
+            let answer = self.ask(rank, &ask, deadline + AWAIT_SLACK).await?;
+            match answer {
+                Answer::State { version: held, .. } => newest = newest.max(held.unwrap_or(0)),
+                other => return Err(WeightsError::Protocol(format!("{other:?}"))),
+            }
+        }
+        Ok(newest)
     }
 
     async fn ask(&self, rank: usize, ask: &Ask, deadline: Instant) -> Result<Answer, WeightsError> {

@@ -422,6 +422,59 @@ pub async fn relays_carry_each_version_down_a_tree_of_subscribers(make: &impl As
     assert_eq!(d.version(), Some(5));
 }
 
+/// `update_to` called before its version exists waits for it: A for the
+/// publishers' next step, B (behind A, a relay) for A's update, each
+/// returning only after its source published, with every byte; a
+/// version that never comes fails typed at the deadline.
+pub async fn update_to_waits_for_a_version_published_after_the_call(make: &impl AsyncFn() -> Node) {
+    let publishers = publishers(make, "await").await;
+    let a_node = make().await;
+    let memory = vec![
+        local(&a_node, layout(0, 2, 1)).await,
+        local(&a_node, layout(0, 2, 1)).await,
+    ];
+    let mut a = Subscriber::new(&a_node, "await", &addrs(&publishers), memory, DEADLINE)
+        .await
+        .unwrap();
+    a.serve_relay().unwrap();
+    assert_eq!(a.update(DEADLINE).await.unwrap().version, 1);
+    let b_node = make().await;
+    let memory = vec![local(&b_node, layout(0, 2, 1)).await];
+    let mut b = Subscriber::from_relay(&b_node, "await", a_node.addr().endpoint, memory, DEADLINE)
+        .await
+        .unwrap();
+    assert_eq!(b.update_to(1, DEADLINE).await.unwrap().version, 1);
+    // The version the publishers hold whole, set before each step starts.
+    let published = Arc::new(AtomicU64::new(1));
+    let waiting = |mut sub: Subscriber| {
+        let published = published.clone();
+        tokio::spawn(async move {
+            let update = sub.update_to(2, DEADLINE).await;
+            let seen = published.load(Ordering::Acquire);
+            (update, seen, sub)
+        })
+    };
+    let (a_waits, b_waits) = (waiting(a), waiting(b));
+    published.store(2, Ordering::Release);
+    publish(&publishers, 2).await;
+    let (update, seen, a) = a_waits.await.unwrap();
+    assert_eq!((update.unwrap().version, seen), (2, 2));
+    assert_eq!(held(&a.buffers()[a.active()]), Some(2));
+    let (update, seen, mut b) = b_waits.await.unwrap();
+    assert_eq!((update.unwrap().version, seen), (2, 2));
+    assert_eq!(held(&b.buffers()[0]), Some(2));
+    // A version nobody publishes: typed, at the deadline.
+    let started = std::time::Instant::now();
+    let never = b
+        .update_to(3, Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert_eq!(never, WeightsError::NoCompleteVersion);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(b.version(), Some(2));
+    drop(a);
+}
+
 /// A stand-in for publisher rank 1 of set `set` on `node`: it publishes
 /// the rank's layout over memory that holds version 1, and answers the
 /// weights protocol as a rank holding it does, except that it claims the

@@ -53,6 +53,11 @@ async fn relays_carry_each_version_down_a_tree_of_subscribers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_to_waits_for_a_version_published_after_the_call() {
+    shared::update_to_waits_for_a_version_published_after_the_call(&tcp_node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checksums_pass_what_each_rank_served_and_catch_a_source_that_differs() {
     shared::checksums_pass_what_each_rank_served_and_catch_a_source_that_differs(&tcp_node).await;
 }
