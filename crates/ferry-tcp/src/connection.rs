@@ -22,7 +22,7 @@ use tracing::debug;
 use crate::chunk::{Chunk, Local};
 use crate::client::ClientConfig;
 use crate::frame::{ClientFrame, REQUEST_LEN, RESPONSE_LEN, Range, RequestKind, Response};
-use crate::io::{FrameReader, IoVecs, extend_from_raw, poll_for};
+use crate::io::{FrameReader, IoVecs, LARGE_PAYLOAD, extend_from_raw, poll_for};
 use crate::pool::{PeerTable, release, resend};
 
 /// Chunks sent and not yet answered, by request id.
@@ -593,6 +593,21 @@ async fn receive(
     chunk: &Chunk,
     len: usize,
 ) -> io::Result<()> {
+    if let ClientFrame::Ranges(_) = chunk.frame
+        && len >= LARGE_PAYLOAD
+    {
+        // Many ranges, small ones among them: straight into their places,
+        // not through the read buffer.
+        let mut landing = IoVecs::default();
+        for range in chunk.ranges() {
+            // SAFETY: `chunk` holds a Region clone, keeping each range
+            // (inside an op's bounds-checked local slice) allocated and
+            // registered until after this call.
+            unsafe { landing.push_mut(chunk.range_ptr(range), range.len) };
+        }
+        // SAFETY: as above.
+        return unsafe { reader.scatter(stream, &mut landing) }.await;
+    }
     if let ClientFrame::Ranges(_) = chunk.frame {
         for range in chunk.ranges() {
             // SAFETY: `chunk` holds a Region clone, keeping each range

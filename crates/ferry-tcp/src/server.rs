@@ -16,7 +16,7 @@ use crate::frame::{
     ClientFrame, Notify, NotifyOutcome, REQUEST_LEN, RESPONSE_LEN, Range, Ranges, Refusal,
     RequestKind, Response, SCOPE_LEN,
 };
-use crate::io::{FrameReader, IoVecs, MAX_IOV, open_tag};
+use crate::io::{FrameReader, IoVecs, LARGE_PAYLOAD, MAX_IOV, open_tag};
 use crate::table::{Credentials, RegionTable, ScopeCache};
 use ferry_control::auth::{FRAME_TAG_LEN, FrameMac};
 
@@ -248,7 +248,7 @@ async fn serve(
             &mut failed_tags,
             asked,
             checked,
-            &scratch.spans,
+            (&scratch.spans, &mut scratch.landing),
         )
         .await?;
     }
@@ -278,7 +278,7 @@ async fn answer(
     failed_tags: &mut HashSet<u64>,
     asked: Asked,
     checked: Result<MemoryHold, (u16, Refusal)>,
-    spans: &[(usize, usize)],
+    (spans, landing): (&[(usize, usize)], &mut IoVecs),
 ) -> io::Result<()> {
     let memory = match checked {
         Ok(memory) => memory,
@@ -295,6 +295,22 @@ async fn answer(
     };
     let base = || memory.memory().as_ptr();
     match asked.kind {
+        RequestKind::Write if spans.len() > 1 && asked.len >= LARGE_PAYLOAD as u64 => {
+            // Many payloads, small ones among them: straight into their
+            // places, not through the read buffer.
+            landing.clear();
+            for &(offset, len) in spans {
+                // SAFETY: every span was bounds-checked against the block's
+                // length, and `memory` keeps the block alive across the
+                // call. Spans that overlap are filled in order, the later
+                // bytes winning, as one by one.
+                unsafe { landing.push_mut(base().add(offset), len) };
+            }
+            // SAFETY: as above.
+            unsafe { reader.scatter(stream, landing).await? };
+            served("write", asked.len);
+            out.push(Response::WriteAck { id: asked.id }.encode());
+        }
         RequestKind::Write => {
             for &(offset, len) in spans {
                 // SAFETY: every span was bounds-checked against the block's
@@ -361,6 +377,8 @@ struct Scratch {
     scopes: Vec<u8>,
     /// The narrowed credentials checked last.
     cache: ScopeCache,
+    /// A ranges write's destinations, received into with one `recvmsg`.
+    landing: IoVecs,
 }
 
 /// Reads the scopes that follow a scoped request's header into `frame`.
@@ -407,6 +425,7 @@ async fn check_ranges(
         spans,
         cache,
         scopes,
+        ..
     } = scratch;
     let table_len = req.table_len();
     let tag_len = if check.is_some() { FRAME_TAG_LEN } else { 0 };
