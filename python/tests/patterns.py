@@ -41,5 +41,5 @@ def pattern(seed: int, nbytes: int) -> "np.ndarray[Any, np.dtype[np.uint8]]":
 
 def sha256(buffer: Any) -> str:
     """Hex SHA-256 of a buffer's bytes."""
-    return hashlib.sha256(memoryview(np.frombuffer(buffer, dtype=np.uint8))).hexdigest()
+    return hashlib.sha256(np.frombuffer(buffer, dtype=np.uint8).data).hexdigest()
 
