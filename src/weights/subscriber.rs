@@ -429,12 +429,20 @@ impl Subscriber {
             match self.update(left).await {
                 Ok(update) if update.version >= version => return Ok(update),
                 Ok(_) | Err(WeightsError::NoCompleteVersion) => {}
+                // A source that did not answer within what was left of
+                // the deadline: the deadline passed, not the source.
+                Err(WeightsError::PublisherLost { .. }) if Instant::now() >= deadline => {
+                    return Err(WeightsError::NoCompleteVersion);
+                }
                 Err(e) => return Err(e),
             }
             if Instant::now() >= deadline {
                 return Err(WeightsError::NoCompleteVersion);
             }
             wanted = wanted.max(self.await_sources(wanted, deadline).await?);
+            if Instant::now() >= deadline {
+                return Err(WeightsError::NoCompleteVersion);
+            }
         }
     }
 
