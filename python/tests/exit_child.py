@@ -24,7 +24,7 @@ import ferry
 MiB = 1 << 20
 
 
-def busy_nodes() -> tuple:
+def busy_nodes() -> tuple[ferry.Node, ferry.Node, ferry.Region, ferry.Region, ferry.Xfer]:
     """Two nodes, an RPC server, a big transfer posted and not waited for,
     and a one-shot transfer half way."""
     a = ferry.Node()
@@ -101,7 +101,7 @@ def main() -> int:
 
 
 #: What the parent keeps alive at exit (as a module-level node would be).
-KEEP: list = []
+KEEP: list[ferry.Node] = []
 
 
 def fork() -> int:

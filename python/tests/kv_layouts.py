@@ -12,7 +12,7 @@ per seed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +20,9 @@ import numpy.typing as npt
 import ferry
 
 Pool = npt.NDArray[Any]
+#: A block table: the physical block of each logical one (``table()``'s
+#: int64 arrays, or plain ints).
+BlockTable = Union[npt.NDArray[np.int64], Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ def logical(model: Model, seed: int) -> Pool:
     return out
 
 
-def pool_shape(model: Model, side: Side, rank: int) -> tuple:
+def pool_shape(model: Model, side: Side, rank: int) -> Tuple[int, ...]:
     h = len(heads_of(model, side, rank))
     if side.order == "NHD":
         return (2, model.layers, side.blocks, side.block, h, model.dim)
@@ -82,13 +85,13 @@ def nhd(side: Side, pool: Pool) -> Pool:
     return pool if side.order == "NHD" else pool.swapaxes(3, 4)
 
 
-def axes(side: Side) -> tuple:
+def axes(side: Side) -> Tuple[str, ...]:
     """The names of a K (or V) array's dimensions."""
     inner = ("token", "head") if side.order == "NHD" else ("head", "token")
     return ("layer", "block", *inner, "dim")
 
 
-def scatter(model: Model, side: Side, rank: int, pool: Pool, kv: Pool, table: Sequence[int], tokens: int) -> None:
+def scatter(model: Model, side: Side, rank: int, pool: Pool, kv: Pool, table: BlockTable, tokens: int) -> None:
     """Writes tokens ``0..tokens`` of the logical ``kv`` (this rank's heads)
     into ``pool`` through ``table``, with numpy fancy indexing."""
     t = np.arange(tokens)
@@ -97,7 +100,7 @@ def scatter(model: Model, side: Side, rank: int, pool: Pool, kv: Pool, table: Se
     nhd(side, pool)[:, :, blocks, t % side.block] = kv[:, :, :tokens, heads.start : heads.stop]
 
 
-def expected(model: Model, side: Side, rank: int, kv: Pool, table: Sequence[int], tokens: int) -> Pool:
+def expected(model: Model, side: Side, rank: int, kv: Pool, table: BlockTable, tokens: int) -> Pool:
     """What ``rank``'s pool must hold once tokens ``0..tokens`` arrived
     through ``table`` into a zeroed pool: those, and zeros elsewhere."""
     pool = np.zeros(pool_shape(model, side, rank), dtype=model.dtype)
@@ -109,7 +112,7 @@ def layout(
     model: Model,
     side: Side,
     rank: int,
-    pool: Pool,
+    pool: Union[Pool, Sequence[Pool]],
     regions: Any,
     order: Optional[Sequence[str]] = None,
 ) -> ferry.RankLayout:

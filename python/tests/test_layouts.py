@@ -92,7 +92,7 @@ def wire(ranks: Sequence[Rank]) -> List[ferry.RankLayout]:
 
 
 def notifications(node: ferry.Node, count: int) -> List[bytes]:
-    got = []
+    got: List[bytes] = []
     deadline = time.monotonic() + TIMEOUT
     while len(got) < count and time.monotonic() < deadline:
         d = node.next_notification(timeout=max(0.0, deadline - time.monotonic()))

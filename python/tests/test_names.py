@@ -106,7 +106,7 @@ def test_a_standalone_notification_arrives_as_a_notification() -> None:
     with ferry.Node() as owner, ferry.Node() as sender:
         sender.notify(owner.addr, b"req-9:freed")
         sender.send_message(owner.addr, b"hello")
-        got = []
+        got: list[ferry.Delivery] = []
         deadline = time.monotonic() + 5
         while len(got) < 2 and time.monotonic() < deadline:
             d = owner.next_notification(timeout=1.0)

@@ -69,7 +69,7 @@ def hidden(tmp_path_factory: pytest.TempPathFactory) -> List[str]:
     return prefix
 
 
-def run_hidden(prefix: List[str], args: List[str], env: Dict[str, str]) -> subprocess.CompletedProcess:
+def run_hidden(prefix: List[str], args: List[str], env: Dict[str, str]) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([*prefix, *args], capture_output=True, text=True, timeout=DEADLINE, env=env)
     assert done.returncode == 0, f"{args} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done

@@ -38,7 +38,7 @@ def forked() -> "subprocess.CompletedProcess[str]":
     return run_script([str(TESTS / "exit_child.py"), "fork"], timeout=40.0)
 
 
-def fork_lines(done: "subprocess.CompletedProcess[str]") -> dict:
+def fork_lines(done: "subprocess.CompletedProcess[str]") -> dict[str, str]:
     return dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
 
 
@@ -57,7 +57,7 @@ def test_forked_child_exits(forked: "subprocess.CompletedProcess[str]") -> None:
 
 
 @pytest.mark.parametrize("args", [[], ["--tcp"]], ids=["default", "tcp"])
-def test_kv_handoff_example(args: list) -> None:
+def test_kv_handoff_example(args: list[str]) -> None:
     """python/examples/kv_handoff.py runs the whole demo (it starts the
     decode side itself) and checks every byte it moved."""
     done = run_script([str(PYTHON_DIR / "examples" / "kv_handoff.py"), *args], timeout=90.0)
@@ -68,7 +68,7 @@ def test_kv_handoff_example(args: list) -> None:
 
 
 @pytest.mark.parametrize("args", [[], ["--tcp"]], ids=["default", "tcp"])
-def test_kv_handoff_layouts_example(args: list) -> None:
+def test_kv_handoff_layouts_example(args: list[str]) -> None:
     """python/examples/kv_handoff_layouts.py: prefill TP 4 -> decode TP 2
     with other block sizes and axis orders, a process per rank, every byte
     checked by the decode ranks."""
@@ -83,7 +83,7 @@ def test_kv_handoff_layouts_example(args: list) -> None:
 
 
 @pytest.mark.parametrize("args", [[], ["--tcp"]], ids=["default", "tcp"])
-def test_weights_example(args: list) -> None:
+def test_weights_example(args: list[str]) -> None:
     """python/examples/weights.py: 2 trainer processes (rows split) publish
     10 versions to 4 inference processes (columns split), each of which
     checks every byte of every version."""
@@ -112,6 +112,12 @@ def test_mypy_strict_examples() -> None:
     """The examples type-check with ``mypy --strict`` against the package's
     annotations and stubs."""
     mypy_strict("examples/")
+
+
+def test_mypy_strict_tests() -> None:
+    """Checked as for Python 3.12, where numpy's stubs take any buffer (PEP
+    688), since the tests pass Regions to ``numpy.frombuffer``."""
+    mypy_strict("--python-version", "3.12", "tests/")
 
 
 TYPED_USAGE = '''
