@@ -220,3 +220,59 @@ fn consecutive_blocks_merge() {
     let outcome = check_pull(&ps[1], &ps, &reqs);
     assert_eq!(outcome.descs, 2 * 2);
 }
+
+/// Rank `rank` of `tp` with vLLM's CPU cache layout: per block and head,
+/// the head's K rows, then its V rows (`[block, head, K then V, token,
+/// dim]`), all layers in one region.
+fn per_head(c: &KvCache, rank: u32, tp: u64) -> RankLayout {
+    let c = KvCache {
+        kv: KvPlacement::Interleaved,
+        layer_regions: LayerPlacement::OneRegion,
+        ..c.clone()
+    };
+    let mut r = c.rank(rank, tp).expect("rank");
+    let rows = c.block_tokens * c.head_dim * u64::from(c.elem_size);
+    for (which, t) in r.tensors.iter_mut().enumerate() {
+        t.offset = which as u64 * rows;
+        t.strides[2] = 2 * rows;
+    }
+    r
+}
+
+/// K and V declared as two tensors over one block, as vLLM's CPU cache
+/// lays them out: a head's K run and its V run continue each other on
+/// both sides, and go as one descriptor. Counts per decode rank, tables
+/// that never continue (local ascending, remote descending), whole blocks.
+#[test]
+fn k_and_v_of_a_head_go_as_one_descriptor() {
+    let c = cache(4, 16);
+    let blocks = 10;
+    let reqs = vec![Req::new(
+        "kv",
+        0..blocks * c.block_tokens,
+        (0..blocks).collect(),
+        (0..blocks).rev().collect(),
+    )];
+    // Prefill TP 2 → decode TP 1: a source's two heads, K and V, are one
+    // run on both sides: one descriptor per layer, block and source, as
+    // vLLM's connector counts them (not 2 heads × K/V × that).
+    let prefill: Vec<RankLayout> = (0..2).map(|r| per_head(&c, r, 2)).collect();
+    let outcome = check_pull(&per_head(&c, 0, 1), &prefill, &reqs);
+    assert_eq!(outcome.descs as u64, c.layers * blocks * 2);
+    // Prefill TP 1 → decode TP 2: each decode rank reads its half.
+    let prefill = vec![per_head(&c, 0, 1)];
+    for rank in 0..2 {
+        let outcome = check_pull(&per_head(&c, rank, 2), &prefill, &reqs);
+        assert_eq!(outcome.descs as u64, c.layers * blocks);
+    }
+    // Blocks of 16 against 32: a K run of 16 rows no longer meets its V
+    // run in the 32-row block; the bytes are still right.
+    let big = cache(4, 32);
+    let reqs = vec![Req::new(
+        "kv",
+        0..160,
+        (0..5).collect(),
+        (0..10).rev().collect(),
+    )];
+    check_pull(&per_head(&big, 0, 1), &prefill, &reqs);
+}
