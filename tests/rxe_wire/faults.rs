@@ -184,12 +184,16 @@ async fn reads_still_completing_outlive_a_silent_control_session() {
         .alloc(REGION as usize, Access::ReadWrite, 8)
         .await;
     let back = node.alloc(REGION, Access::ReadWrite).await.unwrap();
-    // Connects, then times reads of the region to size the long batch.
+    // Connects, then times reads of the region to size the long batch:
+    // eight rounds in one batch, as the long batch goes. Rounds timed one
+    // by one, each checked, ran twice as long as in the batch, which then
+    // ended too soon after the session went silent.
     read_and_check(&node, &back, &region, STEP).await.unwrap();
     let timed = Instant::now();
-    for _ in 0..8 {
-        read_and_check(&node, &back, &region, STEP).await.unwrap();
-    }
+    let probe: Vec<RdmaOp> = (0..8)
+        .flat_map(|_| ops(&back, &region.handle, PIECE, false))
+        .collect();
+    node.submit(probe, STEP).await.unwrap();
     let per_round = timed.elapsed() / 8;
     let rounds = (LONG_BATCH.as_secs_f64() / per_round.as_secs_f64()).ceil() as usize;
     let batch: Vec<RdmaOp> = (0..rounds)
