@@ -61,6 +61,17 @@ def canon(pairs):
     return out
 
 
+def ferry_pairs(plan, local_rows, remote_rows, tokens, lb, rb):
+    """A nixl_plan's (laddr, rrank, raddr, len) pairs for one request, as
+    its index arrays give them (one per descriptor)."""
+    pairs = []
+    for r, (li, ri) in plan.indices(tokens, np.asarray(lb), np.asarray(rb)).items():
+        for (la, n, _), (ra, n2, _) in zip(local_rows[li].tolist(), remote_rows[r][ri].tolist()):
+            assert n == n2
+            pairs.append((la, r, ra, n))
+    return pairs
+
+
 class View:
     """A torch-like view (addr, shape, element strides) for ferry.TensorLayout.from_array."""
     def __init__(self, ptr, shape, stride, elem):
@@ -185,23 +196,11 @@ def main():
                 lb = rb = None
             pbs, dbs = args["pbs"], args["dbs"]
             whole = len(rb) * pbs
-            fidx = plan.indices(whole if len(lb) * dbs >= whole else len(lb) * dbs,
-                                np.asarray(lb), np.asarray(rb))
-            fpairs, fn = [], 0
-            for r, (li, ri) in fidx.items():
-                fn += len(li)
-                for (la, n, _), (ra, n2, _) in zip(fl[li].tolist(), fr[r][ri].tolist()):
-                    assert n == n2
-                    fpairs.append((la, r, ra, n))
-            ferry_c = canon(fpairs)
-            fidx2 = plan2.indices(whole if len(lb) * dbs >= whole else len(lb) * dbs,
-                                  np.asarray(lb), np.asarray(rb))
-            f2pairs, fn2 = [], 0
-            for r, (li, ri) in fidx2.items():
-                fn2 += len(li)
-                for (la, n, _), (ra, n2, _) in zip(fl2[li].tolist(), fr2[r][ri].tolist()):
-                    f2pairs.append((la, r, ra, n))
-            ferry2_c = canon(f2pairs)
+            tokens = whole if len(lb) * dbs >= whole else len(lb) * dbs
+            fpairs = ferry_pairs(plan, fl, fr, tokens, lb, rb)
+            f2pairs = ferry_pairs(plan2, fl2, fr2, tokens, lb, rb)
+            ferry_c, ferry2_c = canon(fpairs), canon(f2pairs)
+            fn, fn2 = len(fpairs), len(f2pairs)
             # ferry's own API: exact token count (no tail of the last block)
             res = dict(decode_pid=pid, decode_rank=kv["tp_rank"], request=req,
                        tokens=ntok, local_blocks=lb, remote_blocks=rb,
