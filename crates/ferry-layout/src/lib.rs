@@ -81,6 +81,7 @@ mod expand;
 mod fingerprint;
 mod helpers;
 mod layout;
+mod nest;
 mod nixl;
 mod order;
 mod plan;

@@ -11,6 +11,7 @@ use std::ops::Range;
 use crate::error::{LayoutError, Side};
 use crate::fingerprint::side_fingerprint;
 use crate::layout::RankLayout;
+use crate::nest::{coalesce, fuse_translates};
 use crate::validate::{
     Piece, SideIndex, boxes_meet, check_piece_cover, check_rank, check_side, tensor_diff,
 };
@@ -215,16 +216,16 @@ impl Plan {
 }
 
 /// A segment before region indices are resolved into the plan's tables.
-struct Draft {
-    rank: u32,
-    local_region: u32,
-    remote_region: u32,
-    local_base: u64,
-    remote_base: u64,
-    run: u64,
-    outer: Vec<Dim>,
-    inner: Vec<Dim>,
-    paged: Option<PagedDim>,
+pub(crate) struct Draft {
+    pub rank: u32,
+    pub local_region: u32,
+    pub remote_region: u32,
+    pub local_base: u64,
+    pub remote_base: u64,
+    pub run: u64,
+    pub outer: Vec<Dim>,
+    pub inner: Vec<Dim>,
+    pub paged: Option<PagedDim>,
 }
 
 /// Compiles the plan that moves, for every tensor `local` holds, its bytes
@@ -492,109 +493,6 @@ fn base(piece: &Piece<'_>, at: &[u64], mapped: Option<usize>, paged: Option<usiz
         }
     }
     (region, offset)
-}
-
-/// Folds loops contiguous on both sides into the run, then merges loops
-/// that continue each other on both sides; drops loops of one step.
-/// Leaves them outermost (largest local stride) first.
-fn coalesce(dims: &mut Vec<Dim>, run: &mut u64) {
-    dims.retain(|d| d.count > 1);
-    while let Some(i) = dims
-        .iter()
-        .position(|d| d.local == *run && d.remote == *run)
-    {
-        *run *= dims.remove(i).count;
-    }
-    dims.sort_by_key(|d| std::cmp::Reverse(d.local));
-    'merge: loop {
-        for i in 0..dims.len() {
-            for j in 0..dims.len() {
-                let (a, b) = (dims[i], dims[j]);
-                if i != j && b.local == a.count * a.local && b.remote == a.count * a.remote {
-                    dims[i].count *= b.count;
-                    dims.remove(j);
-                    continue 'merge;
-                }
-            }
-        }
-        break;
-    }
-}
-
-/// Folds segments that are copies of one another shifted by the same byte
-/// distances on both sides into one segment with one more loop, until
-/// none are left. K and V declared as two tensors over one block (vLLM's
-/// CPU cache: a head's K rows, then its V rows) are such a pair: as one
-/// segment, the K/V loop folds into the run whenever a request moves
-/// whole blocks, so a head's K and V go as one descriptor, as they would
-/// had K/V been declared an axis of 2. The same holds for layers declared
-/// as tensors of their own. Each fused segment moves exactly the bytes of
-/// the segments it replaces.
-fn fuse_translates(drafts: &mut Vec<Draft>) {
-    // Everything but the bases must agree for two drafts to be translates.
-    fn shape(d: &Draft) -> impl Ord + '_ {
-        (
-            d.rank,
-            d.local_region,
-            d.remote_region,
-            d.run,
-            &d.outer,
-            &d.inner,
-            d.paged,
-        )
-    }
-    loop {
-        let before = drafts.len();
-        drafts.sort_by(|a, b| {
-            shape(a)
-                .cmp(&shape(b))
-                .then(a.local_base.cmp(&b.local_base))
-                .then(a.remote_base.cmp(&b.remote_base))
-        });
-        let mut fused: Vec<Draft> = Vec::with_capacity(drafts.len());
-        let mut rest = std::mem::take(drafts).into_iter().peekable();
-        while let Some(mut first) = rest.next() {
-            let mut step: Option<Dim> = None;
-            let mut last = (first.local_base, first.remote_base);
-            while let Some(next) = rest.peek() {
-                let shift = (
-                    next.local_base.checked_sub(last.0),
-                    next.remote_base.checked_sub(last.1),
-                );
-                let (Some(local), Some(remote)) = shift else {
-                    break;
-                };
-                let same = shape(next).cmp(&shape(&first)).is_eq() && local > 0 && remote > 0;
-                match &mut step {
-                    _ if !same => break,
-                    None => {
-                        step = Some(Dim {
-                            count: 2,
-                            local,
-                            remote,
-                        })
-                    }
-                    Some(d) if d.local == local && d.remote == remote => d.count += 1,
-                    Some(_) => break,
-                }
-                last = (next.local_base, next.remote_base);
-                rest.next();
-            }
-            if let Some(step) = step {
-                let loops = match first.paged {
-                    Some(p) if step.local <= p.local_block_stride => &mut first.inner,
-                    _ => &mut first.outer,
-                };
-                loops.push(step);
-                coalesce(loops, &mut first.run);
-            }
-            fused.push(first);
-        }
-        *drafts = fused;
-        if drafts.len() == before {
-            return;
-        }
-    }
 }
 
 /// Resolves region indices into the plan's tables and groups segments by
