@@ -1,14 +1,15 @@
 //! The copies of a batch, once every op has its mapping or `process_vm`
-//! grant: inline when small, else on blocking threads, a long batch or op
-//! split across a few of them by bytes (one thread's memcpy does not
-//! saturate memory). On a current-thread runtime the first share stays on
-//! the runtime's thread, copied a step at a time.
+//! grant: inline when small, else cut into chunks by bytes (a long op
+//! split too) that the process's copy threads take (`pool.rs`; one
+//! thread's memcpy does not saturate memory). On a current-thread runtime
+//! the waiting task copies chunks too, one per poll.
 
 use std::sync::Arc;
 
 use ferry_core::{OpKind, RdmaOp};
 
 use crate::mapping::Mapping;
+use crate::pool;
 use crate::pvm::{Fail, Grant, Vectors};
 
 /// Batches shorter than this are copied on the calling task.
@@ -25,6 +26,12 @@ const MAX_THREADS: usize = 4;
 /// What a copy on a current-thread runtime moves before it yields: a poll
 /// of the runtime takes about this long (a third of a millisecond).
 const STEP: usize = 1 << 20;
+/// What a copy thread claims at a time: small enough that two threads
+/// end a slice of 8 MiB within a tenth of a millisecond of each other,
+/// large enough that a `process_vm` call still carries hundreds of
+/// kilobytes. At most [`STEP`], as the task on a current-thread runtime
+/// copies one per poll.
+const CHUNK: usize = 512 << 10;
 
 /// Where an op's remote bytes are, checked against the region.
 pub(crate) enum Located {
@@ -60,10 +67,17 @@ impl Batch {
 }
 
 /// A byte range of one planned op, for one thread.
-struct Piece {
+pub(crate) struct Piece {
     planned: usize,
     offset: usize,
     len: usize,
+}
+
+impl Piece {
+    /// The planned op it is part of.
+    pub fn planned(&self) -> usize {
+        self.planned
+    }
 }
 
 // SAFETY: the pointer points into the mapping that `mapping` keeps (a
@@ -120,34 +134,55 @@ pub(crate) async fn run(batch: Arc<Batch>) -> Vec<Result<(), Fail>> {
     if total < INLINE {
         return run_here(&batch);
     }
-    let whole = whole(&batch);
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = (total / PER_THREAD).clamp(1, cores.min(MAX_THREADS) as u64);
-    // Cut the batch into `threads` runs of about the same bytes.
-    let mut runs = cut(whole, total.div_ceil(threads) as usize).into_iter();
-    // On a current-thread runtime (the NIXL plugin's, which the caller
-    // polling for the request drives) the first run is copied here, a
-    // step per poll, beside the threads: a blocking thread of its own
-    // competed for a 2-core host's cores with the two spinning callers.
-    let here = on_current_thread().then(|| runs.next()).flatten();
-    let tasks: Vec<_> = runs
-        .map(|run| {
-            let batch = batch.clone();
-            tokio::task::spawn_blocking(move || copy_run(&batch, run))
-        })
-        .collect();
-    let mut outcome = vec![Ok(()); batch.planned.len()];
-    for step in here.map(|run| cut(run, STEP)).unwrap_or_default() {
-        merge(&mut outcome, copy_run(&batch, step));
-        tokio::task::yield_now().await;
+    let threads = pool::threads();
+    if threads == 0 {
+        return run_in_steps(&batch).await;
     }
-    for done in futures_join(tasks.into_iter()).await {
-        match done {
-            Ok(pieces) => merge(&mut outcome, pieces),
-            // A copy thread cannot panic short of a bug; its ops are
-            // reported through the owner's answer, not as done.
-            Err(_) => outcome.iter_mut().for_each(|a| *a = Err(Fail::Dead)),
+    let wanted = (total / PER_THREAD).clamp(1, threads.min(MAX_THREADS) as u64) as usize;
+    // On a current-thread runtime (the NIXL plugin's, which the caller
+    // polling for the request drives) this task copies too, a chunk per
+    // poll, in place of one of the threads: one more thread competed for
+    // a 2-core host's cores with the two spinning callers.
+    let here = on_current_thread();
+    let limit = wanted - usize::from(here);
+    let (job, done) = pool::Job::new(batch.clone(), cut(whole(&batch), CHUNK), limit);
+    // Chunks no thread claimed yet stay uncopied if this future is
+    // dropped (its submit timed out): they would only hold the cores.
+    let _abandon = Abandon(&job);
+    if !pool::push(job.clone()) {
+        return run_in_steps(&batch).await;
+    }
+    if here {
+        while job.copy_next() {
+            tokio::task::yield_now().await;
         }
+    }
+    // The last chunk copied sends, also where a copy panicked (its ops
+    // fail); a sender dropped unsent cannot happen while `job` holds it.
+    match done.await {
+        Ok(()) => job.outcome(),
+        Err(_) => vec![Err(Fail::Dead); batch.planned.len()],
+    }
+}
+
+/// Abandons its job when dropped: the waiting future's end.
+struct Abandon<'a>(&'a pool::Job);
+
+impl Drop for Abandon<'_> {
+    fn drop(&mut self) {
+        self.0.abandon();
+    }
+}
+
+/// Copies a batch here, a step at a time between polls: for a process
+/// where no copy thread would start.
+async fn run_in_steps(batch: &Batch) -> Vec<Result<(), Fail>> {
+    let mut outcome = vec![Ok(()); batch.planned.len()];
+    for (i, step) in cut(whole(batch), STEP).iter().enumerate() {
+        if i > 0 {
+            tokio::task::yield_now().await;
+        }
+        merge(&mut outcome, copy_run(batch, step));
     }
     outcome
 }
@@ -211,7 +246,7 @@ fn whole(batch: &Batch) -> Vec<Piece> {
 /// how each planned op went.
 pub(crate) fn run_here(batch: &Batch) -> Vec<Result<(), Fail>> {
     let mut outcome = vec![Ok(()); batch.planned.len()];
-    for (i, result) in copy_run(batch, whole(batch)) {
+    for (i, result) in copy_run(batch, &whole(batch)) {
         outcome[i] = result;
     }
     outcome
@@ -223,7 +258,7 @@ pub(crate) fn run_here(batch: &Batch) -> Vec<Result<(), Fail>> {
 /// [`pvm::PIECE`] bytes, one gated step; adjacent pieces share iovecs): a
 /// request of 1,024 4 KiB blocks in memory NIXL registered took 1,024
 /// system calls, a third of its time, before.
-fn copy_run(batch: &Batch, run: Vec<Piece>) -> Vec<(usize, Result<(), Fail>)> {
+pub(crate) fn copy_run(batch: &Batch, run: &[Piece]) -> Vec<(usize, Result<(), Fail>)> {
     let mut out = Vec::with_capacity(run.len());
     let mut at = 0;
     while at < run.len() {
@@ -288,17 +323,6 @@ fn segment(batch: &Batch, piece: &Piece) -> (*mut u8, u64, usize) {
     };
     let local = batch.op(planned).local.as_ptr().wrapping_add(piece.offset);
     (local, remote + piece.offset as u64, piece.len)
-}
-
-/// Awaits every task (no extra dependency for one join).
-async fn futures_join<T>(
-    tasks: impl Iterator<Item = tokio::task::JoinHandle<T>>,
-) -> Vec<Result<T, tokio::task::JoinError>> {
-    let mut out = Vec::new();
-    for task in tasks.collect::<Vec<_>>() {
-        out.push(task.await);
-    }
-    out
 }
 
 #[cfg(test)]

@@ -54,6 +54,7 @@ mod owner;
 mod peer;
 mod places;
 mod plan;
+mod pool;
 mod pvm;
 mod shared;
 mod socket;
