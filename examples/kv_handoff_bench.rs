@@ -21,13 +21,15 @@
 //! layouts' own definition ([`TensorLayout::locate`]) on a sample of
 //! elements.
 //!
-//! The reference, measured in the same run: one thread, then two (this
-//! machine's cores; ferry's same-host copies use up to two per slice),
+//! The references, measured in the same run: one thread, then two (this
+//! machine's cores; ferry's same-host copies use a thread per core),
 //! `memcpy`ing each request's descriptor pairs between buffers the size of
-//! the two sides' regions, against the same bytes as 1 MiB `memcpy`s.
-//! Scattered 8 KiB copies are slower than 1 MiB ones in the memory system
-//! itself (no prefetch across pieces, a TLB miss each); that ratio is the
-//! most a planned request can reach against 1 MiB blocks on this machine.
+//! the two sides' regions, against the same bytes as 1 MiB `memcpy`s; and
+//! over TCP, the same pairs sent over four loopback connections with
+//! `writev` and received with `readv`, against 1 MiB pieces. Scattered 8 KiB copies
+//! are slower than 1 MiB ones in the memory system itself (no prefetch
+//! across pieces, a TLB miss each); that ratio is the most a planned
+//! request can reach against 1 MiB blocks on this machine.
 //!
 //! ```sh
 //! cargo run --release --example kv_handoff_bench -- --transport tcp|memory [--rounds 5] [--requests 8]
@@ -364,6 +366,113 @@ fn copy_pieces(pieces: &[Piece], threads: usize) -> f64 {
     total as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
+/// GB/s moving `pieces` over loopback TCP as ferry's TCP transport does,
+/// on [`CONNECTIONS`] connections (a contiguous share of the pieces each),
+/// each side of each a thread: the sender gathers the sources with
+/// `writev`, the receiver scatters into the destinations with `readv`,
+/// [`IOVECS`] pieces a call. Every byte crosses the kernel twice, as in
+/// ferry's. The pieces come from one [`MemcpyReference`], borrowed
+/// mutably by the caller for the call.
+fn tcp_pieces(pieces: &[Piece]) -> std::io::Result<f64> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let mut pairs = Vec::new();
+    for _ in 0..CONNECTIONS {
+        let sender = std::net::TcpStream::connect(listener.local_addr()?)?;
+        let (receiver, _) = listener.accept()?;
+        pairs.push((sender, receiver));
+    }
+    let total: usize = pieces.iter().map(|p| p.len).sum();
+    let share = pieces.len().div_ceil(CONNECTIONS).max(1);
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        let mut moving = Vec::new();
+        for ((sender, receiver), share) in pairs.iter().zip(pieces.chunks(share)) {
+            moving.push(scope.spawn(move || {
+                vectored_all(
+                    sender,
+                    share,
+                    |p| p.from,
+                    |fd, iov, n| {
+                        // SAFETY: `iov` holds `n` iovecs over the reference's
+                        // source buffers, alive and unchanged during the call.
+                        unsafe { libc::writev(fd, iov, n) }
+                    },
+                )
+            }));
+            moving.push(scope.spawn(move || {
+                vectored_all(
+                    receiver,
+                    share,
+                    |p| p.to,
+                    |fd, iov, n| {
+                        // SAFETY: as for the write; the destinations are not
+                        // otherwise used during the call, and no two overlap.
+                        unsafe { libc::readv(fd, iov, n) }
+                    },
+                )
+            }));
+        }
+        moving
+            .into_iter()
+            .try_for_each(|t| t.join().expect("TCP reference thread"))
+    })?;
+    Ok(total as f64 / start.elapsed().as_secs_f64() / 1e9)
+}
+
+/// Connections of the TCP reference: as many as ferry's TCP transport
+/// opens to a peer by default.
+const CONNECTIONS: usize = 4;
+
+/// Pieces per `writev`/`readv` call: Linux's `IOV_MAX`.
+const IOVECS: usize = 1024;
+
+/// Moves every byte of `pieces` (at `addr` of each) through `call`, a
+/// vectored read or write on `socket`, [`IOVECS`] at a time, resuming
+/// after short transfers.
+fn vectored_all(
+    socket: &std::net::TcpStream,
+    pieces: &[Piece],
+    addr: fn(&Piece) -> usize,
+    call: impl Fn(i32, *const libc::iovec, i32) -> isize,
+) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = socket.as_raw_fd();
+    for group in pieces.chunks(IOVECS) {
+        let mut iovs: Vec<libc::iovec> = (group.iter())
+            .map(|p| libc::iovec {
+                iov_base: addr(p) as *mut libc::c_void,
+                iov_len: p.len,
+            })
+            .collect();
+        let mut first = 0;
+        while first < iovs.len() {
+            let n = call(fd, iovs[first..].as_ptr(), (iovs.len() - first) as i32);
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            // Past the iovecs done, into the one done in part.
+            let mut n = n as usize;
+            while first < iovs.len() && n >= iovs[first].iov_len {
+                n -= iovs[first].iov_len;
+                first += 1;
+            }
+            if n > 0 {
+                let iov = &mut iovs[first];
+                iov.iov_base = (iov.iov_base as usize + n) as *mut libc::c_void;
+                iov.iov_len -= n;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -450,9 +559,13 @@ async fn decode(memory: bool, rounds: usize, requests: usize) -> Result<(), Stri
         "request", "round", "GB/s", "caller CPU us", "process CPU us"
     );
     let mut reference = MemcpyReference::new(&plan, &local, &peers);
-    let mut summary: [Vec<(f64, f64, f64)>; 6] = Default::default();
+    let mut summary: [Vec<(f64, f64, f64)>; 8] = Default::default();
     for round in 0..rounds {
         for (kind, rows) in summary.iter_mut().enumerate() {
+            // Gathered TCP is the reference over TCP only.
+            if kind >= 6 && memory {
+                continue;
+            }
             let mut gb = Vec::new();
             let mut caller = Vec::new();
             let mut process = Vec::new();
@@ -474,12 +587,12 @@ async fn decode(memory: bool, rounds: usize, requests: usize) -> Result<(), Stri
                         } else {
                             reference.blocks(bytes)
                         };
-                        let threads = if kind < 4 { 1 } else { 2 };
-                        (
-                            copy_pieces(&pieces, threads),
-                            Duration::ZERO,
-                            Duration::ZERO,
-                        )
+                        let gbps = match kind {
+                            2 | 3 => copy_pieces(&pieces, 1),
+                            4 | 5 => copy_pieces(&pieces, 2),
+                            _ => tcp_pieces(&pieces).map_err(|e| format!("TCP reference: {e}"))?,
+                        };
+                        (gbps, Duration::ZERO, Duration::ZERO)
                     }
                 };
                 gb.push(g);
@@ -495,7 +608,9 @@ async fn decode(memory: bool, rounds: usize, requests: usize) -> Result<(), Stri
                     "memcpy8K",
                     "memcpy1MiB",
                     "2memcpy8K",
-                    "2memcpy1MiB"
+                    "2memcpy1MiB",
+                    "tcp8K",
+                    "tcp1MiB"
                 ][kind],
                 round,
                 row.0,
@@ -508,7 +623,16 @@ async fn decode(memory: bool, rounds: usize, requests: usize) -> Result<(), Stri
     let med = |rows: &[(f64, f64, f64)], f: fn(&(f64, f64, f64)) -> f64| {
         median(rows.iter().map(f).collect())
     };
-    let [lay, flat, pairs, blocks, pairs2, blocks2] = &summary;
+    let [
+        lay,
+        flat,
+        pairs,
+        blocks,
+        pairs2,
+        blocks2,
+        tcp_pairs,
+        tcp_blocks,
+    ] = &summary;
     println!(
         "kv_handoff_bench: {transport}: layouts {:.3} GB/s, 1 MiB blocks {:.3} GB/s: ratio {:.2} \
          (median of {rounds} rounds of {requests} requests); caller CPU {:.0} us per request \
@@ -532,13 +656,26 @@ async fn decode(memory: bool, rounds: usize, requests: usize) -> Result<(), Stri
             med(pairs, |r| r.0) / med(blocks, |r| r.0),
         );
     }
-    // Same host, memory bandwidth bounds the copy; over TCP the wire does,
-    // and this ratio would say nothing.
+    // Same host, memory bandwidth bounds the copy; over TCP the kernel's
+    // copies into and out of its buffers do, from and to the same
+    // scattered pieces.
     if memory {
         println!(
             "kv_handoff_bench: memory: layouts against two threads' memcpy of the same pairs: \
              {:.2}",
             med(lay, |r| r.0) / med(pairs2, |r| r.0),
+        );
+    } else {
+        println!(
+            "kv_handoff_bench: TCP writev/readv over loopback: the same pairs {:.3} GB/s, 1 MiB \
+             blocks {:.3} GB/s: ratio {:.2}",
+            med(tcp_pairs, |r| r.0),
+            med(tcp_blocks, |r| r.0),
+            med(tcp_pairs, |r| r.0) / med(tcp_blocks, |r| r.0),
+        );
+        println!(
+            "kv_handoff_bench: tcp: layouts against writev/readv of the same pairs: {:.2}",
+            med(lay, |r| r.0) / med(tcp_pairs, |r| r.0),
         );
     }
     drop(child.stdin.take());
