@@ -89,6 +89,23 @@ impl TryFrom<Layout> for Descs {
     }
 }
 
+impl Drop for Descs {
+    fn drop(&mut self) {
+        if let Layout::Explicit {
+            region,
+            offset,
+            len,
+        } = &mut self.0
+        {
+            spare::give(spare::Arrays {
+                region: std::mem::take(region),
+                offset: std::mem::take(offset),
+                len: std::mem::take(len),
+            });
+        }
+    }
+}
+
 impl Default for Descs {
     fn default() -> Self {
         Self::new()
@@ -103,10 +120,15 @@ impl Descs {
 
     /// Room for `n` descriptors before the arrays grow.
     pub fn with_capacity(n: usize) -> Self {
+        let spare::Arrays {
+            region,
+            offset,
+            len,
+        } = spare::take(n);
         Descs(Layout::Explicit {
-            region: Vec::with_capacity(n),
-            offset: Vec::with_capacity(n),
-            len: Vec::with_capacity(n),
+            region,
+            offset,
+            len,
         })
     }
 
@@ -158,6 +180,19 @@ impl Descs {
         else {
             unreachable!("made explicit above")
         };
+        // Full and large: into arrays twice the size, kept ones where
+        // there are (see `spare`), the old ones kept in turn.
+        if regions.len() >= spare::MIN / 2 && regions.len() == regions.capacity() {
+            let mut larger = spare::take(2 * regions.len());
+            larger.region.append(regions);
+            larger.offset.append(offsets);
+            larger.len.append(lens);
+            spare::give(spare::Arrays {
+                region: std::mem::replace(regions, larger.region),
+                offset: std::mem::replace(offsets, larger.offset),
+                len: std::mem::replace(lens, larger.len),
+            });
+        }
         regions.push(region);
         offsets.push(offset);
         lens.push(len);
@@ -499,6 +534,7 @@ impl RemoteDescList {
 }
 
 mod pairs;
+mod spare;
 
 pub use pairs::{DescIndices, Indices, check_pairs, op_at, ops_between};
 

@@ -1,6 +1,6 @@
 //! The copy threads: one per core (at most [`MAX_THREADS`]), shared by
-//! every batch of the process, each taking the next chunk of the oldest
-//! batch with work left.
+//! every batch of the process, each taking chunks of the batch with the
+//! fewest threads on it, the oldest first ([`Pool::pick`]).
 //!
 //! Why not a blocking thread or two per batch: a request moves in slices
 //! of up to 1,024 ops, two or more in flight, and with each slice split
