@@ -23,8 +23,8 @@ use tokio::sync::oneshot;
 use crate::copy::{Batch, Piece, copy_run};
 use crate::pvm::Fail;
 
-/// At most this many copy threads, however many cores: several requests'
-/// copies at once, each on up to [`crate::copy`]'s share of them.
+/// At most this many copy threads, however many cores: two batches at
+/// once on as many threads as one batch may take (four, `copy.rs`).
 const MAX_THREADS: usize = 8;
 
 /// A batch's copies, cut into chunks that the threads (and, on a
