@@ -134,10 +134,9 @@ pub(crate) async fn run(batch: Arc<Batch>) -> Vec<Result<(), Fail>> {
     if total < INLINE {
         return run_here(&batch);
     }
-    let threads = pool::threads();
-    if threads == 0 {
+    let Some((pool, threads)) = pool::pool() else {
         return run_in_steps(&batch).await;
-    }
+    };
     let wanted = (total / PER_THREAD).clamp(1, threads.min(MAX_THREADS) as u64) as usize;
     // On a current-thread runtime (the NIXL plugin's, which the caller
     // polling for the request drives) this task copies too, a chunk per
@@ -149,9 +148,7 @@ pub(crate) async fn run(batch: Arc<Batch>) -> Vec<Result<(), Fail>> {
     // Chunks no thread claimed yet stay uncopied if this future is
     // dropped (its submit timed out): they would only hold the cores.
     let _abandon = Abandon(&job);
-    if !pool::push(job.clone()) {
-        return run_in_steps(&batch).await;
-    }
+    pool.push(job.clone());
     if here {
         while job.copy_next() {
             tokio::task::yield_now().await;

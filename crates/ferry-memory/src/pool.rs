@@ -156,7 +156,7 @@ fn fail(code: u8) -> Fail {
 }
 
 /// The queue the threads take jobs from.
-struct Pool {
+pub(crate) struct Pool {
     /// Jobs with chunks left, oldest first, each with how many threads
     /// work on it now.
     jobs: Mutex<VecDeque<(Arc<Job>, usize)>>,
@@ -166,7 +166,7 @@ struct Pool {
 /// The process's pool and how many threads it has, started at first use;
 /// `None` where not one thread could be started. A child forked after
 /// the threads started has none of them: it starts its own.
-fn pool() -> Option<(&'static Pool, usize)> {
+pub(crate) fn pool() -> Option<(&'static Pool, usize)> {
     type Started = (u32, Option<(&'static Pool, usize)>);
     static POOL: Mutex<Option<Started>> = Mutex::new(None);
     let pid = std::process::id();
@@ -197,21 +197,6 @@ fn start() -> Option<(&'static Pool, usize)> {
     (started > 0).then_some((pool, started))
 }
 
-/// How many copy threads the process has (0 where none could start).
-pub(crate) fn threads() -> usize {
-    pool().map_or(0, |(_, threads)| threads)
-}
-
-/// Hands `job` to the copy threads; false where there are none (the
-/// caller copies it).
-pub(crate) fn push(job: Arc<Job>) -> bool {
-    let Some((pool, _)) = pool() else {
-        return false;
-    };
-    pool.push(job);
-    true
-}
-
 /// A copy thread: copies chunks of the job [`Pool::take`] gives it until
 /// none is left or [`Pool::wanted_elsewhere`] says to move.
 fn serve(pool: &'static Pool) {
@@ -231,7 +216,9 @@ impl Pool {
         }
     }
 
-    fn push(&self, job: Arc<Job>) {
+    /// Hands `job` to the threads (none where its limit is 0: the caller
+    /// copies it).
+    pub(crate) fn push(&self, job: Arc<Job>) {
         if job.limit == 0 {
             return;
         }
