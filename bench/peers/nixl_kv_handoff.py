@@ -3,7 +3,7 @@
 drives it: what a decode rank's caller spends per request (issue 56's
 "Performance": caller CPU against a NIXL connector today).
 
-The workload (examples/kv_handoff_bench.rs runs the same one through
+The workload (examples/kv_handoff_bench/ runs the same one through
 ferry's layout planner):
 
   model    32 layers, 8 KV heads of head_dim 128, 2-byte elements, blocks

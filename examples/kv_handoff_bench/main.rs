@@ -41,11 +41,15 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry::layout::{
-    Direction, Expansion, KvCache, KvPlacement, LayerPlacement, PlanOptions, RankLayout,
-    TableRequest, TokenOrder,
+    Direction, KvCache, KvPlacement, LayerPlacement, PlanOptions, RankLayout, TableRequest,
+    TokenOrder,
 };
 use ferry::prelude::*;
 use ferry::{LocalLayout, PeerLayout, TransferPlan};
+
+mod reference;
+
+use reference::{MemcpyReference, copy_pieces, tcp_pieces};
 
 const LAYERS: u64 = 32;
 const HEADS: u64 = 8;
@@ -275,202 +279,6 @@ async fn contiguous_request(
     let (thread1, process1) = cpu_times();
     let gbps = bytes as f64 / wall.as_secs_f64() / 1e9;
     Ok((gbps, thread1 - thread0, process1 - process0))
-}
-
-/// Buffers laid out as a plan's regions on both sides, for the `memcpy`
-/// reference (see the module docs).
-struct MemcpyReference {
-    local: Vec<Vec<u8>>,
-    remote: Vec<Vec<u8>>,
-}
-
-impl MemcpyReference {
-    fn new(plan: &TransferPlan, local: &LocalLayout, peers: &[PeerLayout]) -> Self {
-        let lens = local.layout().region_lens.clone();
-        let local = (plan.plan().local_regions().iter())
-            .map(|&i| vec![1u8; lens[i as usize] as usize])
-            .collect();
-        let remote = (plan.plan().remote_regions().iter())
-            .map(|r| {
-                let peer = peers.iter().find(|p| p.layout().rank == r.rank);
-                let len = peer.map_or(0, |p| p.layout().region_lens[r.region as usize]);
-                vec![2u8; len as usize]
-            })
-            .collect();
-        MemcpyReference { local, remote }
-    }
-
-    /// The copies of `expansion`'s pairs, remote to local.
-    fn pairs(&mut self, expansion: &Expansion) -> Vec<Piece> {
-        let mut pieces = Vec::with_capacity(expansion.len());
-        for (l, r) in expansion.local().iter().zip(expansion.remote().iter()) {
-            let (lo, ro, len) = (l.offset as usize, r.offset as usize, l.len as usize);
-            let from = &self.remote[r.region as usize][ro..ro + len];
-            let to = &mut self.local[l.region as usize][lo..lo + len];
-            pieces.push(Piece {
-                to: to.as_mut_ptr() as usize,
-                from: from.as_ptr() as usize,
-                len,
-            });
-        }
-        pieces
-    }
-
-    /// The copies of `bytes` as 1 MiB pieces, remote to local.
-    fn blocks(&mut self, bytes: u64) -> Vec<Piece> {
-        let piece = MIB as usize;
-        let from = self.remote.iter().flat_map(|r| r.chunks_exact(piece));
-        let to = (self.local.iter_mut()).flat_map(|l| l.chunks_exact_mut(piece));
-        to.zip(from)
-            .take((bytes / MIB) as usize)
-            .map(|(to, from)| Piece {
-                to: to.as_mut_ptr() as usize,
-                from: from.as_ptr() as usize,
-                len: piece,
-            })
-            .collect()
-    }
-}
-
-/// One copy of the reference: addresses in a [`MemcpyReference`]'s
-/// buffers.
-struct Piece {
-    to: usize,
-    from: usize,
-    len: usize,
-}
-
-/// GB/s running `pieces` on `threads` threads, a contiguous share each.
-/// The pieces come from one [`MemcpyReference`], borrowed mutably by the
-/// caller for the call.
-fn copy_pieces(pieces: &[Piece], threads: usize) -> f64 {
-    let total: usize = pieces.iter().map(|p| p.len).sum();
-    let share = pieces.len().div_ceil(threads).max(1);
-    let start = Instant::now();
-    std::thread::scope(|scope| {
-        for run in pieces.chunks(share) {
-            scope.spawn(move || {
-                for p in run {
-                    // SAFETY: both ranges lie in the reference's buffers,
-                    // alive and not otherwise used during the call; no two
-                    // pieces' destinations overlap (a plan writes each
-                    // local byte once; 1 MiB pieces are disjoint chunks),
-                    // and a source is never a destination (other buffers).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(p.from as *const u8, p.to as *mut u8, p.len)
-                    };
-                }
-            });
-        }
-    });
-    total as f64 / start.elapsed().as_secs_f64() / 1e9
-}
-
-/// GB/s moving `pieces` over loopback TCP as ferry's TCP transport does,
-/// on [`CONNECTIONS`] connections (a contiguous share of the pieces each),
-/// each side of each a thread: the sender gathers the sources with
-/// `writev`, the receiver scatters into the destinations with `readv`,
-/// [`IOVECS`] pieces a call. Every byte crosses the kernel twice, as in
-/// ferry's. The pieces come from one [`MemcpyReference`], borrowed
-/// mutably by the caller for the call.
-fn tcp_pieces(pieces: &[Piece]) -> std::io::Result<f64> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let mut pairs = Vec::new();
-    for _ in 0..CONNECTIONS {
-        let sender = std::net::TcpStream::connect(listener.local_addr()?)?;
-        let (receiver, _) = listener.accept()?;
-        pairs.push((sender, receiver));
-    }
-    let total: usize = pieces.iter().map(|p| p.len).sum();
-    let share = pieces.len().div_ceil(CONNECTIONS).max(1);
-    let start = Instant::now();
-    std::thread::scope(|scope| {
-        let mut moving = Vec::new();
-        for ((sender, receiver), share) in pairs.iter().zip(pieces.chunks(share)) {
-            moving.push(scope.spawn(move || {
-                vectored_all(
-                    sender,
-                    share,
-                    |p| p.from,
-                    |fd, iov, n| {
-                        // SAFETY: `iov` holds `n` iovecs over the reference's
-                        // source buffers, alive and unchanged during the call.
-                        unsafe { libc::writev(fd, iov, n) }
-                    },
-                )
-            }));
-            moving.push(scope.spawn(move || {
-                vectored_all(
-                    receiver,
-                    share,
-                    |p| p.to,
-                    |fd, iov, n| {
-                        // SAFETY: as for the write; the destinations are not
-                        // otherwise used during the call, and no two overlap.
-                        unsafe { libc::readv(fd, iov, n) }
-                    },
-                )
-            }));
-        }
-        moving
-            .into_iter()
-            .try_for_each(|t| t.join().expect("TCP reference thread"))
-    })?;
-    Ok(total as f64 / start.elapsed().as_secs_f64() / 1e9)
-}
-
-/// Connections of the TCP reference: as many as ferry's TCP transport
-/// opens to a peer by default.
-const CONNECTIONS: usize = 4;
-
-/// Pieces per `writev`/`readv` call: Linux's `IOV_MAX`.
-const IOVECS: usize = 1024;
-
-/// Moves every byte of `pieces` (at `addr` of each) through `call`, a
-/// vectored read or write on `socket`, [`IOVECS`] at a time, resuming
-/// after short transfers.
-fn vectored_all(
-    socket: &std::net::TcpStream,
-    pieces: &[Piece],
-    addr: fn(&Piece) -> usize,
-    call: impl Fn(i32, *const libc::iovec, i32) -> isize,
-) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let fd = socket.as_raw_fd();
-    for group in pieces.chunks(IOVECS) {
-        let mut iovs: Vec<libc::iovec> = (group.iter())
-            .map(|p| libc::iovec {
-                iov_base: addr(p) as *mut libc::c_void,
-                iov_len: p.len,
-            })
-            .collect();
-        let mut first = 0;
-        while first < iovs.len() {
-            let n = call(fd, iovs[first..].as_ptr(), (iovs.len() - first) as i32);
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(e);
-            }
-            if n == 0 {
-                return Err(std::io::ErrorKind::UnexpectedEof.into());
-            }
-            // Past the iovecs done, into the one done in part.
-            let mut n = n as usize;
-            while first < iovs.len() && n >= iovs[first].iov_len {
-                n -= iovs[first].iov_len;
-                first += 1;
-            }
-            if n > 0 {
-                let iov = &mut iovs[first];
-                iov.iov_base = (iov.iov_base as usize + n) as *mut libc::c_void;
-                iov.iov_len -= n;
-            }
-        }
-    }
-    Ok(())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
