@@ -91,6 +91,17 @@ impl Submitted {
         }
     }
 
+    /// Takes what `count` ops of one `kind`, `bytes` in all, will move.
+    pub fn uniform(kind: OpKind, count: usize, bytes: u64) -> Self {
+        let mut counts = [(0u64, 0u64); 2];
+        counts[kind_index(kind)] = (count as u64, bytes);
+        Submitted {
+            counts,
+            kinds: Vec::new(),
+            started: Instant::now(),
+        }
+    }
+
     /// Counts the outcome on the transport's `meters`.
     pub fn finish(self, m: &Meters, result: &Result<(), SubmitError>) {
         m.submit_seconds

@@ -220,6 +220,28 @@ impl Router {
         result
     }
 
+    /// A slice of a request's descriptor pairs, every remote region of
+    /// which is routed to the memory transport: copied without an op made
+    /// per pair ([`MemoryBackend::submit_pairs`](ferry_memory::MemoryBackend::submit_pairs)).
+    /// `bytes` is what the pairs move, for the meters.
+    pub async fn submit_memory_pairs(
+        &self,
+        pairs: ferry_memory::Pairs<'_>,
+        bytes: u64,
+        timeout: Duration,
+    ) -> Result<(), SubmitError> {
+        if self.is_shut_down() {
+            return Err(SubmitError::ShutDown);
+        }
+        let Some(memory) = &self.memory else {
+            return Err(SubmitError::BackendStopped);
+        };
+        let submitted = Submitted::uniform(pairs.kind, pairs.range.len(), bytes);
+        let result = memory.submit_pairs(pairs, timeout).await;
+        submitted.finish(&self.memory_meters, &result);
+        result
+    }
+
     /// The ibverbs backend's share of a batch; every op routed to it. A
     /// share whose first connect finds that no rail pair reaches its peer
     /// runs again over TCP, where the node allows it, with what is left of

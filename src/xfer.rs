@@ -11,7 +11,10 @@
 //! the owner sees it only when every byte is in place, without waiting
 //! for the initiator to poll (as NIXL's requests do). The ops are built
 //! slice by slice from the lists, so a request of 100,000 descriptors
-//! holds its index arrays, not 100,000 handles.
+//! holds its index arrays, not 100,000 handles; a slice whose regions are
+//! all same-host is not made into ops at all: the memory transport takes
+//! its descriptor pairs and plans each region once
+//! ([`MemoryBackend::submit_pairs`](ferry_memory::MemoryBackend::submit_pairs)).
 //!
 //! Cancelling (or dropping the request) stops posting: what is in flight
 //! (at most one window) finishes, and its memory stays held until then,

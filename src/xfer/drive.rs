@@ -180,6 +180,18 @@ impl Ops {
         (end, bytes)
     }
 
+    /// The pairs at positions `range`, for the memory transport.
+    fn pairs(&self, kind: OpKind, range: std::ops::Range<usize>) -> ferry_memory::Pairs<'_> {
+        ferry_memory::Pairs {
+            kind,
+            local: &self.local,
+            local_idx: &self.local_idx,
+            remote: self.remote.list(),
+            remote_idx: &self.remote_idx,
+            range,
+        }
+    }
+
     /// The ops of `kind` at positions `start..end`, and each one's
     /// transport. The pairs were checked when the ops were made; an error
     /// here would be a list that changed under them, and fails the post
@@ -353,6 +365,10 @@ async fn run(
         _ => touched_owners(ops),
     };
     let behind_data = owners.len() == 1;
+    let all_memory = router.memory.is_some()
+        && levels
+            .iter()
+            .all(|&level| level == RdmaTransportLevel::Memory);
     let mut next = 0;
     // Whichever slice ends first frees its place in the window: in post
     // order, a slice that ended behind a slower one held its place, and a
@@ -391,26 +407,38 @@ async fn run(
                 timed_out = true;
                 break;
             }
-            let (ops, op_levels) = match ops.slice(job.kind, next, end, &levels) {
-                Ok(slice) => slice,
-                Err(e) => {
-                    failure = Some(e.into());
-                    break;
-                }
+            // A slice whose every region the memory transport reaches goes
+            // as descriptor pairs, without an op made per pair.
+            let post = match notification {
+                None if all_memory => Post::Pairs,
+                notification => match ops.slice(job.kind, next, end, &levels) {
+                    Ok((ops, op_levels)) => Post::Ops(ops, op_levels, notification),
+                    Err(e) => {
+                        failure = Some(e.into());
+                        break;
+                    }
+                },
             };
             let start = next;
             in_flight.push(async move {
-                let result = match notification {
-                    None => router
+                let result = match post {
+                    Post::Pairs => {
+                        let pairs = ops.pairs(job.kind, start..end);
+                        (router.submit_memory_pairs(pairs, bytes, left).await)
+                            .map_err(XferError::Submit)
+                    }
+                    Post::Ops(ops, op_levels, None) => router
                         .submit_routed(ops, op_levels, left)
                         .await
                         .map_err(XferError::Submit),
-                    Some(body) => submit_with_notification(router, ops, left, body)
-                        .await
-                        .map_err(|e| match e {
-                            NotifyError::Submit(e) => XferError::Submit(e),
-                            e => XferError::Notify(e),
-                        }),
+                    Post::Ops(ops, _, Some(body)) => {
+                        submit_with_notification(router, ops, left, body)
+                            .await
+                            .map_err(|e| match e {
+                                NotifyError::Submit(e) => XferError::Submit(e),
+                                e => XferError::Notify(e),
+                            })
+                    }
                 };
                 (start, end, bytes, result)
             });
@@ -478,6 +506,14 @@ async fn run(
         notify_owners(router, &owners, body, deadline).await?;
     }
     Ok(levels)
+}
+
+/// How a slice goes.
+enum Post {
+    /// As descriptor pairs, to the memory transport.
+    Pairs,
+    /// As ops, each with its transport, and the notification behind them.
+    Ops(Vec<RdmaOp>, Vec<RdmaTransportLevel>, Option<Bytes>),
 }
 
 /// The owners whose memory the request's ops name, each once, in order of

@@ -10,6 +10,7 @@
 mod common;
 mod flood;
 mod notified;
+mod pairs;
 mod plans;
 mod process_vm;
 mod raw_drop;

@@ -6,9 +6,9 @@
 
 use std::sync::Arc;
 
-use ferry_core::{OpKind, RdmaOp};
+use ferry_core::{LocalDescList, OpKind, RdmaOp};
 
-use crate::mapping::Mapping;
+use crate::peer::Target;
 use crate::pool;
 use crate::pvm::{Fail, Grant, Vectors};
 
@@ -33,37 +33,38 @@ const STEP: usize = 1 << 20;
 /// copies one per poll.
 const CHUNK: usize = 512 << 10;
 
-/// Where an op's remote bytes are, checked against the region.
-pub(crate) enum Located {
-    /// In a mapping of the region's memfd, at this address here.
-    Mapped {
-        mapping: Arc<Mapping>,
-        remote: *mut u8,
-    },
-    /// In the owner's address space, at this address there.
-    ProcessVm { grant: Arc<Grant>, remote: u64 },
-}
-
-/// One op, ready to copy: where its remote bytes are, checked.
+/// One op, ready to copy: its bytes on both sides, checked.
 pub(crate) struct Planned {
-    /// Its index in the batch.
+    /// Its index in the batch: of its op, or of its descriptor pair from
+    /// the slice's first.
     pub index: usize,
-    pub at: Located,
+    /// Its mapping or grant: [`Batch::targets`]`[target]`.
+    pub target: u32,
+    pub kind: OpKind,
+    /// Its local bytes, in a region the batch keeps ([`Keep`]).
+    pub local: *mut u8,
+    /// Its remote bytes: an address in the target's mapping here, or the
+    /// owner's address for a `process_vm` grant.
+    pub remote: u64,
+    pub len: u64,
 }
 
-/// A batch's ops and the ones of them to copy. Shared with the copy
-/// threads: its ops keep their local regions alive while a thread copies
-/// (a timed-out submit may drop its own reference first).
+/// What keeps a batch's local regions alive while a thread copies (a
+/// timed-out submit may drop its own reference first).
+pub(crate) enum Keep {
+    /// The batch's ops, which hold their regions.
+    Ops(Vec<RdmaOp>),
+    /// The list a slice of descriptor pairs points into.
+    Descs(#[expect(dead_code, reason = "held only to keep its regions alive")] LocalDescList),
+}
+
+/// A batch's ops to copy, and what they copy through. Shared with the
+/// copy threads: it keeps both sides' memory alive while a thread copies.
 pub(crate) struct Batch {
-    pub ops: Vec<RdmaOp>,
     pub planned: Vec<Planned>,
-}
-
-impl Batch {
-    /// The op `planned` copies.
-    pub fn op(&self, planned: &Planned) -> &RdmaOp {
-        &self.ops[planned.index]
-    }
+    /// The mappings and grants the planned ops name, once each.
+    pub targets: Vec<Target>,
+    pub keep: Keep,
 }
 
 /// A byte range of one planned op, for one thread.
@@ -80,23 +81,22 @@ impl Piece {
     }
 }
 
-// SAFETY: the pointer points into the mapping that `mapping` keeps (a
-// grant's address is only handed to the kernel), and is only used for
-// copies, like DMA.
-unsafe impl Send for Located {}
-// SAFETY: as for Send; a Located is only read.
-unsafe impl Sync for Located {}
+// SAFETY: `local` points into a region the batch keeps alive (`Keep`),
+// `remote` into a mapping its targets keep (a grant's address is only
+// handed to the kernel); both are only used for copies, like DMA.
+unsafe impl Send for Planned {}
+// SAFETY: as for Send; a Planned is only read.
+unsafe impl Sync for Planned {}
 
 /// Copies `len` bytes at `offset` of the op; `Err(Fail::Dead)` if its
 /// region was not alive throughout.
 fn copy(batch: &Batch, planned: &Planned, offset: usize, len: usize) -> Result<(), Fail> {
-    let op = batch.op(planned);
-    let (mapping, remote) = match &planned.at {
-        Located::Mapped { mapping, remote } => (mapping, *remote),
-        Located::ProcessVm { grant, remote } => {
-            // In range: offset + len <= the op's length.
-            let local = op.local.as_ptr().wrapping_add(offset);
-            return grant.copy(op.kind, local, remote + offset as u64, len);
+    // In range: offset + len <= the op's length.
+    let local = planned.local.wrapping_add(offset);
+    let mapping = match &batch.targets[planned.target as usize] {
+        Target::Mapped(mapping) => mapping,
+        Target::ProcessVm(grant) => {
+            return grant.copy(planned.kind, local, planned.remote + offset as u64, len);
         }
     };
     if !mapping.is_alive() {
@@ -109,9 +109,8 @@ fn copy(batch: &Batch, planned: &Planned, offset: usize, len: usize) -> Result<(
     // other addresses: `copy` keeps that sound, and the bytes where source
     // and destination overlap are unspecified, as for overlapping ops.
     unsafe {
-        let local = op.local.as_ptr().add(offset);
-        let remote = remote.add(offset);
-        match op.kind {
+        let remote = (planned.remote as usize as *mut u8).add(offset);
+        match planned.kind {
             OpKind::Write => std::ptr::copy(local, remote, len),
             OpKind::Read => std::ptr::copy(remote, local, len),
         }
@@ -130,7 +129,7 @@ fn copy(batch: &Batch, planned: &Planned, offset: usize, len: usize) -> Result<(
 /// Runs every copy; returns, for each planned op in order, how it went
 /// (for a dead region, the owner is asked why).
 pub(crate) async fn run(batch: Arc<Batch>) -> Vec<Result<(), Fail>> {
-    let total: u64 = batch.planned.iter().map(|p| batch.op(p).len()).sum();
+    let total: u64 = batch.planned.iter().map(|p| p.len).sum();
     if total < INLINE {
         return run_here(&batch);
     }
@@ -234,7 +233,7 @@ fn whole(batch: &Batch) -> Vec<Piece> {
         .map(|i| Piece {
             planned: i,
             offset: 0,
-            len: batch.op(&batch.planned[i]).len() as usize,
+            len: batch.planned[i].len as usize,
         })
         .collect()
 }
@@ -283,9 +282,9 @@ pub(crate) fn copy_run(batch: &Batch, run: &[Piece]) -> Vec<(usize, Result<(), F
 /// The grant and op kind of a `process_vm` piece.
 fn grant_of<'a>(batch: &'a Batch, piece: &Piece) -> Option<(&'a Arc<Grant>, OpKind)> {
     let planned = &batch.planned[piece.planned];
-    match &planned.at {
-        Located::ProcessVm { grant, .. } => Some((grant, batch.op(planned).kind)),
-        Located::Mapped { .. } => None,
+    match &batch.targets[planned.target as usize] {
+        Target::ProcessVm(grant) => Some((grant, planned.kind)),
+        Target::Mapped(_) => None,
     }
 }
 
@@ -315,11 +314,8 @@ fn vectored_group(batch: &Batch, pieces: &[Piece]) -> (usize, Vectors) {
 /// A `process_vm` piece's local address, remote address and length.
 fn segment(batch: &Batch, piece: &Piece) -> (*mut u8, u64, usize) {
     let planned = &batch.planned[piece.planned];
-    let Located::ProcessVm { remote, .. } = planned.at else {
-        unreachable!("grouped by grant_of")
-    };
-    let local = batch.op(planned).local.as_ptr().wrapping_add(piece.offset);
-    (local, remote + piece.offset as u64, piece.len)
+    let local = planned.local.wrapping_add(piece.offset);
+    (local, planned.remote + piece.offset as u64, piece.len)
 }
 
 #[cfg(test)]

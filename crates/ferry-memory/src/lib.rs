@@ -58,6 +58,7 @@ mod pool;
 mod pvm;
 mod shared;
 mod socket;
+mod submit;
 #[doc(hidden)]
 pub mod wire;
 
@@ -70,7 +71,7 @@ use ferry_control::auth::Refusals;
 use ferry_control::hello::SecretCell;
 use ferry_core::{
     MemRemote, MemoryBlock, NodeAddr, NodeId, OpError, RdmaOp, RegisterError, RegisterRegion,
-    RemoteBuffer, SubmitError, random_u128,
+    RemoteBuffer, random_u128,
 };
 
 /// What [`MemoryBackend::notify`] did with a notification.
@@ -79,6 +80,7 @@ pub use lane::{MAX_BODY as LANE_MAX_NOTIFICATION, SLOTS as LANE_SLOTS};
 pub use owner::MemRegistration;
 pub use places::{DEFAULT_UNPROVEN_TIMEOUT, SameHostLimits};
 pub use shared::{SharedMapping, alloc, boot_id, mapping_of};
+pub use submit::Pairs;
 
 /// The abstract socket name of node `id`'s memory transport.
 pub fn socket_name(id: NodeId) -> String {
@@ -466,116 +468,6 @@ impl MemoryBackend {
     /// owner, and a connect per closed one.
     pub fn forget_dead_owners<'a>(&self, ops: impl IntoIterator<Item = &'a RdmaOp>) -> bool {
         self.forget_dead_owners_of(ops.into_iter().map(|op| &op.remote))
-    }
-
-    /// Runs a small batch now, on the calling thread, when nothing in it
-    /// needs waiting for: every op valid, its owner linked and alive, its
-    /// region mapped or granted here already (by an earlier batch, or
-    /// [`prepare`](Self::prepare)), and fewer bytes in all than
-    /// [`submit`](Self::submit) copies inline anyway. Otherwise, or when a
-    /// copy fails, the ops come back for `submit`, which waits for what is
-    /// missing and says what failed (a failed copy is made again there:
-    /// the same bytes to the same place).
-    ///
-    /// For a request of a few small ops, the async path around the copy
-    /// (a timer, a batch on the heap, a future of kilobytes moved into
-    /// place) cost more than the copy: an 8-byte write through NIXL spent
-    /// 2-3 µs there against 1.4 µs in `process_vm_writev`.
-    pub fn submit_now(&self, ops: Vec<RdmaOp>) -> Result<(), Vec<RdmaOp>> {
-        let mut total = 0u64;
-        for op in &ops {
-            if op.validate().is_err() {
-                return Err(ops);
-            }
-            total = total.saturating_add(op.len());
-        }
-        if total >= copy::INLINE {
-            return Err(ops);
-        }
-        let mut planned = Vec::with_capacity(ops.len());
-        let mut seen = plan::Seen::default();
-        for (index, op) in ops.iter().enumerate() {
-            match self.plan_known(op, &mut seen) {
-                Ok(plan::Step::Planned(Some((_, at)))) => planned.push(copy::Planned { index, at }),
-                Ok(plan::Step::Planned(None)) => {}
-                Ok(plan::Step::Ask(..)) | Err(_) => return Err(ops),
-            }
-        }
-        let batch = copy::Batch { ops, planned };
-        if copy::run_here(&batch).iter().all(Result::is_ok) {
-            Ok(())
-        } else {
-            Err(batch.ops)
-        }
-    }
-
-    /// Runs a batch whose ops all [`routes`](Self::routes) accepted: the
-    /// copies run in this process (a long batch split across a few
-    /// threads), no owner CPU involved. `Err(Op)` names the lowest failing
-    /// op; the others still ran.
-    pub async fn submit(&self, ops: Vec<RdmaOp>, timeout: Duration) -> Result<(), SubmitError> {
-        // A batch with a bad op moves nothing, as on the other transports.
-        for (index, op) in ops.iter().enumerate() {
-            op.validate()
-                .map_err(|error| SubmitError::Op { index, error })?;
-        }
-        let total = ops.len();
-        let run = async {
-            let mut failed: Vec<(usize, OpError)> = Vec::new();
-            let mut planned = Vec::with_capacity(ops.len());
-            let mut links = Vec::with_capacity(ops.len());
-            let mut seen = plan::Seen::default();
-            for (index, op) in ops.iter().enumerate() {
-                match self.plan(op, &mut seen).await {
-                    Ok(Some((link, at))) => {
-                        links.push(link);
-                        planned.push(copy::Planned { index, at });
-                    }
-                    Ok(None) => {}
-                    Err(error) => failed.push((index, error)),
-                }
-            }
-            let batch = Arc::new(copy::Batch { ops, planned });
-            let outcome = copy::run(batch.clone()).await;
-            for ((planned, outcome), link) in batch.planned.iter().zip(outcome).zip(links) {
-                let (index, op) = (planned.index, batch.op(planned));
-                let endpoint = op.remote.owner().endpoint;
-                let error = match outcome {
-                    Ok(()) => continue,
-                    Err(pvm::Fail::Dead) => link.why_dead(op).await,
-                    Err(pvm::Fail::ReadOnly) => OpError::ReadOnly,
-                    // The probe said yes, and now the kernel says no (the
-                    // owner changed its credentials): remembered, so the
-                    // next ops take the next transport.
-                    Err(pvm::Fail::Refused) => {
-                        link.refuse_process_vm();
-                        OpError::PeerUnreachable {
-                            endpoint,
-                            reason: "the kernel refuses process_vm access to the owner (EPERM)"
-                                .into(),
-                        }
-                    }
-                    Err(pvm::Fail::Gone) => OpError::connection_lost(endpoint),
-                    Err(pvm::Fail::Fault) => OpError::Protocol(
-                        "the owner's registered memory is not mapped in it (process_vm: EFAULT)"
-                            .into(),
-                    ),
-                };
-                failed.push((index, error));
-            }
-            failed.into_iter().min_by_key(|(index, _)| *index)
-        };
-        match tokio::time::timeout(timeout, run).await {
-            Ok(None) => Ok(()),
-            Ok(Some((index, error))) => Err(SubmitError::Op { index, error }),
-            // Copies already on threads finish (they keep what they touch
-            // alive); nothing is known of which did.
-            Err(_) => Err(SubmitError::Timeout {
-                timeout,
-                unfinished: total,
-                total,
-            }),
-        }
     }
 }
 

@@ -6,7 +6,7 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use ferry_core::{Generation, OpError, PAGE_SIZE, RdmaOp};
+use ferry_core::{Generation, OpError, PAGE_SIZE};
 
 use crate::shared::{alive, map_sealed};
 use crate::wire::Reply;
@@ -134,14 +134,11 @@ impl Mapping {
         self.liveness().load(Ordering::Acquire) == alive(self.generation)
     }
 
-    /// Where `op`'s remote bytes are in this mapping, after checking they
-    /// lie inside the region.
-    pub fn locate(&self, op: &RdmaOp) -> Result<*mut u8, OpError> {
-        let offset = op.remote.addr().wrapping_sub(self.owner_base);
-        let len = op.len();
-        if op.remote.addr() < self.owner_base
-            || offset.checked_add(len).is_none_or(|end| end > self.len)
-        {
+    /// Where the `len` remote bytes at the owner's address `addr` are in
+    /// this mapping, after checking they lie inside the region.
+    pub fn locate(&self, addr: u64, len: u64) -> Result<*mut u8, OpError> {
+        let offset = addr.wrapping_sub(self.owner_base);
+        if addr < self.owner_base || offset.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(OpError::OutOfBounds {
                 offset,
                 len,

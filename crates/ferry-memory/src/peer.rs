@@ -65,6 +65,25 @@ impl Target {
             Target::ProcessVm(g) => g.is_alive(),
         }
     }
+
+    /// Where the `len` remote bytes at the owner's address `addr` are,
+    /// after checking they lie in the region: an address in the mapping
+    /// here, or the owner's own for `process_vm`.
+    pub fn locate(&self, addr: u64, len: u64) -> Result<u64, OpError> {
+        match self {
+            Target::Mapped(m) => m.locate(addr, len).map(|p| p as usize as u64),
+            Target::ProcessVm(g) => g.locate(addr, len),
+        }
+    }
+
+    /// The same mapping or grant (not only an equal one).
+    pub fn same(&self, other: &Target) -> bool {
+        match (self, other) {
+            (Target::Mapped(a), Target::Mapped(b)) => Arc::ptr_eq(a, b),
+            (Target::ProcessVm(a), Target::ProcessVm(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
 }
 
 /// A region the owner granted, cached under its slot and the token the

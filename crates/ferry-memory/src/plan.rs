@@ -1,44 +1,85 @@
-//! Planning a batch's copies: each op's link and where its remote bytes
-//! are, looked up once per owner and, for a run of ops on one region (a
-//! prepared request's usual slice), once per run.
+//! Planning a batch's copies: each op's mapping or grant and where its
+//! remote bytes are in it, looked up once per owner and, for a run of ops
+//! on one region (a prepared request's usual slice), once per run. A
+//! batch's mappings and grants are kept once each in its [`Seen`], which
+//! its planned ops name by index: no reference count moves per op.
 
 use std::sync::Arc;
 
-use ferry_core::{Generation, NodeId, OpError, OpKind, RdmaOp, RegionId};
+use ferry_core::{Generation, NodeId, OpError, OpKind, RdmaOp, RegionId, RemoteBuffer};
 
-use crate::{MemoryBackend, copy, peer};
+use crate::{MemoryBackend, peer};
 
 impl MemoryBackend {
-    /// `op`'s link, and where its remote bytes are; `None` for an empty
-    /// op. `seen` holds what this batch already looked up: each owner is
-    /// looked up and checked once per batch, and a run of ops on one
-    /// region (a prepared request's usual slice) takes its mapping without
-    /// the link's lock and table.
+    /// Where `op`'s remote bytes are: its target's index in `seen` and the
+    /// address there ([`Seen::locate`]); `None` for an empty op. Each
+    /// owner is looked up and checked once per batch, and a run of ops on
+    /// one region (a prepared request's usual slice) takes its mapping
+    /// without the link's lock and table.
     pub(crate) async fn plan(
         &self,
         op: &RdmaOp,
         seen: &mut Seen,
-    ) -> Result<Option<(Arc<peer::Link>, copy::Located)>, OpError> {
-        match self.plan_known(op, seen)? {
-            Step::Planned(planned) => Ok(planned),
-            Step::Ask(link, key) => {
-                let target = link.mapping(op).await?;
-                seen.last = Some(LastTarget {
-                    key,
-                    target: target.clone(),
-                });
-                Ok(Some((link, locate(target, op)?)))
+    ) -> Result<Option<(u32, u64)>, OpError> {
+        if op.is_empty() {
+            return Ok(None);
+        }
+        let target = self.target(&op.remote, op.kind, seen).await?;
+        Ok(Some((
+            target,
+            seen.locate(target, op.remote.addr(), op.len())?,
+        )))
+    }
+
+    /// [`plan`](Self::plan) from what is known here, without waiting:
+    /// `None` when the owner must be asked for the op's region first.
+    pub(crate) fn plan_known(
+        &self,
+        op: &RdmaOp,
+        seen: &mut Seen,
+    ) -> Result<Option<Option<(u32, u64)>>, OpError> {
+        if op.is_empty() {
+            return Ok(Some(None));
+        }
+        let Known::Target(target) = self.known_target(&op.remote, op.kind, seen)? else {
+            return Ok(None);
+        };
+        let remote = seen.locate(target, op.remote.addr(), op.len())?;
+        Ok(Some(Some((target, remote))))
+    }
+
+    /// The mapping or grant that serves `kind` ops on `remote`'s region,
+    /// as its index in `seen`, asking the owner if it must.
+    pub(crate) async fn target(
+        &self,
+        remote: &RemoteBuffer,
+        kind: OpKind,
+        seen: &mut Seen,
+    ) -> Result<u32, OpError> {
+        match self.known_target(remote, kind, seen)? {
+            Known::Target(target) => Ok(target),
+            Known::Ask(link, key) => {
+                let target = link.mapping_for(remote, kind == OpKind::Write).await?;
+                Ok(seen.add(key, link, target))
             }
         }
     }
 
-    /// [`plan`](Self::plan) from what is known here, without waiting:
-    /// `Ask` when the owner must be asked for the op's region first.
-    pub(crate) fn plan_known(&self, op: &RdmaOp, seen: &mut Seen) -> Result<Step, OpError> {
-        if op.is_empty() {
-            return Ok(Step::Planned(None));
+    /// [`target`](Self::target) from what is known here, without waiting.
+    fn known_target(
+        &self,
+        remote: &RemoteBuffer,
+        kind: OpKind,
+        seen: &mut Seen,
+    ) -> Result<Known, OpError> {
+        let key = key_of(remote);
+        if let Some(last) = &seen.last
+            && last.key == key
+            && (kind == OpKind::Read || seen.targets[last.target as usize].1.writable())
+        {
+            return Ok(Known::Target(last.target));
         }
-        let owner = op.remote.owner();
+        let owner = remote.owner();
         let link = match seen.links.iter().find(|(id, _)| *id == owner.id) {
             Some((_, link)) => link.clone()?,
             None => {
@@ -47,22 +88,10 @@ impl MemoryBackend {
                 link?
             }
         };
-        let key = LastTarget::key_of(op);
-        let target = match &seen.last {
-            Some(last) if last.serves(&key, op) => last.target.clone(),
-            _ => match link.cached_mapping(&op.remote, op.kind == OpKind::Write) {
-                None => return Ok(Step::Ask(link, key)),
-                Some(target) => {
-                    let target = target?;
-                    seen.last = Some(LastTarget {
-                        key,
-                        target: target.clone(),
-                    });
-                    target
-                }
-            },
-        };
-        Ok(Step::Planned(Some((link, locate(target, op)?))))
+        match link.cached_mapping(remote, kind == OpKind::Write) {
+            None => Ok(Known::Ask(link, key)),
+            Some(target) => Ok(Known::Target(seen.add(key, link, target?))),
+        }
     }
 
     /// The link to a live `owner`.
@@ -86,65 +115,73 @@ impl MemoryBackend {
     }
 }
 
-/// Where `op`'s remote bytes are in `target`, after checking they lie in
-/// its region.
-fn locate(target: peer::Target, op: &RdmaOp) -> Result<copy::Located, OpError> {
-    Ok(match target {
-        peer::Target::Mapped(mapping) => {
-            let remote = mapping.locate(op)?;
-            copy::Located::Mapped { mapping, remote }
-        }
-        peer::Target::ProcessVm(grant) => {
-            let remote = grant.locate(op)?;
-            copy::Located::ProcessVm { grant, remote }
-        }
-    })
-}
-
-/// What [`MemoryBackend::plan_known`] found.
-pub(crate) enum Step {
-    /// The op's link and where its bytes are (`None`: an empty op).
-    Planned(Option<(Arc<peer::Link>, copy::Located)>),
-    /// The op's link, whose owner must map or grant its region first, and
-    /// the op's target key.
+/// What [`MemoryBackend::known_target`] found.
+enum Known {
+    /// The target's index in the batch's [`Seen`].
+    Target(u32),
+    /// The region's link, whose owner must map or grant it first, and
+    /// the region's target key.
     Ask(Arc<peer::Link>, TargetKey),
 }
 
-/// What a batch's planning already looked up ([`MemoryBackend::plan`]).
+/// What a batch's planning looked up ([`MemoryBackend::plan`]): its links
+/// and, once each, the mappings and grants its ops copy through.
 #[derive(Default)]
 pub(crate) struct Seen {
     /// Each owner's link, or why there is none.
     links: Vec<(NodeId, Result<Arc<peer::Link>, OpError>)>,
-    /// The last mapping or grant taken, for the ops after it on the same
-    /// region.
+    /// The batch's mappings and grants, each with its link: planned ops
+    /// name them by index.
+    targets: Vec<(Arc<peer::Link>, peer::Target)>,
+    /// The last target taken, for the ops after it on the same region.
     last: Option<LastTarget>,
 }
 
-/// A mapping or grant, and the handle fields it was granted for: an op
+impl Seen {
+    /// Keeps `target` (once: a target already kept keeps its index) as
+    /// the last one taken, for `key`; its index.
+    fn add(&mut self, key: TargetKey, link: Arc<peer::Link>, target: peer::Target) -> u32 {
+        let index = match self.targets.iter().position(|(_, t)| t.same(&target)) {
+            Some(i) => i,
+            None => {
+                self.targets.push((link, target));
+                self.targets.len() - 1
+            }
+        };
+        let index = u32::try_from(index).expect("a batch names fewer than 2^32 regions");
+        self.last = Some(LastTarget { key, target: index });
+        index
+    }
+
+    /// Where the `len` bytes at the owner's address `addr` are in target
+    /// `target`, after checking they lie in its region.
+    pub(crate) fn locate(&self, target: u32, addr: u64, len: u64) -> Result<u64, OpError> {
+        self.targets[target as usize].1.locate(addr, len)
+    }
+
+    /// The targets, in index order, and their links.
+    pub(crate) fn into_targets(self) -> Vec<(Arc<peer::Link>, peer::Target)> {
+        self.targets
+    }
+}
+
+/// The last target taken, and the handle fields it was granted for: an op
 /// whose handle has the same ones gets the same answer from the link's
 /// table (which checks generation, token and access), so it is not asked.
 struct LastTarget {
     key: TargetKey,
-    target: peer::Target,
+    target: u32,
 }
 
 /// An op's owner, region, generation and memory token.
 type TargetKey = (NodeId, RegionId, Generation, u128);
 
-impl LastTarget {
-    fn key_of(op: &RdmaOp) -> TargetKey {
-        let remote = &op.remote;
-        let token = remote.transports().memory.map_or(0, |m| m.token);
-        (
-            remote.owner().id,
-            remote.region(),
-            remote.generation(),
-            token,
-        )
-    }
-
-    /// Whether `op`, whose key is `key`, may use this target.
-    fn serves(&self, key: &TargetKey, op: &RdmaOp) -> bool {
-        self.key == *key && (op.kind == OpKind::Read || self.target.writable())
-    }
+fn key_of(remote: &RemoteBuffer) -> TargetKey {
+    let token = remote.transports().memory.map_or(0, |m| m.token);
+    (
+        remote.owner().id,
+        remote.region(),
+        remote.generation(),
+        token,
+    )
 }

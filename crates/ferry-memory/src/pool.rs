@@ -276,8 +276,9 @@ mod tests {
     /// A job of `chunks` chunks that copy nothing.
     fn job(chunks: usize, limit: usize) -> (Arc<Job>, oneshot::Receiver<()>) {
         let batch = Arc::new(Batch {
-            ops: Vec::new(),
             planned: Vec::new(),
+            targets: Vec::new(),
+            keep: crate::copy::Keep::Ops(Vec::new()),
         });
         Job::new(batch, (0..chunks).map(|_| Vec::new()).collect(), limit)
     }

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use ferry_core::{Generation, OpError, OpKind, RdmaOp};
+use ferry_core::{Generation, OpError, OpKind};
 
 use crate::gate::{GATES, LANES, Table};
 
@@ -113,18 +113,18 @@ impl Grant {
         self.table.live(self.gate).load(Ordering::Acquire) == self.stamp
     }
 
-    /// `op`'s remote address, after checking its bytes lie in the region.
-    pub fn locate(&self, op: &RdmaOp) -> Result<u64, OpError> {
-        let offset = op.remote.addr().wrapping_sub(self.base);
-        let len = op.len();
-        if op.remote.addr() < self.base || offset.checked_add(len).is_none_or(|e| e > self.len) {
+    /// The owner's address `addr` of `len` remote bytes, after checking
+    /// they lie in the region.
+    pub fn locate(&self, addr: u64, len: u64) -> Result<u64, OpError> {
+        let offset = addr.wrapping_sub(self.base);
+        if addr < self.base || offset.checked_add(len).is_none_or(|e| e > self.len) {
             return Err(OpError::OutOfBounds {
                 offset,
                 len,
                 bound: self.len,
             });
         }
-        Ok(op.remote.addr())
+        Ok(addr)
     }
 
     /// Copies `len` bytes between `local` and the owner's `remote`, one
