@@ -226,9 +226,9 @@ struct SliceDraft<'a> {
 impl SliceDraft<'_> {
     /// Plans the pairs from `next` on; stops at a pair whose remote region
     /// has no target looked up yet, and returns that region (`None` once
-    /// every pair is planned). A plain loop, not an async one: it keeps
-    /// its state in registers, where the future's fields cost 25 ns a
-    /// pair.
+    /// every pair is planned). A plain loop, not an async one, whose state
+    /// lived in the future's fields: a slice of 1,024 pairs took 24-29 µs
+    /// to plan there, 18-19 here.
     fn plan(&mut self) -> Option<u32> {
         let Pairs {
             kind,
