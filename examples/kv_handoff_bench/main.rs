@@ -25,17 +25,19 @@
 //! machine's cores; ferry's same-host copies use a thread per core),
 //! `memcpy`ing each request's descriptor pairs between buffers the size of
 //! the two sides' regions, against the same bytes as 1 MiB `memcpy`s; and
-//! over TCP, the same pairs sent over four loopback connections with
-//! `writev` and received with `readv`, against 1 MiB pieces. Scattered 8 KiB copies
-//! are slower than 1 MiB ones in the memory system itself (no prefetch
-//! across pieces, a TLB miss each); that ratio is the most a planned
-//! request can reach against 1 MiB blocks on this machine.
+//! over TCP, the same pairs sent by the prefill process from its regions
+//! over four loopback connections with `writev` and received here with
+//! `readv`, against 1 MiB pieces: the same two processes and kernel
+//! copies as ferry's requests, without ferry's requests and framing.
+//! Scattered 8 KiB copies are slower than 1 MiB ones in the memory system
+//! itself (no prefetch across pieces, a TLB miss each); that ratio is the
+//! most a planned request can reach against 1 MiB blocks on this machine.
 //!
 //! ```sh
 //! cargo run --release --example kv_handoff_bench -- --transport tcp|memory [--rounds 5] [--requests 8]
 //! ```
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -48,8 +50,9 @@ use ferry::prelude::*;
 use ferry::{LocalLayout, PeerLayout, TransferPlan};
 
 mod reference;
+mod tcp_reference;
 
-use reference::{MemcpyReference, copy_pieces, tcp_pieces};
+use reference::{MemcpyReference, copy_pieces};
 
 const LAYERS: u64 = 32;
 const HEADS: u64 = 8;
@@ -142,11 +145,14 @@ async fn prefill() -> Result<(), String> {
     }
     println!("ENDPOINT {}", node.addr().endpoint);
     std::io::stdout().flush().map_err(|e| e.to_string())?;
-    // Serve until the decode side closes our stdin.
-    tokio::task::spawn_blocking(|| std::io::stdin().read_to_end(&mut Vec::new()))
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| e.to_string())?;
+    // Serve until the decode side closes our stdin, on which its TCP
+    // reference asks for pieces of these regions.
+    let keep = tokio::task::spawn_blocking(move || {
+        tcp_reference::serve(&mut std::io::stdin().lock(), &keep).map(|()| keep)
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e| format!("TCP reference: {e}"))?;
     drop(keep);
     node.shutdown().await;
     Ok(())
@@ -398,7 +404,11 @@ async fn decode(memory: bool, rounds: usize, requests: usize) -> Result<(), Stri
                         let gbps = match kind {
                             2 | 3 => copy_pieces(&pieces, 1),
                             4 | 5 => copy_pieces(&pieces, 2),
-                            _ => tcp_pieces(&pieces).map_err(|e| format!("TCP reference: {e}"))?,
+                            _ => {
+                                let child = child.stdin.as_mut().expect("piped");
+                                (tcp_reference::receive(child, &reference, &pieces))
+                                    .map_err(|e| format!("TCP reference: {e}"))?
+                            }
                         };
                         (gbps, Duration::ZERO, Duration::ZERO)
                     }

@@ -1,8 +1,9 @@
 //! The bench's references (see its module docs): the same descriptor
 //! pairs, and the same bytes in 1 MiB pieces, copied with `memcpy` on one
-//! or two threads, or sent over loopback TCP with `writev` and `readv`.
+//! or two threads, or sent over loopback TCP with `writev` and `readv`
+//! (`tcp.rs`: from the prefill process, as ferry's are).
 
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::Instant;
 
@@ -16,6 +17,8 @@ use super::MIB;
 pub struct MemcpyReference {
     local: Vec<Vec<u8>>,
     remote: Vec<Vec<u8>>,
+    /// Each remote buffer's (rank, region) in the prefill process.
+    origins: Vec<(u32, u32)>,
 }
 
 impl MemcpyReference {
@@ -31,7 +34,22 @@ impl MemcpyReference {
                 vec![2u8; len as usize]
             })
             .collect();
-        MemcpyReference { local, remote }
+        let origins = (plan.plan().remote_regions().iter())
+            .map(|r| (r.rank, r.region))
+            .collect();
+        MemcpyReference {
+            local,
+            remote,
+            origins,
+        }
+    }
+
+    /// Where `piece`'s source lies in the prefill process: rank, region
+    /// and offset.
+    pub fn origin(&self, piece: &Piece) -> (u32, u32, u64) {
+        let (buffer, offset) = piece.source;
+        let (rank, region) = self.origins[buffer];
+        (rank, region, offset)
     }
 
     /// The copies of `expansion`'s pairs, remote to local.
@@ -45,6 +63,7 @@ impl MemcpyReference {
                 to: to.as_mut_ptr() as usize,
                 from: from.as_ptr() as usize,
                 len,
+                source: (r.region as usize, r.offset),
             });
         }
         pieces
@@ -53,25 +72,31 @@ impl MemcpyReference {
     /// The copies of `bytes` as 1 MiB pieces, remote to local.
     pub fn blocks(&mut self, bytes: u64) -> Vec<Piece> {
         let piece = MIB as usize;
-        let from = self.remote.iter().flat_map(|r| r.chunks_exact(piece));
+        let from = (self.remote.iter().enumerate()).flat_map(|(buffer, r)| {
+            let chunks = r.chunks_exact(piece).enumerate();
+            chunks.map(move |(i, chunk)| (chunk, (buffer, (i * piece) as u64)))
+        });
         let to = (self.local.iter_mut()).flat_map(|l| l.chunks_exact_mut(piece));
         to.zip(from)
             .take((bytes / MIB) as usize)
-            .map(|(to, from)| Piece {
+            .map(|(to, (from, source))| Piece {
                 to: to.as_mut_ptr() as usize,
                 from: from.as_ptr() as usize,
                 len: piece,
+                source,
             })
             .collect()
     }
 }
 
 /// One copy of the reference: addresses in a [`MemcpyReference`]'s
-/// buffers.
+/// buffers (or, in the prefill process, `from` in its regions).
 pub struct Piece {
-    to: usize,
-    from: usize,
-    len: usize,
+    pub to: usize,
+    pub from: usize,
+    pub len: usize,
+    /// The source's remote buffer and offset in it.
+    pub source: (usize, u64),
 }
 
 /// GB/s running `pieces` on `threads` threads, a contiguous share each.
@@ -100,47 +125,16 @@ pub fn copy_pieces(pieces: &[Piece], threads: usize) -> f64 {
     total as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
-/// GB/s moving `pieces` over loopback TCP as ferry's TCP transport does,
-/// on [`CONNECTIONS`] connections (a contiguous share of the pieces each),
-/// each side of each a thread: the sender gathers the sources with
-/// `writev`, the receiver scatters into the destinations with `readv`,
-/// [`IOVECS`] pieces a call. Every byte crosses the kernel twice, as in
-/// ferry's. The pieces come from one [`MemcpyReference`], borrowed
-/// mutably by the caller for the call.
-pub fn tcp_pieces(pieces: &[Piece]) -> std::io::Result<f64> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let mut pairs = Vec::new();
-    for _ in 0..CONNECTIONS {
-        let sender = TcpStream::connect(listener.local_addr()?)?;
-        let (receiver, _) = listener.accept()?;
-        pairs.push((sender, receiver));
-    }
-    let total: usize = pieces.iter().map(|p| p.len).sum();
-    let share = pieces.len().div_ceil(CONNECTIONS).max(1);
-    let start = Instant::now();
-    std::thread::scope(|scope| {
-        let mut moving = Vec::new();
-        for ((sender, receiver), share) in pairs.iter().zip(pieces.chunks(share)) {
-            moving.push(scope.spawn(move || vectored_all(sender, share, Side::Send)));
-            moving.push(scope.spawn(move || vectored_all(receiver, share, Side::Receive)));
-        }
-        moving
-            .into_iter()
-            .try_for_each(|t| t.join().expect("TCP reference thread"))
-    })?;
-    Ok(total as f64 / start.elapsed().as_secs_f64() / 1e9)
-}
-
 /// Connections of the TCP reference: as many as ferry's TCP transport
 /// opens to a peer by default.
-const CONNECTIONS: usize = 4;
+pub const CONNECTIONS: usize = 4;
 
 /// Pieces per `writev`/`readv` call: Linux's `IOV_MAX`.
 const IOVECS: usize = 1024;
 
 /// Which end of a connection [`vectored_all`] is.
 #[derive(Clone, Copy)]
-enum Side {
+pub enum Side {
     /// Gathers the pieces' sources with `writev`.
     Send,
     /// Scatters into the pieces' destinations with `readv`.
@@ -150,7 +144,7 @@ enum Side {
 /// Moves every byte of `pieces` through `socket`, sent from or received
 /// into them as `side` says, [`IOVECS`] at a time, resuming after short
 /// transfers.
-fn vectored_all(socket: &TcpStream, pieces: &[Piece], side: Side) -> std::io::Result<()> {
+pub fn vectored_all(socket: &TcpStream, pieces: &[Piece], side: Side) -> std::io::Result<()> {
     let fd = socket.as_raw_fd();
     for group in pieces.chunks(IOVECS) {
         let mut iovs: Vec<libc::iovec> = (group.iter())
@@ -166,9 +160,10 @@ fn vectored_all(socket: &TcpStream, pieces: &[Piece], side: Side) -> std::io::Re
         while first < iovs.len() {
             let (iov, count) = (iovs[first..].as_ptr(), (iovs.len() - first) as i32);
             // SAFETY: the iovecs lie in the reference's buffers, alive
-            // during the call (the caller borrows the reference mutably);
-            // a sender's are only read, a receiver's destinations are not
-            // otherwise used and no two overlap.
+            // during the call (the caller borrows the reference mutably),
+            // or, in the prefill process, in its regions, alive until it
+            // exits; a sender's are only read, a receiver's destinations
+            // are not otherwise used and no two overlap.
             let n = unsafe {
                 match side {
                     Side::Send => libc::writev(fd, iov, count),
