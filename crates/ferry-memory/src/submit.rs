@@ -20,6 +20,7 @@ use crate::{MemoryBackend, peer, plan, pvm};
 /// `local_idx[k]` from or to remote descriptor `remote_idx[k]`, both of
 /// `kind`. The pairs are those a request checked when it was made
 /// ([`ferry_core::check_pairs`]: indices in range, lengths equal).
+#[derive(Clone)]
 pub struct Pairs<'a> {
     /// Read or write, from the local side.
     pub kind: OpKind,
@@ -138,7 +139,7 @@ impl MemoryBackend {
             local_idx,
             remote,
             remote_idx,
-            range,
+            ref range,
         } = pairs;
         let (remote_descs, handles) = (remote.descs(), remote.regions());
         // A batch with a bad pair moves nothing, as for ops: the only
@@ -157,14 +158,7 @@ impl MemoryBackend {
         let total = range.len();
         let run = async {
             let mut slice = SliceDraft {
-                pairs: Pairs {
-                    kind,
-                    local,
-                    local_idx,
-                    remote,
-                    remote_idx,
-                    range: range.clone(),
-                },
+                pairs: pairs.clone(),
                 // Addresses, not pointers: the future holds them across
                 // awaits.
                 bases: (local.regions().iter())
