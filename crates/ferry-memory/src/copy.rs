@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use ferry_core::{LocalDescList, OpKind, RdmaOp};
 
-use crate::peer::Target;
 use crate::pool;
 use crate::pvm::{Fail, Grant, Vectors};
+use crate::target::Target;
 
 /// Batches shorter than this are copied on the calling task.
 pub(crate) const INLINE: u64 = (1 << 20) + 1;

@@ -59,6 +59,7 @@ mod pvm;
 mod shared;
 mod socket;
 mod submit;
+mod target;
 #[doc(hidden)]
 pub mod wire;
 
@@ -336,7 +337,7 @@ impl MemoryBackend {
             return Ok(());
         };
         remote.check_address_range()?;
-        if let peer::Target::Mapped(mapping) = link.mapping_for(remote, write).await?
+        if let target::Target::Mapped(mapping) = link.mapping_for(remote, write).await?
             && !span.is_empty()
         {
             let at = |offset: u64| remote.addr().saturating_add(offset.min(remote.len()));

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry_core::{Generation, NodeAddr, NodeId, OpError, OpKind, RdmaOp, RegionId, RemoteBuffer};
+use ferry_core::{NodeAddr, NodeId, OpError, OpKind, RdmaOp, RegionId, RemoteBuffer};
 
 use crate::DataPathNotification;
 use crate::auth::SocketAuth;
@@ -31,60 +31,8 @@ use crate::lane::{self, LaneSender, Pushed};
 use crate::mapping::Mapping;
 use crate::pvm::{Grant, Probe, probe};
 use crate::socket::Packets;
+use crate::target::Target;
 use crate::wire::{Answer, Refusal, Reply, Request};
-
-/// A region as granted by its owner: mapped here, or reached over
-/// `process_vm`.
-#[derive(Clone)]
-pub(crate) enum Target {
-    /// Its memfd, mapped here.
-    Mapped(Arc<Mapping>),
-    /// Its owner's address range.
-    ProcessVm(Arc<Grant>),
-}
-
-impl Target {
-    fn generation(&self) -> Generation {
-        match self {
-            Target::Mapped(m) => m.generation(),
-            Target::ProcessVm(g) => g.generation,
-        }
-    }
-
-    pub(crate) fn writable(&self) -> bool {
-        match self {
-            Target::Mapped(m) => m.writable(),
-            Target::ProcessVm(g) => g.writable,
-        }
-    }
-
-    /// Whether the region is still registered under the grant's generation.
-    pub fn is_alive(&self) -> bool {
-        match self {
-            Target::Mapped(m) => m.is_alive(),
-            Target::ProcessVm(g) => g.is_alive(),
-        }
-    }
-
-    /// Where the `len` remote bytes at the owner's address `addr` are,
-    /// after checking they lie in the region: an address in the mapping
-    /// here, or the owner's own for `process_vm`.
-    pub fn locate(&self, addr: u64, len: u64) -> Result<u64, OpError> {
-        match self {
-            Target::Mapped(m) => m.locate(addr, len).map(|p| p as usize as u64),
-            Target::ProcessVm(g) => g.locate(addr, len),
-        }
-    }
-
-    /// The same mapping or grant (not only an equal one).
-    pub fn same(&self, other: &Target) -> bool {
-        match (self, other) {
-            (Target::Mapped(a), Target::Mapped(b)) => Arc::ptr_eq(a, b),
-            (Target::ProcessVm(a), Target::ProcessVm(b)) => Arc::ptr_eq(a, b),
-            _ => false,
-        }
-    }
-}
 
 /// A region the owner granted, cached under its slot and the token the
 /// grant was made for.

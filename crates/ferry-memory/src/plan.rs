@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use ferry_core::{Generation, NodeId, OpError, OpKind, RdmaOp, RegionId, RemoteBuffer};
 
+use crate::target::Target;
 use crate::{MemoryBackend, peer};
 
 impl MemoryBackend {
@@ -132,7 +133,7 @@ pub(crate) struct Seen {
     links: Vec<(NodeId, Result<Arc<peer::Link>, OpError>)>,
     /// The batch's mappings and grants, each with its link: planned ops
     /// name them by index.
-    targets: Vec<(Arc<peer::Link>, peer::Target)>,
+    targets: Vec<(Arc<peer::Link>, Target)>,
     /// The last target taken, for the ops after it on the same region.
     last: Option<LastTarget>,
 }
@@ -140,7 +141,7 @@ pub(crate) struct Seen {
 impl Seen {
     /// Keeps `target` (once: a target already kept keeps its index) as
     /// the last one taken, for `key`; its index.
-    fn add(&mut self, key: TargetKey, link: Arc<peer::Link>, target: peer::Target) -> u32 {
+    fn add(&mut self, key: TargetKey, link: Arc<peer::Link>, target: Target) -> u32 {
         let index = match self.targets.iter().position(|(_, t)| t.same(&target)) {
             Some(i) => i,
             None => {
@@ -160,7 +161,7 @@ impl Seen {
     }
 
     /// The targets, in index order, and their links.
-    pub(crate) fn into_targets(self) -> Vec<(Arc<peer::Link>, peer::Target)> {
+    pub(crate) fn into_targets(self) -> Vec<(Arc<peer::Link>, Target)> {
         self.targets
     }
 }
