@@ -100,13 +100,16 @@ async fn the_owner_hears_a_failed_request() {
 async fn every_owner_hears_a_cancelled_request() {
     let (owner, reader) = (tcp_node().await, tcp_node().await);
     let here = owner.alloc(4096, Access::ReadWrite).await.unwrap();
-    // A second owner, stopped, whose 64 MiB in 16 KiB ops take more slices
-    // than one window holds: those past the window cannot start before
-    // the cancel, so the request ends cancelled, not done.
+    // A second owner, stopped, whose 128 MiB in 16 KiB ops take twice
+    // the bytes one window holds (WINDOW_BYTES): the slices past the
+    // window cannot start before the cancel, so the request ends
+    // cancelled, not done.
     let mut stopped = PeerProcess::spawn().await;
-    let there = stopped.alloc(64 << 20, Access::ReadWrite, 1).await;
+    let len = 2 * ferry::WINDOW_BYTES;
+    let there = stopped.alloc(len as usize, Access::ReadWrite, 1).await;
+    let ops = len >> 14;
     let pieces: Vec<RemoteBuffer> = std::iter::once(here.remote())
-        .chain((0..4096u64).map(|k| there.handle.slice(k << 14..(k + 1) << 14).unwrap()))
+        .chain((0..ops).map(|k| there.handle.slice(k << 14..(k + 1) << 14).unwrap()))
         .collect();
     let xfer = request(&reader, OpKind::Write, &pieces)
         .await
