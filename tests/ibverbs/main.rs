@@ -398,11 +398,23 @@ async fn peer_killed_mid_transfer_fails_before_the_deadline_and_a_restarted_peer
         }
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
+    // SIGKILL, then the wait for the exit: the dead process's queue pairs
+    // and memory regions are torn down by soft-RoCE, with up to 4 GiB of
+    // READs in flight, emulated (TCG) and beside the suite's other tests;
+    // its control session closes only then.
+    let killed = Instant::now();
     peer.kill().await;
+    let exited = Instant::now();
     let result = tokio::time::timeout(2 * DEADLINE, transfer)
         .await
         .expect("no hang")
         .unwrap();
+    let failed = Instant::now();
+    let timing = format!(
+        "the peer took {:?} to exit; the batch failed {:?} after it",
+        exited - killed,
+        failed.saturating_duration_since(exited)
+    );
     // A batch posted after the kill may find the queue pair gone already
     // and fail reaching the peer anew.
     assert!(
@@ -420,7 +432,13 @@ async fn peer_killed_mid_transfer_fails_before_the_deadline_and_a_restarted_peer
         took >= Duration::from_millis(500),
         "ended before the kill: {result:?}"
     );
-    assert!(took < DEADLINE / 2, "took {took:?}");
+    // Alone in the VM the peer exits within 50 ms and the batch fails
+    // within 20 ms of that; ferry's part (from the exit on) is bounded
+    // far below the deadline, the emulator's only by the deadline.
+    assert!(
+        failed.saturating_duration_since(exited) < DEADLINE / 4 && took < DEADLINE,
+        "took {took:?}: {timing}"
+    );
 
     let mut peer = PeerProcess::spawn().await;
     let target = peer.alloc(4096, Access::ReadWrite, 5).await;
