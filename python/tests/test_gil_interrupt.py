@@ -100,7 +100,10 @@ def test_other_threads_run_during_blocking_calls(
 
 @pytest.fixture
 def stopped_peer(spawn_peer: PeerFactory) -> Iterator[Any]:
-    peer = spawn_peer("tcp", sizes=[64 * MiB])
+    # Twice what a request keeps in flight (ferry::WINDOW_BYTES, 64 MiB):
+    # the child's request over the whole region cannot have started all
+    # of it when the interrupt cancels it, so it ends cancelled.
+    peer = spawn_peer("tcp", sizes=[128 * MiB])
     yield peer
 
 
