@@ -21,9 +21,11 @@ source scripts/target-dir.sh
 
 profile=debug
 cargo_flags=()
+# Whether to strip the binaries' debug info (see below).
+strip=0
 case "${1:-}" in
     "") ;;
-    --release) profile=release cargo_flags=(--release) ;;
+    --release) profile=release cargo_flags=(--release) strip=1 ;;
     *) echo "usage: scripts/wheel.sh [--release]" >&2; exit 2 ;;
 esac
 
@@ -83,14 +85,26 @@ maturin build --locked --zig --target "$target" --compatibility "manylinux_${gli
     "${cargo_flags[@]}" -i "$tools/bin/python" -o "$wheels" -- -C "link-arg=$libgcc_s" >&2
 cd ..
 wheel=$(ls "$wheels"/ferry-*.whl)
+binaries=(ferry/_ferry.abi3.so ferry/bin/ferry ferry/nixl/libplugin_FERRY.so)
+# A release wheel's binaries lose their debug info (the release profile's
+# line tables) but keep their symbols, so a backtrace still names its
+# functions: 47 MiB of wheel became 14. Stripped after the build, not by
+# the profile (a profile setting is in every crate's fingerprint: changing
+# it recompiles them all) nor at the link (given rustc's -C
+# strip=debuginfo, zig's linker drops the symbol table too). The debug
+# wheel, which the test suites install, keeps its line tables.
+if ((strip)); then
+    step "strip: the binaries' debug info"
+    "$tools/bin/python" scripts/strip_wheel.py "$wheel" "${binaries[@]}"
+fi
 step "checks"
 
 # The wheel is what it says: manylinux_2_28 by auditwheel, one version
 # everywhere, its three binaries there and needing neither libibverbs nor
 # librdmacm (dlopen'd at run time), the command executable.
-"$tools/bin/python" - "$wheel" "$tools/bin/auditwheel" <<'EOF' >&2
+"$tools/bin/python" - "$wheel" "$tools/bin/auditwheel" "$strip" <<'EOF' >&2
 import json, os, re, stat, subprocess, sys, tempfile, zipfile
-wheel, auditwheel = sys.argv[1:]
+wheel, auditwheel, stripped = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 shown = subprocess.run([auditwheel, "show", wheel], capture_output=True, text=True, check=True).stdout
 assert re.search(r'consistent with the\s+following platform tag:\s+"manylinux_2_28_x86_64"', shown), shown
 meta = json.loads(subprocess.run(["cargo", "metadata", "--format-version", "1", "--no-deps", "--locked"],
@@ -109,6 +123,11 @@ with zipfile.ZipFile(wheel) as zf, tempfile.TemporaryDirectory() as tmp:
         symbols = subprocess.run(["nm", extracted], capture_output=True, text=True, check=True).stdout
         defined = [l for l in symbols.splitlines() if l.endswith(" _Unwind_RaiseException") and " U " not in l]
         assert not defined, (path, "has an unwinder of its own", defined)
+        # Release binaries without debug info, their symbols kept.
+        sections = subprocess.run(["readelf", "-S", "-W", extracted], capture_output=True, text=True,
+                                  check=True).stdout
+        assert (".debug_line" in sections) != stripped, (path, "stripped" if stripped else "debug", sections)
+        assert ".symtab" in sections, (path, "has no symbols")
         if path == "ferry/bin/ferry":
             os.chmod(extracted, 0o755)
             shown = subprocess.run([extracted, "--version"], capture_output=True, text=True,
