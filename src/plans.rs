@@ -12,6 +12,7 @@
 //! the same bytes).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use ferry_core::{DescError, LocalDescList, OpKind, Region, RemoteBuffer, RemoteDescList};
@@ -176,6 +177,9 @@ pub struct TransferPlan {
     /// The remote regions the plan's descriptors name, routed and
     /// connected.
     prepared: PreparedRemote,
+    /// Pairs in the last request expanded: the next one's arrays start at
+    /// that size.
+    last_len: Arc<AtomicUsize>,
 }
 
 impl std::fmt::Debug for TransferPlan {
@@ -272,6 +276,7 @@ impl Node {
             kind,
             local: local_regions,
             prepared,
+            last_len: Arc::default(),
         })
     }
 }
@@ -296,11 +301,13 @@ impl TransferPlan {
         let tables: Vec<OwnedTable> = tables.iter().map(OwnedTable::from).collect();
         let (plan, local) = (self.plan.clone(), self.local.clone());
         let prepared = self.prepared.clone();
+        let last_len = self.last_len.clone();
         let expand = move || {
             let tables: Vec<TableRequest<'_>> = tables.iter().map(OwnedTable::borrow).collect();
-            let mut expansion = Expansion::new();
+            let mut expansion = Expansion::with_capacity(last_len.load(Ordering::Relaxed));
             plan.expand(&tables, &mut expansion)
                 .expect("tables checked when the request was made");
+            last_len.store(expansion.len(), Ordering::Relaxed);
             let (local_descs, remote_descs, _) = expansion.into_parts();
             let local = LocalDescList::new(local.clone(), local_descs)?;
             Ok((local, prepared.with_descs(remote_descs)?))

@@ -82,6 +82,18 @@ impl Expansion {
         }
     }
 
+    /// Empty, merging adjacent descriptors, with room for `n` pairs before
+    /// its arrays grow: a caller that expands requests of one shape again
+    /// and again passes the last one's size, and each request's arrays are
+    /// allocated once instead of doubled from small.
+    pub fn with_capacity(n: usize) -> Self {
+        Expansion {
+            local: Descs::with_capacity(n),
+            remote: Descs::with_capacity(n),
+            ..Self::new()
+        }
+    }
+
     /// Empty, never merging descriptors across blocks: one descriptor per
     /// run per block, as connectors without a planner issue them (for
     /// comparison, and for peers that need block-aligned descriptors).

@@ -65,6 +65,14 @@ fn prefill_tp4_to_decode_tp2_32_layers_4096_tokens() {
         assert_eq!(unmerged.len() as u64, vllm);
         assert_eq!(merged.len() as u64, vllm);
         assert_eq!(merged.ranks().len(), 2);
+        // Arrays sized ahead (too small here, so they also grow) give the
+        // same descriptors.
+        let mut sized = Expansion::with_capacity(merged.len() / 3);
+        p.expand(&borrow(&reqs), &mut sized).expect("expand");
+        assert_eq!(
+            (sized.local(), sized.remote(), sized.ranks()),
+            (merged.local(), merged.remote(), merged.ranks())
+        );
         // Each descriptor moves a remote block: 2 heads × 16 × 128 × 2 B.
         assert!(merged.local().iter().all(|d| d.len == 2 * 16 * 128 * 2));
     }

@@ -146,6 +146,46 @@ fn binding_checks_every_descriptor_and_names_the_bad_one() {
 }
 
 #[test]
+fn a_long_explicit_list_names_its_first_bad_descriptor_as_a_short_one_does() {
+    // More descriptors than regions: the bounds are looked up once per
+    // region; the answers must be those of the per-descriptor check.
+    let (a, b) = (region(4096), region(100));
+    let mut triples: Vec<[u64; 3]> = (0..64).map(|i| [i % 2, i % 50, 50]).collect();
+    let good = Descs::from_triples(&triples).unwrap();
+    assert!(LocalDescList::new(vec![a.clone(), b.clone()], good).is_ok());
+    // Of two bad ones, the first is named: a missing region before an
+    // overflowing end.
+    triples[40] = [2, 0, 1];
+    triples[41] = [0, u64::MAX, 2];
+    let bad = Descs::from_triples(&triples).unwrap();
+    assert_eq!(
+        LocalDescList::new(vec![a.clone(), b.clone()], bad).err(),
+        Some(DescError::NoSuchRegion {
+            index: 40,
+            region: 2,
+            regions: 2
+        })
+    );
+    triples[40] = [0, 0, 1];
+    let bad = Descs::from_triples(&triples).unwrap();
+    assert_eq!(
+        LocalDescList::new(vec![a.clone(), b.clone()], bad).err(),
+        Some(DescError::Descriptor {
+            index: 41,
+            error: OpError::OutOfBounds {
+                offset: u64::MAX,
+                len: 2,
+                bound: 4096
+            }
+        })
+    );
+    // A descriptor ending exactly at its region's end is inside it.
+    triples[41] = [1, 60, 40];
+    let bad = Descs::from_triples(&triples).unwrap();
+    assert!(RemoteDescList::new(vec![a.remote(), b.remote()], bad).is_ok());
+}
+
+#[test]
 fn a_request_pairs_descriptors_by_index_and_checks_before_making_ops() {
     let local = region(8 * 1024);
     let remote = region(8 * 1024);
