@@ -29,6 +29,10 @@
 //! over four loopback connections with `writev` and received here with
 //! `readv`, against 1 MiB pieces: the same two processes and kernel
 //! copies as ferry's requests, without ferry's requests and framing.
+//! Each planned request is also followed at once by its reference on the
+//! same pairs (two threads' `memcpy` same host, `writev`/`readv` over
+//! TCP), and the median of those per-request ratios is reported too: this
+//! VM's speed drifts between the rounds' kinds, not within a pair.
 //! Scattered 8 KiB copies are slower than 1 MiB ones in the memory system
 //! itself (no prefetch across pieces, a TLB miss each); that ratio is the
 //! most a planned request can reach against 1 MiB blocks on this machine.
@@ -287,6 +291,15 @@ async fn contiguous_request(
     Ok((gbps, thread1 - thread0, process1 - process0))
 }
 
+/// How a reference moves a request's pairs.
+#[derive(Clone, Copy)]
+enum Reference {
+    /// `memcpy` on this many threads, in this process.
+    Memcpy(usize),
+    /// `writev` in the prefill process, `readv` here, over loopback TCP.
+    Sockets,
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -374,6 +387,9 @@ async fn decode(memory: bool, rounds: usize, requests: usize) -> Result<(), Stri
     );
     let mut reference = MemcpyReference::new(&plan, &local, &peers);
     let mut summary: [Vec<(f64, f64, f64)>; 8] = Default::default();
+    // Each layouts request's GB/s over its reference's on the same pairs,
+    // run right after it: drift between the rounds' kinds cancels out.
+    let mut paired = Vec::new();
     for round in 0..rounds {
         for (kind, rows) in summary.iter_mut().enumerate() {
             // Gathered TCP is the reference over TCP only.
@@ -385,25 +401,49 @@ async fn decode(memory: bool, rounds: usize, requests: usize) -> Result<(), Stri
             let mut process = Vec::new();
             for _ in 0..requests {
                 let (l, r) = (table(&mut rng), table(&mut rng));
+                let request = [TableRequest {
+                    table: "kv",
+                    range: 0..TOKENS,
+                    local: &l,
+                    remote: &r,
+                }];
+                // A reference's GB/s on this request's pairs.
+                let mut same_pairs = |how| -> Result<f64, String> {
+                    let pairs = plan.expand(&request).map_err(|e| e.to_string())?;
+                    let pieces = reference.pairs(&pairs);
+                    match how {
+                        Reference::Memcpy(threads) => Ok(copy_pieces(&pieces, threads)),
+                        Reference::Sockets => {
+                            let child = child.stdin.as_mut().expect("piped");
+                            (tcp_reference::receive(child, &reference, &pieces))
+                                .map_err(|e| format!("TCP reference: {e}"))
+                        }
+                    }
+                };
                 let (g, c, p) = match kind {
-                    0 => layout_request(&plan, (&l, &r)).await?,
-                    1 => contiguous_request(&node, &local, &peers, bytes).await?,
-                    _ => {
-                        let request = [TableRequest {
-                            table: "kv",
-                            range: 0..TOKENS,
-                            local: &l,
-                            remote: &r,
-                        }];
-                        let pieces = if kind % 2 == 0 {
-                            let pairs = plan.expand(&request).map_err(|e| e.to_string())?;
-                            reference.pairs(&pairs)
-                        } else {
-                            reference.blocks(bytes)
+                    0 => {
+                        let row = layout_request(&plan, (&l, &r)).await?;
+                        let how = match memory {
+                            true => Reference::Memcpy(2),
+                            false => Reference::Sockets,
                         };
+                        paired.push(row.0 / same_pairs(how)?);
+                        row
+                    }
+                    1 => contiguous_request(&node, &local, &peers, bytes).await?,
+                    2 | 4 | 6 => {
+                        let how = match kind {
+                            2 => Reference::Memcpy(1),
+                            4 => Reference::Memcpy(2),
+                            _ => Reference::Sockets,
+                        };
+                        (same_pairs(how)?, Duration::ZERO, Duration::ZERO)
+                    }
+                    _ => {
+                        let pieces = reference.blocks(bytes);
                         let gbps = match kind {
-                            2 | 3 => copy_pieces(&pieces, 1),
-                            4 | 5 => copy_pieces(&pieces, 2),
+                            3 => copy_pieces(&pieces, 1),
+                            5 => copy_pieces(&pieces, 2),
                             _ => {
                                 let child = child.stdin.as_mut().expect("piped");
                                 (tcp_reference::receive(child, &reference, &pieces))
@@ -496,6 +536,15 @@ async fn decode(memory: bool, rounds: usize, requests: usize) -> Result<(), Stri
             med(lay, |r| r.0) / med(tcp_pairs, |r| r.0),
         );
     }
+    let (low, high) = paired
+        .iter()
+        .fold((f64::MAX, 0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    println!(
+        "kv_handoff_bench: {transport}: layouts against the same pairs' reference run right after \
+         each request: median {:.2} ({low:.2}-{high:.2}, {} requests)",
+        median(paired.clone()),
+        paired.len(),
+    );
     drop(child.stdin.take());
     let _ = child.wait();
     node.shutdown().await;
