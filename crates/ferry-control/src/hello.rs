@@ -32,7 +32,7 @@ use crate::wire::{u16_at, u32_at, u128_at};
 
 mod handshake;
 
-pub use handshake::{Authenticated, Dialer, Greeted, SecretCell, Tracked};
+pub use handshake::{Authenticated, Dialer, Greeted, Sealing, SecretCell, Tracked};
 pub(crate) use handshake::{accept, refuse_busy};
 
 /// "FRY1": every hello starts with it, so a stray client is told apart from

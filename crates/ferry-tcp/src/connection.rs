@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use ferry_control::Channel;
 use ferry_control::auth::{FRAME_TAG_LEN, FrameMac};
-use ferry_control::hello::Authenticated;
+use ferry_control::hello::{Authenticated, Sealing};
 use ferry_core::{NodeAddr, OpError};
 use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc};
@@ -136,15 +136,12 @@ async fn run_connection(
     endpoint: SocketAddr,
     config: ClientConfig,
 ) -> Vec<Chunk> {
-    let (mut send_mac, mut recv_mac, revoked, tracked) = match auth {
-        Some(a) => (
-            Some(a.keys.send),
-            Some(a.keys.recv),
-            Some(a.revoked),
-            Some(a.tracked),
-        ),
-        None => (None, None, None, None),
-    };
+    let Sealing {
+        send: mut send_mac,
+        recv: mut recv_mac,
+        revoked,
+        tracked,
+    } = Authenticated::split(auth);
     let window = config.window.max(1);
     let pending = Mutex::new(Pending::default());
     // Set when a chunk goes out with nothing in flight, cleared by any

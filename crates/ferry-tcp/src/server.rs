@@ -19,6 +19,7 @@ use crate::frame::{
 use crate::io::{FrameReader, IoVecs, LARGE_PAYLOAD, MAX_IOV, open_tag};
 use crate::table::{Credentials, RegionTable, ScopeCache};
 use ferry_control::auth::{FRAME_TAG_LEN, FrameMac};
+use ferry_control::hello::{Authenticated, Sealing};
 
 /// Acknowledgements are coalesced up to this many before they are sent.
 const MAX_PENDING_ACKS: usize = 64;
@@ -56,15 +57,12 @@ pub(crate) async fn serve_connection(
     // Sealed where the hello proved a cluster secret: every request's tag
     // is checked before it acts, every response carries one, and the
     // connection ends when that secret is revoked.
-    let (check, seal, revoked, tracked) = match auth {
-        Some(a) => (
-            Some(a.keys.recv),
-            Some(a.keys.send),
-            Some(a.revoked),
-            Some(a.tracked),
-        ),
-        None => (None, None, None, None),
-    };
+    let Sealing {
+        recv: check,
+        send: seal,
+        revoked,
+        tracked,
+    } = Authenticated::split(auth);
     debug!(%remote, client = ?node, "data connection open");
     // Chunks this connection serves hold their region's memory in the
     // peer's name (see `table::Grant`).

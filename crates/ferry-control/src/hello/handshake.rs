@@ -13,7 +13,9 @@ use tokio::net::TcpStream;
 
 use super::{Channel, HELLO_LEN, Hello, HelloReply, HelloStatus, VERSION, encode_header};
 use crate::ControlError;
-use crate::auth::{AuthFailure, ClusterSecret, KeyId, SessionKeys, Side, TAG_LEN, Tag, nonce};
+use crate::auth::{
+    AuthFailure, ClusterSecret, FrameMac, KeyId, SessionKeys, Side, TAG_LEN, Tag, nonce,
+};
 use tokio_util::sync::CancellationToken;
 
 /// What the server's tag covers: the client's hello, and the reply's
@@ -65,7 +67,39 @@ pub struct Authenticated {
     pub tracked: Tracked,
 }
 
+/// A connection's [`Authenticated`] in parts, each `None` where its hello
+/// proved no secret: a channel's reader, writer and task each take their
+/// own.
+pub struct Sealing {
+    /// Seals what this end sends.
+    pub send: Option<FrameMac>,
+    /// Checks what this end receives.
+    pub recv: Option<FrameMac>,
+    /// Cancelled when the secret the connection proved is revoked.
+    pub revoked: Option<CancellationToken>,
+    /// Keeps the connection on its secret's list of live ones.
+    pub tracked: Option<Tracked>,
+}
+
 impl Authenticated {
+    /// `auth` in parts, all `None` for a connection without a secret.
+    pub fn split(auth: Option<Authenticated>) -> Sealing {
+        match auth {
+            Some(a) => Sealing {
+                send: Some(a.keys.send),
+                recv: Some(a.keys.recv),
+                revoked: Some(a.revoked),
+                tracked: Some(a.tracked),
+            },
+            None => Sealing {
+                send: None,
+                recv: None,
+                revoked: None,
+                tracked: None,
+            },
+        }
+    }
+
     /// `keys`, tracked in `cell` until the result drops.
     pub(crate) fn track(cell: &SecretCell, keys: SessionKeys) -> Authenticated {
         let revoked = CancellationToken::new();

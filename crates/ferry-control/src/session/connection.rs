@@ -20,6 +20,7 @@ use super::{Inner, OUTGOING_QUEUE, Session};
 use crate::ControlError;
 use crate::endpoint::Shared;
 use crate::frame::{ControlCodec, Frame, SESSION_VERSIONS};
+use crate::hello::{Authenticated, Sealing};
 
 /// Which end of a session this node is.
 pub(crate) enum Side {
@@ -121,7 +122,7 @@ async fn handshake(
 pub(crate) async fn start(
     shared: &Arc<Shared>,
     stream: TcpStream,
-    auth: Option<crate::hello::Authenticated>,
+    auth: Option<Authenticated>,
     side: Side,
 ) -> Result<(Session, tokio::task::JoinHandle<()>), ControlError> {
     let (expected, hello, permit) = match side {
@@ -138,15 +139,12 @@ pub(crate) async fn start(
     let max_frame = shared.config.max_frame;
     // Sealed where the hello proved a secret: from the `Open` frames on,
     // every frame carries its tag, and one that fails ends the session.
-    let (send_mac, recv_mac, revoked, tracked) = match auth {
-        Some(auth) => (
-            Some(auth.keys.send),
-            Some(auth.keys.recv),
-            Some(auth.revoked),
-            Some(auth.tracked),
-        ),
-        None => (None, None, None, None),
-    };
+    let Sealing {
+        send: send_mac,
+        recv: recv_mac,
+        revoked,
+        tracked,
+    } = Authenticated::split(auth);
     let mut read = FramedRead::new(read, ControlCodec::sealed(max_frame, recv_mac));
     let mut write = FramedWrite::new(write, ControlCodec::sealed(max_frame, send_mac));
     let (peer, version) =
