@@ -539,11 +539,11 @@ async fn decode(memory: bool, rounds: usize, requests: usize) -> Result<(), Stri
     let (low, high) = paired
         .iter()
         .fold((f64::MAX, 0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    let count = paired.len();
     println!(
         "kv_handoff_bench: {transport}: layouts against the same pairs' reference run right after \
-         each request: median {:.2} ({low:.2}-{high:.2}, {} requests)",
-        median(paired.clone()),
-        paired.len(),
+         each request: median {:.2} ({low:.2}-{high:.2}, {count} requests)",
+        median(paired),
     );
     drop(child.stdin.take());
     let _ = child.wait();
